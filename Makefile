@@ -1,0 +1,35 @@
+# vx: the two commands a user needs are `make test` and `make serve`.
+PY ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup test serve lint stress bench clean
+
+setup: $(BIN)/.vx-setup
+
+# Idempotent: the stamp is rebuilt only when the project metadata changes.
+$(BIN)/.vx-setup: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, from TORCH_SPEC, so that no dependency can pull a CUDA build
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+test: setup
+	$(BIN)/python -m ruff check vx tests bench
+	$(BIN)/python -m pytest -q -m "not stress and not gpu"; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+serve: setup
+	$(BIN)/vx serve $(ARGS)
+
+stress: setup
+	$(BIN)/python -m pytest -q -m stress
+
+lint: setup
+	$(BIN)/python -m ruff check vx tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,110 @@
+"""The configuration tree, validated once, shared by every process.
+
+Runs in: every process. The launcher builds an `EngineConfig`, resolves the model to a local
+HF directory, and hands each child the msgpack bytes of it (`encode()` / `decode()`), so
+spawning passes no pickled objects of ours. Imports no torch.
+
+Invariant: an `EngineConfig` that exists has been through `validate()`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: KV blocks hold this many tokens everywhere in vx.
+BLOCK_SIZE = 16
+#: Default CPU KV pool when --kv-cache-memory is not given.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+#: Below this device memory the server's token budget is 8,192; at or above, 16,384.
+LARGE_DEVICE_BYTES = 160 * 1024**3
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What to load. `path` is a local HF directory once the launcher has resolved `model`."""
+
+    model: str = "smollm2-135m"
+    path: str = ""
+    served_model_name: str = ""
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    quantization: str | None = None
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int = BLOCK_SIZE
+    #: CPU: bytes for the KV pool. None means DEFAULT_CPU_KV_CACHE_BYTES.
+    kv_cache_memory_bytes: int | None = None
+    #: GPU: fraction of device memory vx may use (weights + activations + KV).
+    gpu_memory_utilization: float = 0.92
+    enable_prefix_caching: bool = True
+    #: Tests: force an exact pool size, bypassing the memory-based sizing.
+    num_blocks_override: int | None = None
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    #: Prompts longer than this are chunked at this size even when budget remains (0: off).
+    long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything an EngineCore and its Workers need; the front adds its HTTP settings."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: str = "cpu"  # cpu | cuda
+    #: Per-step timing breakdown logged at INFO (`vx serve --profile-steps`).
+    profile_steps: bool = False
+    #: Seconds a step may take before the engine declares its workers stuck.
+    step_timeout_s: float = 30.0
+    #: Torch threads for each worker on CPU (None: all cores minus what the other processes need).
+    num_threads: int | None = None
+    enforce_eager: bool = False
+
+    def validate(self) -> None:
+        s, c, p = self.scheduler, self.cache, self.parallel
+        if s.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if c.block_size != BLOCK_SIZE:
+            raise ValueError(f"block_size must be {BLOCK_SIZE}")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if p.tensor_parallel_size < 1 or p.data_parallel_size < 1:
+            raise ValueError("parallel sizes must be at least 1")
+        if self.model.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"unknown dtype {self.model.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}")
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> EngineConfig:
+        return msgspec.msgpack.decode(data, type=cls)
+
+
+def default_max_num_batched_tokens(device_memory_bytes: int | None, *, offline: bool) -> int:
+    """vLLM's per-hardware, per-entry-point token budget.
+
+    The server gets 8,192 on devices under 160 GiB (and on CPU) and 16,384 at or above; the
+    offline `LLM` class gets twice the server's budget.
+    """
+    base = 8192
+    if device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_BYTES:
+        base = 16384
+    return base * 2 if offline else base

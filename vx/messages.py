@@ -1,0 +1,309 @@
+"""Every type that crosses a process boundary in vx, and nothing else.
+
+Runs in: every process (imports no torch and no HF objects).
+
+There are four rings, each with one writer:
+
+1. ApiServer -> EngineCore (`EngineCoreInput`): `AddRequest`, `AbortRequests`, `UtilityRequest`,
+   `Shutdown`.
+2. EngineCore -> ApiServer (`EngineCoreEvent`): `EngineCoreOutputs` (one batch per engine step),
+   `EngineReady`, `EngineDead`, `UtilityResult`.
+3. EngineCore -> Workers, a broadcast (`WorkerInput`): `SchedulerOutput` (a diff against the
+   workers' persistent batch), `Shutdown`.
+4. Worker rank 0 -> EngineCore (`WorkerEvent`): `ModelRunnerOutput`, `WorkerReady`, `WorkerDead`.
+   Other ranks only send `WorkerReady`/`WorkerDead` on their own rings.
+
+All messages are frozen msgspec Structs tagged with their class name, encoded as msgpack by
+`vx.codec`. Fields are primitives, lists, dicts and other Structs of this module: no tensors,
+no pickle. All are `array_like` (positional msgpack arrays) to keep them small.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from vx.sampling_params import SamplingParams
+
+__all__ = [
+    "AbortRequests",
+    "AddRequest",
+    "CachedRequestData",
+    "EngineCoreEvent",
+    "EngineCoreInput",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineDead",
+    "EngineReady",
+    "FinishReason",
+    "Logprobs",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "SamplingParams",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "Shutdown",
+    "UtilityRequest",
+    "UtilityResult",
+    "WorkerDead",
+    "WorkerEvent",
+    "WorkerInput",
+    "WorkerReady",
+]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True, array_like=True):
+    """Base: frozen, keyword-only, tagged by class name for union decoding.
+
+    Every message is `array_like` (msgspec cannot mix the two forms in one union).
+    """
+
+
+class _StepMsg(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Base for per-step messages: positional msgpack arrays, no GC tracking."""
+
+
+# ─────────────────────────── 1. ApiServer -> EngineCore ───────────────────────────
+
+
+class AddRequest(_Msg):
+    """Sent by the ApiServer (or `vx.LLM`) when a request is admitted.
+
+    The front has already tokenized, validated and fanned out `n > 1` into separate ids, so
+    `sampling_params.n` is ignored here. `eos_token_id` is None for models without one.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    #: Extra keys for the prefix-cache block hash (isolates tenants sharing a prefix).
+    cache_salt: str | None = None
+    lora_id: int | None = None
+
+
+class AbortRequests(_Msg):
+    """Sent by the front when clients leave (or a stall/timeout fires).
+
+    `cause` labels `vx:request_aborted_total{cause=...}`: "client_disconnect", "stall",
+    "timeout", "shutdown" or "error".
+    """
+
+    request_ids: list[str]
+    cause: str = "client_disconnect"
+
+
+class UtilityRequest(_Msg):
+    """A control call the EngineCore answers with `UtilityResult` of the same `call_id`.
+
+    Methods: "reset_prefix_cache", "kv_self_check", "get_stats", "set_events"
+    (args {"enabled": bool}: per-step dashboard events on or off), "profile_steps".
+    """
+
+    call_id: int
+    method: str
+    args: dict[str, object] = {}
+
+
+class Shutdown(_Msg):
+    """Sent down every ring to ask the reader to exit cleanly after draining."""
+
+    reason: str = ""
+
+
+EngineCoreInput = AddRequest | AbortRequests | UtilityRequest | Shutdown
+
+
+# ─────────────────────────── 2. EngineCore -> ApiServer ───────────────────────────
+
+
+class FinishReason:
+    """The string values of `EngineCoreOutput.finish_reason` (OpenAI's names plus vLLM's)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Logprobs(_StepMsg, frozen=True):
+    """Logprobs for consecutive positions of one request.
+
+    Row i is one position: `token_ids[i][0]` / `logprobs[i][0]` is the sampled (or prompt)
+    token, followed by the top-k alternatives in descending order; `ranks[i]` is the sampled
+    token's 1-based rank in the full distribution.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(_StepMsg, frozen=True):
+    """What one request gained in one step. `finish_reason` is set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    #: The stop token id that ended the request, when one did.
+    stop_reason: int | None = None
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+    #: A human-readable reason when finish_reason is "error".
+    error: str | None = None
+
+
+class SchedulerStats(_StepMsg, frozen=True):
+    """A snapshot of the EngineCore after a step, for /metrics and the dashboard."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    prefix_queries_total: int
+    prefix_hits_total: int
+    step_num_prefill_tokens: int = 0
+    step_num_decode_tokens: int = 0
+    step_token_budget: int = 0
+    step_time_s: float = 0.0
+    #: Host-side time of this step split by phase (schedule, ipc wait, update), seconds.
+    schedule_time_s: float = 0.0
+    update_time_s: float = 0.0
+
+
+class EngineCoreOutputs(_StepMsg, frozen=True):
+    """Everything one engine step produced, sent once per step (batched, never per token)."""
+
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    scheduler_stats: SchedulerStats | None = None
+
+
+class EngineReady(_Msg):
+    """Sent once, after every worker reported ready and the KV pool is sized."""
+
+    engine_index: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_bytes: int
+    engine_pid: int
+    worker_pids: list[int]
+    async_scheduling: bool
+
+
+class EngineDead(_Msg):
+    """Sent (best effort) when the EngineCore is about to die; the front also watches pids."""
+
+    engine_index: int
+    reason: str
+
+
+class UtilityResult(_Msg):
+    """The answer to a `UtilityRequest`; `error` is set when the call failed."""
+
+    call_id: int
+    result: dict[str, object] = {}
+    error: str | None = None
+
+
+EngineCoreEvent = EngineCoreOutputs | EngineReady | EngineDead | UtilityResult
+
+
+# ─────────────────────────── 3. EngineCore -> Workers ───────────────────────────
+
+
+class NewRequestData(_StepMsg, frozen=True):
+    """A request the workers have not seen (or are seeing again after preemption).
+
+    `output_token_ids` is non-empty only for a request resumed after preemption: its KV is
+    recomputed from `prompt_token_ids + output_token_ids`, and the sampler's penalty and seed
+    state need to know which tokens were outputs.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+    eos_token_id: int | None = None
+
+
+class CachedRequestData(_StepMsg, frozen=True):
+    """Requests already in the workers' persistent batch, column-wise.
+
+    Only the new block ids and the computed count travel; the workers know the tokens, because
+    rank 0 sampled them (this is what lets async scheduling run ahead of the outputs).
+    """
+
+    req_ids: list[str]
+    new_block_ids: list[list[int]]
+    num_computed_tokens: list[int]
+
+
+class SchedulerOutput(_StepMsg, frozen=True):
+    """The diff for one step, broadcast to every worker.
+
+    Invariants: every id in `num_scheduled_tokens` is in exactly one of `scheduled_new_reqs` or
+    `scheduled_cached_reqs`; `total_num_scheduled_tokens == sum(num_scheduled_tokens.values())`;
+    `finished_req_ids` and `preempted_req_ids` name requests the workers must drop before this
+    step runs.
+    """
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str] = []
+
+
+WorkerInput = SchedulerOutput | Shutdown
+
+
+# ─────────────────────────── 4. Worker -> EngineCore ───────────────────────────
+
+
+class ModelRunnerOutput(_StepMsg, frozen=True):
+    """Rank 0's result for one step.
+
+    `sampled_token_ids[i]` belongs to `req_ids[i]`; it is empty for a prefill chunk that did
+    not reach the end of the known tokens (nothing is sampled there).
+    """
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: dict[str, Logprobs] | None = None
+    #: Worker-side time of the step (prepare + forward + sample), seconds.
+    execute_time_s: float = 0.0
+
+
+class WorkerReady(_Msg):
+    """Sent once by each worker after loading the model and sizing its KV pool."""
+
+    rank: int
+    pid: int
+    num_blocks: int
+    kv_cache_bytes: int
+    device: str
+
+
+class WorkerDead(_Msg):
+    """Sent (best effort) by a worker that hit a fatal error."""
+
+    rank: int
+    reason: str
+
+
+WorkerEvent = ModelRunnerOutput | WorkerReady | WorkerDead
