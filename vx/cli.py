@@ -1,0 +1,159 @@
+"""The `vx` command: `vx serve [MODEL]`, `vx bench serve`, `vx bench compare`.
+
+Runs in: the front process. Flags mirror vLLM's; argparse turns them into an `EngineConfig`
+(engine side) and `ServerSettings` (front side), validated once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+from vx.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    default_max_num_batched_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '4g' or a plain number of bytes (a bare number below 1024 means GiB)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB or 512MiB)")
+    value, unit = float(m.group(1)), (m.group(2) or "").upper()[:1]
+    if not unit and value < 1024:
+        unit = "G"
+    return int(value * _UNITS[unit])
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def build_serve_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m",
+                   help="HF directory, .gguf file, hub id, or the alias smollm2-135m (default)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 8192 for the server)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prefixes")
+    _bool_flag(p, "async-scheduling", True, "schedule step n+1 while step n runs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", action="append", default=[], help="repeatable")
+    p.add_argument("--ssl-keyfile", default=None)
+    p.add_argument("--ssl-certfile", default=None)
+    p.add_argument("--allowed-origins", action="append", default=[],
+                   help="CORS origins (off by default); repeatable")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="log a per-step timing breakdown (host share of each step)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-timeout", type=float, default=30.0,
+                   help="seconds before a step is declared stuck")
+
+
+def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
+    budget = args.max_num_batched_tokens or default_max_num_batched_tokens(None, offline=offline)
+    config = EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            served_model_name=args.served_model_name or "",
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_blocks_override=args.num_blocks,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            async_scheduling=args.async_scheduling,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+        ),
+        device=args.device,
+        profile_steps=args.profile_steps,
+        step_timeout_s=args.step_timeout,
+        num_threads=args.num_threads,
+    )
+    config.validate()
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import anyio
+
+    from vx.launch import ServerSettings, serve
+    from vx.log import setup_logging
+
+    setup_logging("api", args.log_level)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        logger.error("invalid configuration: %s", e)
+        return 2
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_keys=tuple(args.api_key),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        allowed_origins=tuple(args.allowed_origins),
+    )
+    try:
+        return anyio.run(serve, config, settings)
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:
+        from vx.bench_serve import main as bench_serve
+
+        return bench_serve(argv[2:])
+    parser = argparse.ArgumentParser(prog="vx", description="vx: an LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build_serve_parser(sub.add_parser("serve", help="start the OpenAI-compatible server"))
+    sub.add_parser("bench", help="`vx bench serve --help` for the load generator")
+    sub.add_parser("version", help="print the version")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "version":
+        from vx import __version__
+
+        print(__version__)
+        return 0
+    parser.print_help()
+    return 2

@@ -1,0 +1,270 @@
+"""The EngineCore process: drain input -> schedule -> execute -> update -> emit.
+
+Runs in: one EngineCore process per data-parallel rank (a `multiprocessing` spawn child). It is
+synchronous and single-threaded: no torch, no asyncio. It owns the Scheduler (and through it the
+KV BlockPool) and drives its Workers through a `WorkerGroup`.
+
+With async scheduling the loop keeps a batch queue of two: step n+1 is scheduled and sent while
+step n runs, with placeholders standing for step n's tokens, so the workers never wait for this
+process. Aborts are drained again just before a step's output is applied, so a request that was
+aborted while its step ran is freed before its tokens could be emitted.
+
+Invariants: every `SchedulerOutput` sent is matched by exactly one `ModelRunnerOutput`, in order;
+an idle engine blocks on its input ring (no spinning); any exception ends in `EngineDead` on the
+output ring and a non-zero exit, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+
+import anyio
+import msgspec
+
+from vx import codec, messages
+from vx.config import EngineConfig
+from vx.core.executor import WorkerGroup
+from vx.core.request import RequestStatus
+from vx.core.scheduler import Scheduler
+from vx.errors import EngineDeadError
+from vx.log import setup_logging
+from vx.ring import RingHandle, RingReader, RingWriter
+
+logger = logging.getLogger(__name__)
+
+#: How long the EngineCore waits for its workers to load the model and size the KV pool.
+STARTUP_TIMEOUT_S = 600.0
+
+
+class _ShutdownRequested(Exception):
+    pass
+
+
+class EngineCore:
+    """The busy loop around one Scheduler and one WorkerGroup."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_index: int,
+        input_ring: RingReader,
+        output_ring: RingWriter,
+        workers: WorkerGroup,
+        num_blocks: int,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self._input = input_ring
+        self._output = output_ring
+        self._workers = workers
+        self.scheduler = Scheduler(config, num_blocks)
+        self._in_codec = codec.engine_input_codec()
+        self._out_codec = codec.engine_event_codec()
+        self._depth = 2 if config.scheduler.async_scheduling else 1
+        self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
+        self._shutdown = False
+        # Per-step profile, accumulated between INFO lines when --profile-steps is on.
+        self._prof = collections.Counter[str]()
+
+    # ── input ──────────────────────────────────────────────────────────────────
+    def _handle_input(self, msg: messages.EngineCoreInput) -> None:
+        if isinstance(msg, messages.AddRequest):
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, messages.AbortRequests):
+            self.scheduler.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
+        elif isinstance(msg, messages.UtilityRequest):
+            self._emit(self._call_utility(msg))
+        elif isinstance(msg, messages.Shutdown):
+            self._shutdown = True
+
+    def _drain_input(self, *, block: bool) -> None:
+        """Apply every queued input; with `block`, wait for at least one first."""
+        if block:
+            self._handle_input(self._in_codec.decode(self._input.recv()))
+        while True:
+            try:
+                data = self._input.recv_nowait()
+            except anyio.WouldBlock:
+                return
+            self._handle_input(self._in_codec.decode(data))
+
+    def _call_utility(self, msg: messages.UtilityRequest) -> messages.UtilityResult:
+        try:
+            if msg.method == "reset_prefix_cache":
+                result: dict[str, object] = {"ok": self.scheduler.reset_prefix_cache()}
+            elif msg.method == "kv_self_check":
+                idle = not self._in_flight and not self.scheduler.has_unfinished_requests()
+                result = dict(self.scheduler.kv_self_check())
+                result["idle"] = idle
+            elif msg.method == "get_stats":
+                result = msgspec.structs.asdict(self.scheduler.make_stats())
+            else:
+                return messages.UtilityResult(
+                    call_id=msg.call_id, error=f"unknown method {msg.method!r}"
+                )
+        except Exception as e:  # a bad utility call must not kill the engine
+            logger.exception("utility call %s failed", msg.method)
+            return messages.UtilityResult(call_id=msg.call_id, error=str(e))
+        return messages.UtilityResult(call_id=msg.call_id, result=result)
+
+    # ── output ─────────────────────────────────────────────────────────────────
+    def _emit(self, event: messages.EngineCoreEvent) -> None:
+        self._output.send(self._out_codec.encode(event))
+
+    # ── the loop ───────────────────────────────────────────────────────────────
+    def run(self) -> None:
+        while not self._shutdown:
+            idle = not self._in_flight and not self.scheduler.has_unfinished_requests()
+            self._drain_input(block=idle)
+            if self._shutdown:
+                break
+            self.step()
+        logger.info("EngineCore %d shutting down", self.engine_index)
+
+    def step(self) -> None:
+        """Schedule (up to the queue depth), then finish the oldest in-flight step."""
+        t0 = time.perf_counter()
+        if len(self._in_flight) < self._depth and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self._workers.send(scheduler_output)
+                self._in_flight.append(scheduler_output)
+                # Queue not full yet: go back and schedule step n+1 before waiting on step n.
+                if len(self._in_flight) < self._depth:
+                    self._prof["schedule"] += time.perf_counter() - t0
+                    return
+        t1 = time.perf_counter()
+        if not self._in_flight:
+            return
+        result = self._workers.recv_output()
+        t2 = time.perf_counter()
+        scheduler_output = self._in_flight.popleft()
+        if result.step_id != scheduler_output.step_id:
+            raise EngineDeadError(
+                f"worker answered step {result.step_id}, expected {scheduler_output.step_id}"
+            )
+        # Drain aborts just before applying the output, so aborted requests emit nothing more.
+        self._drain_input(block=False)
+        outputs = self.scheduler.update_from_output(scheduler_output, result)
+        stats = self._make_stats(scheduler_output, result, t2 - t1)
+        self._emit(
+            messages.EngineCoreOutputs(
+                engine_index=self.engine_index,
+                outputs=outputs,
+                timestamp=time.time(),
+                scheduler_stats=stats,
+            )
+        )
+        t3 = time.perf_counter()
+        if self.config.profile_steps:
+            self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s)
+
+    def _make_stats(
+        self,
+        scheduler_output: messages.SchedulerOutput,
+        result: messages.ModelRunnerOutput,
+        wait_s: float,
+    ) -> messages.SchedulerStats:
+        num_decode = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n == 1)
+        stats = self.scheduler.make_stats()
+        return msgspec.structs.replace(
+            stats,
+            step_num_prefill_tokens=scheduler_output.total_num_scheduled_tokens - num_decode,
+            step_num_decode_tokens=num_decode,
+            step_token_budget=self.config.scheduler.max_num_batched_tokens,
+            step_time_s=result.execute_time_s or wait_s,
+        )
+
+    def _profile(self, schedule_s: float, wait_s: float, update_s: float, exec_s: float) -> None:
+        p = self._prof
+        p["steps"] += 1
+        p["schedule"] += schedule_s
+        p["wait"] += wait_s
+        p["update"] += update_s
+        p["execute"] += exec_s
+        if p["steps"] >= 200:
+            n = p["steps"]
+            host = p["schedule"] + p["update"]
+            total = host + p["wait"]
+            logger.info(
+                "profile over %d steps: schedule %.0f us, update+emit %.0f us, wait %.2f ms "
+                "(worker execute %.2f ms); host share %.1f%%",
+                n,
+                1e6 * p["schedule"] / n,
+                1e6 * p["update"] / n,
+                1e3 * p["wait"] / n,
+                1e3 * p["execute"] / n,
+                100.0 * host / total if total else 0.0,
+            )
+            p.clear()
+
+    def shutdown(self) -> None:
+        self._workers.shutdown()
+
+
+def run_engine_core(
+    config_bytes: bytes,
+    engine_index: int,
+    input_handle: bytes,
+    output_handle: bytes,
+    to_workers_handle: bytes,
+    from_rank0_handle: bytes,
+) -> None:
+    """Process entry point. Every argument is bytes (msgpack), so spawning pickles none of ours."""
+    config = EngineConfig.decode(config_bytes)
+    setup_logging(f"engine{engine_index}")
+    input_ring = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle))
+    output_ring = RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
+    to_workers = RingWriter.attach(msgspec.msgpack.decode(to_workers_handle, type=RingHandle))
+    from_rank0 = RingReader.attach(msgspec.msgpack.decode(from_rank0_handle, type=RingHandle))
+    workers = WorkerGroup(to_workers, from_rank0, step_timeout_s=config.step_timeout_s)
+    out_codec = codec.engine_event_codec()
+    engine: EngineCore | None = None
+    try:
+        ready = workers.wait_ready(STARTUP_TIMEOUT_S)
+        engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
+        output_ring.send(
+            out_codec.encode(
+                messages.EngineReady(
+                    engine_index=engine_index,
+                    num_blocks=ready.num_blocks,
+                    block_size=config.cache.block_size,
+                    max_model_len=config.model.max_model_len or 0,
+                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                    max_num_seqs=config.scheduler.max_num_seqs,
+                    kv_cache_bytes=ready.kv_cache_bytes,
+                    engine_pid=os.getpid(),
+                    worker_pids=[ready.pid],
+                    async_scheduling=config.scheduler.async_scheduling,
+                )
+            )
+        )
+        logger.info(
+            "EngineCore %d ready: %d KV blocks (%.1f MiB)",
+            engine_index,
+            ready.num_blocks,
+            ready.kv_cache_bytes / 2**20,
+        )
+        engine.run()
+        engine.shutdown()
+    except (anyio.BrokenResourceError, anyio.EndOfStream):
+        # The front went away: there is nobody to serve, so stop the workers and leave.
+        logger.warning("EngineCore %d: the front is gone; exiting", engine_index)
+        workers.shutdown()
+    except BaseException as e:
+        logger.exception("EngineCore %d died", engine_index)
+        try:
+            output_ring.send(
+                out_codec.encode(messages.EngineDead(engine_index=engine_index, reason=str(e))),
+                timeout=1.0,
+            )
+        except Exception:  # the front may be gone too; the launcher watches our pid anyway
+            pass
+        workers.shutdown()
+        raise SystemExit(1) from None
+    finally:
+        for ring in (input_ring, output_ring, to_workers, from_rank0):
+            ring.close()

@@ -1,0 +1,73 @@
+"""WorkerGroup: the EngineCore's handle on its Workers.
+
+Runs in: the EngineCore process. No torch: the workers are reached only through two rings,
+a broadcast ring that every worker reads (`SchedulerOutput`, `Shutdown`) and rank 0's result
+ring (`ModelRunnerOutput`, `WorkerReady`, `WorkerDead`). Only rank 0 answers, because every
+rank computes the same sampled tokens.
+
+Invariant: results come back in the order the outputs were sent (each worker handles one
+`SchedulerOutput` at a time, in ring order), so the caller matches them by position and
+checks `step_id`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from vx import codec, messages
+from vx.errors import EngineDeadError
+from vx.ring import RingReader, RingWriter
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerGroup:
+    """Broadcasts each step to every worker and collects rank 0's answer."""
+
+    def __init__(self, to_workers: RingWriter, from_rank0: RingReader, *, step_timeout_s: float):
+        self._to_workers = to_workers
+        self._from_rank0 = from_rank0
+        self._step_timeout_s = step_timeout_s
+        self._in_codec = codec.worker_input_codec()
+        self._out_codec = codec.worker_event_codec()
+
+    def wait_ready(self, timeout_s: float) -> messages.WorkerReady:
+        """Block until rank 0 reports ready (it does so after every rank has loaded)."""
+        event = self._recv(timeout_s, what="worker start-up")
+        if isinstance(event, messages.WorkerDead):
+            raise EngineDeadError(f"worker {event.rank} failed to start: {event.reason}")
+        if not isinstance(event, messages.WorkerReady):
+            raise EngineDeadError(f"unexpected message from worker at start-up: {event!r}")
+        return event
+
+    def send(self, scheduler_output: messages.SchedulerOutput) -> None:
+        self._to_workers.send(self._in_codec.encode(scheduler_output))
+
+    def recv_output(self) -> messages.ModelRunnerOutput:
+        """The next step result; raises EngineDeadError on worker death or a stuck step."""
+        event = self._recv(self._step_timeout_s, what="a model step")
+        if isinstance(event, messages.WorkerDead):
+            raise EngineDeadError(f"worker {event.rank} died: {event.reason}")
+        if not isinstance(event, messages.ModelRunnerOutput):
+            raise EngineDeadError(f"unexpected message from worker: {event!r}")
+        return event
+
+    def shutdown(self) -> None:
+        """Ask every worker to exit; best effort (a dead reader must not block us)."""
+        try:
+            self._to_workers.send(self._in_codec.encode(messages.Shutdown()), timeout=1.0)
+        except (anyio.BrokenResourceError, TimeoutError, OSError):
+            pass
+
+    def _recv(self, timeout_s: float, *, what: str) -> messages.WorkerEvent:
+        try:
+            data = self._from_rank0.recv(timeout=timeout_s)
+        except TimeoutError:
+            raise EngineDeadError(
+                f"workers did not finish {what} within {timeout_s:.0f} s (stuck worker?)"
+            ) from None
+        except (anyio.BrokenResourceError, anyio.EndOfStream):
+            raise EngineDeadError("a worker process died") from None
+        return self._out_codec.decode(data)

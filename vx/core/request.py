@@ -1,0 +1,182 @@
+"""The EngineCore's view of one request: its tokens, its progress and its lifecycle status.
+
+Runs in: EngineCore (no torch, no I/O). Built by the Scheduler from an `AddRequest`; the
+workers never see this object, only the `NewRequestData` / `CachedRequestData` diffs.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from vx.messages import AddRequest, FinishReason
+from vx.sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.IntEnum):
+    """A request's place in its lifecycle. The order matters: anything after PREEMPTED is
+    finished (`RequestStatus.is_finished`), as in vLLM."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One request as the Scheduler tracks it.
+
+    Token layout (positions): ``[prompt | known outputs | placeholders]``. `all_token_ids` holds
+    the prompt and the known outputs (`num_tokens` of them); `num_output_placeholders` counts
+    tokens an in-flight step will sample but whose ids are not known yet (async scheduling).
+
+    Invariants:
+    - ``num_computed_tokens <= num_tokens + num_output_placeholders``; the KV of the first
+      `num_computed_tokens` positions is computed or scheduled in a step already sent.
+    - ``len(block_hashes) == num_tokens // block_size`` whenever prefix caching is on (one hash
+      per full block of *known* tokens; placeholders are never hashed).
+    - ``num_tokens <= max_num_tokens``: the scheduler finishes the request with "length" when
+      it reaches `max_num_tokens` = min(prompt + max_tokens, max_model_len), never later.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "cache_salt",
+        "lora_id",
+        "num_prompt_tokens",
+        "all_token_ids",
+        "num_tokens",
+        "num_output_placeholders",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "status",
+        "stop_reason",
+        "max_num_tokens",
+        "min_tokens",
+        "stop_token_set",
+        "skip_reading_prefix_cache",
+        "admitted_step_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        *,
+        max_model_len: int,
+        arrival_time: float = 0.0,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt > max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens exceeds "
+                f"max_model_len {max_model_len}"
+            )
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.num_prompt_tokens = num_prompt
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_tokens = num_prompt
+        self.num_output_placeholders = 0
+        self.num_computed_tokens = 0
+        #: Prompt tokens served from the prefix cache at first admission (reported to the front).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        max_tokens = sampling_params.max_tokens
+        limit = max_model_len if max_tokens is None else min(num_prompt + max_tokens, max_model_len)
+        # A prompt of exactly max_model_len still samples one token (it needs no KV slot).
+        self.max_num_tokens = max(limit, num_prompt + 1)
+        self.min_tokens = sampling_params.min_tokens
+        # EOS and the stop ids in one set: the hot path does a single membership test.
+        stop_ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self.stop_token_set = frozenset(stop_ids)
+        # Prompt logprobs need every prompt position computed, so no prefix-cache reads (vLLM).
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
+        #: step_id of the schedule() that last admitted it; older steps' tokens are stale.
+        self.admitted_step_id = -1
+
+    @classmethod
+    def from_add_request(cls, msg: AddRequest, *, max_model_len: int) -> Request:
+        return cls(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.sampling_params,
+            msg.eos_token_id,
+            max_model_len=max_model_len,
+            arrival_time=msg.arrival_time,
+            cache_salt=msg.cache_salt,
+            lora_id=msg.lora_id,
+        )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the known output tokens (placeholders excluded)."""
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token (the scheduler's hot path inlines this)."""
+        self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+
+    def __repr__(self) -> str:
+        # Never the prompt: keep user text (and its token ids) out of logs.
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )

@@ -1,0 +1,183 @@
+"""EngineProcesses: create the rings, spawn every EngineCore and Worker, and tear them down.
+
+Runs in: the front process (the ApiServer launcher or the user's process for `vx.LLM`). It
+imports no torch: children import their heavy modules inside their entry functions.
+
+Ownership: this object creates every ring, so it alone unlinks them (`close()`); if this process
+is killed, Python's resource tracker unlinks the segments, and the children notice the dead
+writer/reader within a second and exit by themselves.
+
+Per data-parallel rank there are four rings: front -> engine (inputs), engine -> front (events),
+engine -> workers (a broadcast with one reader per TP rank) and rank 0 -> engine (results).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+import msgspec
+
+from vx.config import EngineConfig
+from vx.ring import RingReader, RingWriter
+
+logger = logging.getLogger(__name__)
+
+INPUT_RING_BYTES = 1 << 22
+EVENT_RING_BYTES = 1 << 24
+WORKER_RING_BYTES = 1 << 24
+RESULT_RING_BYTES = 1 << 22
+
+
+def resolve_engine_config(config: EngineConfig) -> EngineConfig:
+    """Resolve the model to a local directory and fill `max_model_len` from its config.json."""
+    from vx.gpu.resolve import resolve_model  # no torch at import time
+
+    path = config.model.path or resolve_model(config.model.model)
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    limit = int(hf_config.get("max_position_embeddings") or 2048)
+    max_model_len = config.model.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context length {limit}"
+        )
+    model = msgspec.structs.replace(
+        config.model,
+        path=path,
+        max_model_len=max_model_len,
+        served_model_name=config.model.served_model_name or config.model.model,
+    )
+    resolved = msgspec.structs.replace(config, model=model)
+    resolved.validate()
+    return resolved
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EngineRank:
+    """One data-parallel rank: its EngineCore, its Workers, and the front's ends of its rings."""
+
+    index: int
+    to_engine: RingWriter
+    from_engine: RingReader
+    to_workers: RingWriter
+    from_rank0: RingReader
+    engine_proc: BaseProcess
+    worker_procs: list[BaseProcess] = field(default_factory=list)
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        return [self.engine_proc, *self.worker_procs]
+
+
+class EngineProcesses:
+    """Every child process of one vx instance, and the rings between them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.model.path:
+            raise ValueError("resolve the model first (resolve_engine_config)")
+        self.config = config
+        self.ranks: list[EngineRank] = []
+        self._closed = False
+
+    def start(self) -> None:
+        """Create the rings and spawn the children (they load in parallel)."""
+        from vx.core.engine_core import run_engine_core
+        from vx.gpu.worker import run_worker
+
+        ctx = multiprocessing.get_context("spawn")
+        cfg = self.config.encode()
+        tp = self.config.parallel.tensor_parallel_size
+        enc = msgspec.msgpack.encode
+        try:
+            for index in range(self.config.parallel.data_parallel_size):
+                to_engine = RingWriter.create(capacity=INPUT_RING_BYTES)
+                from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
+                to_workers = RingWriter.create(capacity=WORKER_RING_BYTES, num_readers=tp)
+                from_rank0 = RingReader.create(capacity=RESULT_RING_BYTES)
+                engine_proc = ctx.Process(
+                    target=run_engine_core,
+                    name=f"vx-engine{index}",
+                    args=(
+                        cfg,
+                        index,
+                        enc(to_engine.handle),
+                        enc(from_engine.handle),
+                        enc(to_workers.handle),
+                        enc(from_rank0.handle),
+                    ),
+                    daemon=False,
+                )
+                rank = EngineRank(index, to_engine, from_engine, to_workers, from_rank0, engine_proc)
+                self.ranks.append(rank)
+                port = _free_port() if tp > 1 else 0
+                for r in range(tp):
+                    out = enc(from_rank0.handle) if r == 0 else None
+                    rank.worker_procs.append(
+                        ctx.Process(
+                            target=run_worker,
+                            name=f"vx-worker{index}.{r}",
+                            args=(cfg, r, enc(to_workers.handle), out, port),
+                            daemon=False,
+                        )
+                    )
+            for rank in self.ranks:
+                for proc in rank.processes:
+                    proc.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        return [p for rank in self.ranks for p in rank.processes]
+
+    @property
+    def engine_rings(self) -> list[tuple[RingWriter, RingReader]]:
+        return [(rank.to_engine, rank.from_engine) for rank in self.ranks]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every child (politely, then by force) and unlink every ring. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        from vx import codec, messages
+
+        encode = codec.engine_input_codec().encode
+        for rank in self.ranks:
+            if rank.engine_proc.is_alive():
+                try:
+                    rank.to_engine.send(encode(messages.Shutdown(reason="close")), timeout=0.5)
+                except Exception:  # full or broken: force comes next
+                    pass
+        _join_all(self.processes, timeout_s)
+        for proc in self.processes:
+            if proc.is_alive():
+                logger.warning("killing %s (pid %s) after %.0f s", proc.name, proc.pid, timeout_s)
+                proc.kill()
+        _join_all(self.processes, 5.0)
+        for rank in self.ranks:
+            for ring in (rank.to_engine, rank.from_engine, rank.to_workers, rank.from_rank0):
+                ring.close()
+
+
+def _join_all(procs: list[BaseProcess], timeout_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        proc.join(max(0.0, deadline - time.monotonic()))
+

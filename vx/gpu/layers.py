@@ -1,0 +1,400 @@
+"""Building blocks shared by the model files: tensor-parallel linears, RMSNorm, rotary.
+
+Runs in: each Worker process.
+
+Tensor parallelism follows Megatron: a `ColumnParallelLinear` keeps a slice of the output
+features, a `RowParallelLinear` a slice of the input features and sums the partial products
+with `all_reduce`; the vocabulary is split into contiguous ranges. Each parameter carries a
+`weight_loader(param, loaded, shard_id)` that cuts this rank's slice out of a full HF tensor at
+load time, so no rank ever holds the full model. With `tp_size == 1` every layer is one plain
+`F.linear` / `F.embedding` and no collective is called.
+
+Numerics copy HF transformers' Llama exactly (fp32 RMSNorm, cos/sin computed in fp32 and cast
+to the model dtype, rotate-half rotary, bf16 residual adds), so greedy decoding matches HF token
+for token in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "default_weight_loader",
+    "silu_and_mul",
+]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into `param`, converting dtype and device."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+# ───────────────────────────── linears ─────────────────────────────
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's rows (output features) split evenly across ranks.
+
+    The weight may hold several logical matrices stacked along the output dim (`output_sizes`,
+    full sizes); rank r keeps slice r of each, stacked in the same order, so a fused projection
+    is one GEMM whose output splits into its parts by `output_sizes_per_rank`.
+    Invariant: `weight.shape == (sum(output_sizes_per_rank), input_size)`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_sizes = list(output_sizes)
+        self.output_sizes_per_rank = self._sizes_per_rank()
+        out = sum(self.output_sizes_per_rank)
+        # torch.empty: the loader fills every element, so no init cost at start-up.
+        self.weight = nn.Parameter(
+            torch.empty(out, input_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def _sizes_per_rank(self) -> list[int]:
+        return [_divide(s, self.tp_size, "output features") for s in self.output_sizes]
+
+    def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of logical matrix `shard_id` (a full HF tensor)."""
+        n = self.output_sizes_per_rank[shard_id]
+        return loaded.narrow(0, self.tp_rank * n, n)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            if len(self.output_sizes) != 1:
+                raise ValueError("a fused projection needs a shard_id per part")
+            shard_id = 0
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(
+                f"part {shard_id}: expected {self.output_sizes[shard_id]} rows, got {loaded.shape[0]}"
+            )
+        offset = sum(self.output_sizes_per_rank[:shard_id])
+        rows = self._shard_rows(shard_id, loaded)
+        param.data.narrow(0, offset, rows.shape[0]).copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The output stays sharded: the next RowParallelLinear consumes it as is.
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several same-input projections in one GEMM (gate_up_proj: [gate; up])."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection, split by attention heads.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    `tp_size // num_kv_heads` consecutive ranks (Megatron/vLLM convention).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = _divide(num_heads, tp_size, "attention heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp_size, num_kv_heads, "ranks per KV head")
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+    def _sizes_per_rank(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+    def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        if shard_id == 0:
+            return super()._shard_rows(0, loaded)
+        n = self.output_sizes_per_rank[shard_id]
+        return loaded.narrow(0, (self.tp_rank // self.kv_replicas) * n, n)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's columns (input features) split; partial sums are all-reduced.
+
+    The input arrives already sharded (from a ColumnParallelLinear). The bias is added once,
+    after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = _divide(input_size, tp_size, "input features")
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(output_size, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.input_size_per_rank
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = _all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+# ───────────────────────────── vocabulary ─────────────────────────────
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into contiguous per-rank ranges.
+
+    The vocab is padded up to a multiple of `tp_size`; padded rows are zero. Each rank looks up
+    the ids in its range, zeroes the rest, and the ranks' outputs are summed.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.num_per_rank = math.ceil(vocab_size / tp_size)
+        self.vocab_start = tp_rank * self.num_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.num_per_rank, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} vocab rows, got {loaded.shape[0]}")
+        rows = loaded[self.vocab_start : self.vocab_start + self.num_per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return _all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; shares `weight` with the embedding when tied."""
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = _all_gather_last_dim(logits, self.tp_size)
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        return logits.float()
+
+
+# ───────────────────────────── norms and activations ─────────────────────────────
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight multiply (as HF's Llama).
+
+    `forward(x, residual)` fuses the residual add: it returns (norm(x + residual), x + residual),
+    the add done in the model dtype like HF's `residual + hidden_states`.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate; up) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ───────────────────────────── rotary ─────────────────────────────
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """Inverse frequencies (fp32) for `rope` (HF's rope_parameters / rope_scaling dict).
+
+    Supports "default", "linear" and "llama3" (Llama 3.1's smoothed interpolation, the same
+    arithmetic as HF's `_compute_llama3_parameters`).
+    """
+    base = float(rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    if dim != head_dim:
+        raise NotImplementedError("partial rotary embeddings are not supported")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        factor = rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding from a cos/sin cache indexed by position.
+
+    cos/sin are computed in fp32 for every position below `max_position` and stored in the
+    model dtype ([max_position, head_dim // 2] each: the two halves of HF's `cat(freqs, freqs)`
+    are equal), exactly the values HF computes per step and casts.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope: dict,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, rope)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, head_dim] -> rotated copy. Same elementwise ops as HF's rotate_half form."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        # HF: x*cos + cat(-x2, x1)*sin, i.e. first half x1*c + (-x2)*s == x1*c - x2*s bit for bit.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

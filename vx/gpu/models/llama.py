@@ -1,0 +1,321 @@
+"""The Llama family: Llama 2/3 (incl. llama3 rope scaling), SmolLM2, Mistral, Qwen2.
+
+Runs in: each Worker process.
+
+One decoder serves all three HF architectures; they differ only in config fields:
+Qwen2 has a bias on q/k/v, Llama may have `attention_bias`/`mlp_bias`, small models tie the
+LM head to the embedding. q/k/v and gate/up are stored fused (one GEMM each) and filled by
+`load_weights` from HF's separate tensors.
+
+The forward pass is flat over tokens: `input_ids`/`positions` are [T] for every scheduled token
+of every request, and attention goes through `vx.gpu.attention.paged_attention`, which writes
+k/v into the paged cache and attends through the block tables in `attn_metadata`. No Python
+loop runs per request, and nothing reads a tensor value back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vx.gpu.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    silu_and_mul,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF tensor name suffix -> (fused parameter suffix, shard id)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """The config fields this model reads, normalised across HF versions and architectures."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: dict
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> ModelArgs:
+        arch = (getattr(cfg, "architectures", None) or [""])[0]
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
+        window = getattr(cfg, "sliding_window", None)
+        if arch.startswith("Qwen2") and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
+            rope=_rope_dict(cfg),
+            qkv_bias=attention_bias or arch.startswith("Qwen2"),
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_window=window,
+        )
+
+
+def _rope_dict(cfg: Any) -> dict:
+    """rope_theta + scaling as one dict, from transformers 5 (`rope_parameters`) or 4.x fields."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    rope = dict(getattr(cfg, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return rope
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any
+    ) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, bias=a.qkv_bias, **kw
+        )
+        self.o_proj = RowParallelLinear(
+            a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias, **kw
+        )
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = a.head_dim
+        self.q_size = self.num_heads * a.head_dim
+        self.kv_size = self.num_kv_heads * a.head_dim
+        self.scale = a.head_dim**-0.5
+        self.rotary = rotary  # one instance shared by all layers (its buffers are deduplicated)
+        self.attn_fn = attn_fn
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qk_size = self.q_size + self.kv_size
+        # q and k are adjacent in the fused output: rotate both heads in one pass.
+        qk = self.rotary(positions, qkv[:, :qk_size].view(t, -1, self.head_dim))  # [T, Hq+Hkv, D]
+        q = qk[:, : self.num_heads]  # [T, Hq, D]
+        k = qk[:, self.num_heads :]  # [T, Hkv, D]
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: ModelArgs, **kw: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            a.hidden_size, [a.intermediate_size] * 2, bias=a.mlp_bias, **kw
+        )
+        self.down_proj = RowParallelLinear(
+            a.intermediate_size, a.hidden_size, bias=a.mlp_bias, **kw
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any
+    ) -> None:
+        super().__init__()
+        dd = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.self_attn = LlamaAttention(a, rotary, attn_fn, **kw)
+        self.mlp = LlamaMLP(a, **kw)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous block is fused into this block's first norm.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, attn_metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
+        super().__init__()
+        dd = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(a, self.rotary, attn_fn, **kw) for _ in range(a.num_layers)
+        )
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Invariants: parameters are created empty on `device` in `dtype` and every one of them is
+    filled by `load_weights` (which raises if any is left out); `num_heads`/`num_kv_heads` are
+    per tensor-parallel rank; `forward` never synchronises with the host.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        # Imported here, not at module level: tests may install their own attention module.
+        from vx.gpu.attention import paged_attention
+
+        a = ModelArgs.from_hf(hf_config)
+        self.args = a
+        self.dtype, self.device = dtype, torch.device(device)
+        kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
+        self.model = LlamaModel(a, paged_attention, **kw)
+        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
+        if a.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+        attn = self.model.layers[0].self_attn
+        self.num_layers = a.num_layers
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = a.head_dim
+        self.vocab_size = a.vocab_size
+        self.max_position = a.max_position
+        #: Mistral-style sliding window (tokens) or None. NOTE: the paged attention attends to
+        #: the whole context; the runner must cap max_model_len at the window when it is set.
+        self.sliding_window = a.sliding_window
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """[T] ids and positions -> [T, hidden] final hidden states."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head.compute_logits(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from (HF name, full tensor) pairs, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            for hf_part, (fused_part, shard_id) in _STACKED.items():
+                if hf_part in name:
+                    target = name.replace(hf_part, fused_part)
+                    param = params.get(target)
+                    if param is None:
+                        raise ValueError(f"unexpected weight {name!r}")
+                    param.weight_loader(param, tensor, shard_id)
+                    loaded.add(f"{target}#{shard_id}")
+                    break
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"unexpected weight {name!r}")
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        missing = [n for n in self._expected_names(params) if n not in loaded]
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    def _expected_names(self, params: dict[str, nn.Parameter]) -> list[str]:
+        names = []
+        for name in params:
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            if ".qkv_proj." in name:
+                names += [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}#{i}" for i in range(2)]
+            else:
+                names.append(name)
+        return names
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a (possibly absent) sliding window."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with a bias on q/k/v (set from the architecture name in ModelArgs)."""

@@ -1,0 +1,130 @@
+"""The Worker process: load the model, size the KV pool, then run steps until told to stop.
+
+Runs in: one Worker process per device (per tensor-parallel rank), a `multiprocessing` spawn
+child. It reads every `SchedulerOutput` from the EngineCore's broadcast ring; rank 0 alone
+answers on its result ring, since every rank samples the same tokens.
+
+Invariants: exactly one `ModelRunnerOutput` per `SchedulerOutput` (from rank 0), in order; a
+fatal error is reported as `WorkerDead` (best effort) and the process exits non-zero; the death
+of the EngineCore (its ring's writer) makes the worker exit within about a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import anyio
+import msgspec
+
+from vx import codec, messages
+from vx.config import EngineConfig
+from vx.log import setup_logging
+from vx.ring import RingHandle, RingReader, RingWriter
+
+logger = logging.getLogger(__name__)
+
+
+def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
+    """Threads, device and (for TP > 1) the process group; returns the device string."""
+    import torch
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = "cpu"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend="nccl" if config.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=rank,
+            world_size=tp,
+        )
+    return device
+
+
+def _min_across_ranks(value: int, tp: int) -> int:
+    """Every rank must use the same pool size: the smallest any rank can hold."""
+    if tp == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def run_worker(
+    config_bytes: bytes,
+    rank: int,
+    input_handle: bytes,
+    output_handle: bytes | None,
+    dist_port: int = 0,
+) -> None:
+    """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours."""
+    config = EngineConfig.decode(config_bytes)
+    setup_logging(f"worker{rank}")
+    inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), rank)
+    outbox = (
+        RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
+        if output_handle is not None
+        else None
+    )
+    in_codec = codec.worker_input_codec()
+    out_codec = codec.worker_event_codec()
+
+    def send(event: messages.WorkerEvent) -> None:
+        if outbox is not None:
+            outbox.send(out_codec.encode(event))
+
+    try:
+        from vx.gpu.model_runner import ModelRunner
+
+        tp = config.parallel.tensor_parallel_size
+        device = _init_torch(config, rank, dist_port)
+        runner = ModelRunner(config, rank=rank, device=device)
+        t0 = time.perf_counter()
+        runner.load_model()
+        num_blocks, kv_bytes = runner.determine_num_blocks()
+        if config.cache.num_blocks_override is not None:
+            kv_bytes = kv_bytes * config.cache.num_blocks_override // max(num_blocks, 1)
+            num_blocks = config.cache.num_blocks_override
+        num_blocks = _min_across_ranks(num_blocks, tp)
+        runner.initialize_kv_cache(num_blocks)
+        logger.info(
+            "worker %d ready on %s in %.1f s: %d KV blocks", rank, device,
+            time.perf_counter() - t0, num_blocks,
+        )
+        send(
+            messages.WorkerReady(
+                rank=rank, pid=os.getpid(), num_blocks=num_blocks, kv_cache_bytes=kv_bytes,
+                device=device,
+            )
+        )
+        while True:
+            msg = in_codec.decode(inbox.recv())
+            if isinstance(msg, messages.Shutdown):
+                break
+            output = runner.execute(msg)
+            if rank == 0:
+                send(output)
+    except (anyio.BrokenResourceError, anyio.EndOfStream):
+        logger.warning("worker %d: the EngineCore is gone; exiting", rank)
+    except BaseException as e:
+        logger.exception("worker %d died", rank)
+        try:
+            send(messages.WorkerDead(rank=rank, reason=f"{type(e).__name__}: {e}"))
+        except Exception:  # the engine may be gone; it watches our ring's liveness anyway
+            pass
+        raise SystemExit(1) from None
+    finally:
+        inbox.close()
+        if outbox is not None:
+            outbox.close()

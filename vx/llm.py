@@ -1,0 +1,325 @@
+"""`vx.LLM`: the offline class, through the same EngineCore, Workers and rings as the server.
+
+Runs in: the user's process, which plays the front's part: it tokenizes, fans out `n > 1`,
+sends `AddRequest`s, reads the engine's per-step outputs, applies stop strings and detokenizes.
+As in vLLM, its default token budget is twice the server's.
+
+Invariant: `generate()` returns one `RequestOutput` per prompt, in prompt order, and leaves no
+request behind in the engine (stop strings abort the engine request the moment they match).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from vx import codec, messages
+from vx.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    default_max_num_batched_tokens,
+)
+from vx.engine_procs import EngineProcesses, resolve_engine_config
+from vx.errors import EngineDeadError, EngineStartupError
+from vx.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class _Pending:
+    """One engine request (one of a prompt's n samples) while it runs."""
+
+    output: CompletionOutput
+    params: SamplingParams
+    engine_index: int
+
+
+class LLM:
+    """Offline batch generation: `LLM(model).generate(prompts, sampling_params)`."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_memory: int | None = None,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        async_scheduling: bool = True,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        num_threads: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        budget = max_num_batched_tokens or default_max_num_batched_tokens(None, offline=True)
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                kv_cache_memory_bytes=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+                num_blocks_override=num_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                async_scheduling=async_scheduling,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+            ),
+            device=device,
+            num_threads=num_threads,
+        )
+        self.config = resolve_engine_config(config)
+        from transformers import AutoTokenizer
+
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model.path)
+        self._in_codec = codec.engine_input_codec()
+        self._out_codec = codec.engine_event_codec()
+        self._ids = itertools.count()
+        self._procs = EngineProcesses(self.config)
+        self._procs.start()
+        try:
+            self.ready = [self._wait_ready(i) for i in range(len(self._procs.ranks))]
+        except BaseException:
+            self._procs.close()
+            raise
+        self._load = [0] * len(self.ready)
+
+    # ── lifecycle ──────────────────────────────────────────────────────────────
+    def _wait_ready(self, index: int) -> messages.EngineReady:
+        rank = self._procs.ranks[index]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                event = self._out_codec.decode(rank.from_engine.recv(timeout=1.0))
+            except TimeoutError:
+                dead = [p.name for p in rank.processes if p.exitcode is not None]
+                if dead:
+                    raise EngineStartupError(f"{', '.join(dead)} exited during start-up") from None
+                if time.monotonic() > deadline:
+                    raise EngineStartupError("the engine did not become ready in time") from None
+                continue
+            if isinstance(event, messages.EngineReady):
+                return event
+            if isinstance(event, messages.EngineDead):
+                raise EngineStartupError(f"engine {index} failed to start: {event.reason}")
+
+    def close(self) -> None:
+        self._procs.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        procs = getattr(self, "_procs", None)
+        if procs is not None:
+            procs.close()
+
+    # ── public API ─────────────────────────────────────────────────────────────
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        items: list[tuple[str | None, list[int]]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, self.tokenizer.encode(p)))
+            else:
+                items.append((None, list(p)))
+        return self._run(items, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        items: list[tuple[str | None, list[int]]] = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(items, sampling_params, use_tqdm=use_tqdm)
+
+    # ── the loop ───────────────────────────────────────────────────────────────
+    def _run(
+        self,
+        items: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        *,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        )
+        if len(params_list) != len(items):
+            raise ValueError("sampling_params must be one value or one per prompt")
+        max_len = self.config.model.max_model_len or 0
+        eos = self.tokenizer.eos_token_id
+        results: list[RequestOutput] = []
+        pending: dict[str, _Pending] = {}
+        for (text, ids), params in zip(items, params_list, strict=True):
+            params.validate()
+            if not ids:
+                raise ValueError("a prompt must have at least one token")
+            if len(ids) + (params.max_tokens or 1) > max_len:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) plus max_tokens exceeds max_model_len {max_len}"
+                )
+            result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids)
+            results.append(result)
+            for i in range(params.n):
+                out = CompletionOutput(index=i, text="", token_ids=[], finish_reason=None)
+                result.outputs.append(out)
+                request_id = f"{result.request_id}-{i}"
+                engine = min(range(len(self._load)), key=self._load.__getitem__)
+                self._load[engine] += 1
+                pending[request_id] = _Pending(out, params, engine)
+                self._send(
+                    engine,
+                    messages.AddRequest(
+                        request_id=request_id,
+                        prompt_token_ids=ids,
+                        sampling_params=params,
+                        eos_token_id=eos,
+                        arrival_time=time.time(),
+                    ),
+                )
+        total = len(pending)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", unit="req")
+        try:
+            while pending:
+                for engine in range(len(self._procs.ranks)):
+                    if self._load[engine]:
+                        self._poll(engine, pending, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+            if pending:  # interrupted: leave nothing running in the engine
+                for engine in range(len(self._procs.ranks)):
+                    ids_ = [rid for rid, p in pending.items() if p.engine_index == engine]
+                    if ids_:
+                        self._send(engine, messages.AbortRequests(request_ids=ids_, cause="error"))
+        for result, params in zip(results, params_list, strict=True):
+            for out in result.outputs:
+                if not isinstance(out.stop_reason, str):  # a stop string already cut the text
+                    out.text = self.tokenizer.decode(
+                        out.token_ids, skip_special_tokens=params.skip_special_tokens
+                    )
+        return results
+
+    def _send(self, engine: int, msg: messages.EngineCoreInput) -> None:
+        self._procs.ranks[engine].to_engine.send(self._in_codec.encode(msg))
+
+    def _poll(self, engine: int, pending: dict[str, _Pending], bar: Any) -> None:
+        rank = self._procs.ranks[engine]
+        try:
+            data = rank.from_engine.recv(timeout=1.0)
+        except TimeoutError:
+            dead = [p.name for p in rank.processes if p.exitcode is not None]
+            if dead:
+                raise EngineDeadError(f"{', '.join(dead)} died") from None
+            return
+        except (anyio.BrokenResourceError, anyio.EndOfStream):
+            raise EngineDeadError(f"engine {engine} died") from None
+        event = self._out_codec.decode(data)
+        if isinstance(event, messages.EngineDead):
+            raise EngineDeadError(f"engine {engine} died: {event.reason}")
+        if not isinstance(event, messages.EngineCoreOutputs):
+            return
+        for o in event.outputs:
+            p = pending.get(o.request_id)
+            if p is None:
+                continue
+            out = p.output
+            out.token_ids.extend(o.new_token_ids)
+            if o.new_logprobs is not None:
+                if out.logprobs is None:
+                    out.logprobs = []
+                for ids, lps in zip(o.new_logprobs.token_ids, o.new_logprobs.logprobs, strict=True):
+                    out.logprobs.append(dict(zip(ids, lps, strict=True)))
+            if o.finish_reason is None and p.params.stop:
+                self._check_stop_strings(o.request_id, p, engine)
+            elif o.finish_reason is not None:
+                out.finish_reason = o.finish_reason
+                out.stop_reason = o.stop_reason
+                if p.params.stop:
+                    self._check_stop_strings(o.request_id, p, engine, finished=True)
+            if out.finish_reason is not None:
+                del pending[o.request_id]
+                self._load[engine] -= 1
+                if bar is not None:
+                    bar.update(1)
+
+    def _check_stop_strings(
+        self, request_id: str, p: _Pending, engine: int, *, finished: bool = False
+    ) -> None:
+        """Truncate at the first stop string; abort the engine request when one matches."""
+        out = p.output
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=p.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in p.params.stop if s in text]
+        if not hits:
+            return
+        pos, stop = min(hits)
+        out.text = text[: pos + len(stop)] if p.params.include_stop_str_in_output else text[:pos]
+        out.finish_reason = messages.FinishReason.STOP
+        out.stop_reason = stop
+        if not finished:
+            self._send(engine, messages.AbortRequests(request_ids=[request_id], cause="stop_string"))
