@@ -192,6 +192,20 @@ class LLM:
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm=use_tqdm)
 
+    def call_utility(self, method: str, engine: int = 0, **args: object) -> dict[str, object]:
+        """Run a control call (`kv_self_check`, `reset_prefix_cache`, `get_stats`) and wait."""
+        call_id = next(self._ids)
+        self._send(engine, messages.UtilityRequest(call_id=call_id, method=method, args=args))
+        rank = self._procs.ranks[engine]
+        while True:
+            event = self._out_codec.decode(rank.from_engine.recv(timeout=30.0))
+            if isinstance(event, messages.UtilityResult) and event.call_id == call_id:
+                if event.error:
+                    raise RuntimeError(event.error)
+                return event.result
+            if isinstance(event, messages.EngineDead):
+                raise EngineDeadError(event.reason)
+
     # ── the loop ───────────────────────────────────────────────────────────────
     def _run(
         self,
