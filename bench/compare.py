@@ -1,0 +1,206 @@
+"""Serve the same model with vx and its peers, one after the other, under the same load.
+
+Usage:
+    python bench/compare.py [--peers vllm,llamacpp] [--concurrency 1,8,32,64] [--repeats 1]
+
+For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
+random token-id prompts of --input-len tokens, --output-len tokens with ignore_eos, greedy) at
+each concurrency, stop it. Prints one table with vx's ratio to each peer per concurrency and
+writes the raw figures as JSON (--json). The peers are set up by `shared/peers/peers.sh`
+(`vllm-setup`, `setup`); a peer that is not set up is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEERS_SH = pathlib.Path(os.environ.get("VX_PEERS_SH", ROOT.parent / "shared/peers/peers.sh"))
+PEER_DIR = pathlib.Path(
+    os.environ.get("PEER_DIR", pathlib.Path.home() / ".cache/vx-peers")
+)
+
+
+def wait_health(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
+def run_load(url: str, model: str, conc: int, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    num_prompts = max(conc * args.prompts_per_client, args.min_prompts)
+    cmd = [
+        sys.executable, "-m", "vx", "bench", "serve",
+        "--base-url", url, "--model", model,
+        "--concurrency", str(conc), "--num-prompts", str(num_prompts),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--seed", "0", "--json", out,
+    ]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return result
+
+
+class Server:
+    """A server started for the run and stopped after it."""
+
+    def __init__(self, name: str, url: str, model: str, start: list[str], stop: list[str] | None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.url, self.model = name, url, model
+        self._start, self._stop, self._env = start, stop, env
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        env = dict(os.environ, **(self._env or {}))
+        if self._stop is None:  # a foreground process we own
+            self._proc = subprocess.Popen(self._start, env=env, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            subprocess.run(self._start, env=env, check=True, stdout=subprocess.DEVNULL)
+        wait_health(self.url, self._proc, 900)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        if self._stop is not None:
+            subprocess.run(self._stop, check=False, stdout=subprocess.DEVNULL)
+            # The stop scripts only signal: wait until the port is free before the next server.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    httpx.get(self.url + "/health", timeout=1)
+                except httpx.HTTPError:
+                    break
+                time.sleep(1)
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    vx_port, vllm_port, llama_port = 8100, 8101, 8102
+    vx_cmd = [sys.executable, "-m", "vx", "serve", args.model, "--port", str(vx_port),
+              "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64",
+              *args.vx_args.split()]
+    out = [Server("vx", f"http://127.0.0.1:{vx_port}", "smollm2-135m", vx_cmd, None)]
+    peers = [p for p in args.peers.split(",") if p]
+    if "vllm" in peers:
+        if (PEER_DIR / "vllmcpu/bin/python").exists():
+            env = {"VLLM_PORT": str(vllm_port)}
+            out.append(Server("vLLM", f"http://127.0.0.1:{vllm_port}", "",
+                              ["bash", str(PEERS_SH), "vllm-start"],
+                              ["bash", str(PEERS_SH), "vllm-stop"], env))
+        else:
+            print("vLLM peer not set up (peers.sh vllm-setup); skipping", file=sys.stderr)
+    if "llamacpp" in peers:
+        if (PEER_DIR / "llamabin/bin/python").exists():
+            env = {"PORT": str(llama_port)}
+            out.append(Server("llama.cpp bf16", f"http://127.0.0.1:{llama_port}", "",
+                              ["bash", str(PEERS_SH), "start", "bf16"],
+                              ["bash", str(PEERS_SH), "stop"], env))
+        else:
+            print("llama.cpp peer not built (peers.sh setup); skipping", file=sys.stderr)
+    return out
+
+
+def served_model(url: str) -> str:
+    data = httpx.get(url + "/v1/models", timeout=10).json()
+    return data["data"][0]["id"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--peers", default="vllm")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-client", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--vx-args", default="", help="extra flags for vx serve")
+    p.add_argument("--json", default=None, help="write all figures here")
+    args = p.parse_args(argv)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    results: dict[str, dict[int, list[dict]]] = {}
+    for server in servers(args):
+        with server:
+            model = server.model or served_model(server.url)
+            run_load(server.url, model, 1, args)  # warm-up (compiles, caches)
+            for conc in concs:
+                for _ in range(args.repeats):
+                    r = run_load(server.url, model, conc, args)
+                    results.setdefault(server.name, {}).setdefault(conc, []).append(r)
+                    print(f"{server.name} c={conc}: {r['output_throughput']:.1f} tok/s, "
+                          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms",
+                          file=sys.stderr)
+    print_table(results, concs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _median(rows: list[dict], key: str, sub: str | None = None) -> float:
+    vals = [r[key][sub] if sub else r[key] for r in rows]
+    return statistics.median(vals)
+
+
+def print_table(results: dict[str, dict[int, list[dict]]], concs: list[int]) -> None:
+    names = list(results)
+    print("\n| server | " + " | ".join(f"c={c}" for c in concs) + " |")
+    print("|---|" + "---:|" * len(concs))
+    for name in names:
+        cells = []
+        for c in concs:
+            rows = results[name].get(c, [])
+            if not rows:
+                cells.append("—")
+                continue
+            cells.append(
+                f"{_median(rows, 'output_throughput'):.1f} tok/s "
+                f"({_median(rows, 'ttft_ms', 'p50'):.0f} / {_median(rows, 'itl_ms', 'p50'):.1f} ms)"
+            )
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    base = results.get("vx", {})
+    for name in names[1:]:
+        cells = []
+        for c in concs:
+            a, b = base.get(c), results[name].get(c)
+            if not a or not b:
+                cells.append("—")
+                continue
+            tput = _median(a, "output_throughput") / _median(b, "output_throughput")
+            ttft = _median(a, "ttft_ms", "p50") / _median(b, "ttft_ms", "p50")
+            cells.append(f"{tput:.2f}× tok/s, TTFT {ttft:.2f}×")
+        print(f"| vx / {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
