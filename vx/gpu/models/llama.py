@@ -112,9 +112,7 @@ def _rope_dict(cfg: Any) -> dict:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any
-    ) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, bias=a.qkv_bias, **kw
@@ -161,9 +159,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any
-    ) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
         self.self_attn = LlamaAttention(a, rotary, attn_fn, **kw)
