@@ -1,0 +1,194 @@
+"""The KV cache manager: which blocks each request holds, prefix-cache lookups and caching.
+
+Runs in: EngineCore. One KV-cache group (full attention) and one block size; the BlockPool
+below it owns the blocks themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from vx.config import BLOCK_SIZE
+from vx.core.block_pool import BlockPool, BlockPoolStatistics, KVCacheBlock
+from vx.core.request import Request
+
+__all__ = ["KVCacheManager", "PrefixCacheStatistics"]
+
+#: Returned by `allocate_slots` when no block was added. Shared and read-only: never mutate it.
+NO_NEW_BLOCKS: list[int] = []
+
+
+class PrefixCacheStatistics(NamedTuple):
+    """Counters in tokens, as vLLM's `vllm:prefix_cache_queries` / `_hits`."""
+
+    #: Prompt tokens looked up at first admission (resumed requests are counted apart).
+    queries: int
+    hits: int
+    preempted_queries: int
+    preempted_hits: int
+
+
+class KVCacheManager:
+    """Maps requests to their KV blocks (a block table that only grows until `free`).
+
+    Token layout of a request for `allocate_slots`:
+    ``[computed | new prefix hits | new tokens]``; blocks are held for all of it.
+
+    Invariants: ``req_to_blocks[id]`` covers ``request.num_computed_tokens`` positions (plus
+    whatever was just scheduled); the first ``num_cached_blocks[id]`` of those blocks are full
+    of known tokens and hashed (in the pool's map, or a duplicate left unhashed); a prefix hit
+    never covers a request's last known token, so at least one token is always scheduled.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_caching: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self._queries = self._hits = 0
+        self._preempted_queries = self._preempted_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request`: (blocks, number of tokens they cover).
+
+        Walks the hash chain until the first miss (a later block cannot hit once an earlier one
+        missed). Stops one token short of the known tokens: the last token is always
+        recomputed, because its logits are what the step samples from.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        get = self.block_pool.cached_block_hash_to_block.get
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        *,
+        full_sequence_must_fit: bool = False,
+    ) -> list[int] | None:
+        """Hold blocks for `num_new_tokens` more positions after the computed ones and hits.
+
+        Returns the ids of the blocks added (hits first, then fresh blocks; `NO_NEW_BLOCKS`
+        when none), or None when the pool cannot supply them, in which case nothing changed.
+        With `full_sequence_must_fit`, it also refuses unless every known token of the request
+        would fit (vLLM's full-prompt admission gate against preemption storms), while still
+        allocating only for this chunk. Full blocks of known tokens are cached as they fill.
+        """
+        bs = self.block_size
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        num_held = 0 if blocks is None else len(blocks)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_required = -(-num_total // bs)
+        if not new_computed_blocks and num_required <= num_held and not full_sequence_must_fit:
+            # Decode fast path: the tokens fit in blocks already held.
+            if self.enable_caching and blocks is not None:
+                num_full = min(num_total, request.num_tokens) // bs
+                num_cached = self.num_cached_blocks[request_id]
+                if num_full > num_cached:
+                    self.block_pool.cache_full_blocks(
+                        blocks, request.block_hashes, num_cached, num_full
+                    )
+                    self.num_cached_blocks[request_id] = num_full
+            return NO_NEW_BLOCKS
+
+        hits = new_computed_blocks or ()
+        num_hits = len(hits)
+        num_new_blocks = max(num_required - num_held - num_hits, 0)
+        num_to_fit = num_new_blocks
+        if full_sequence_must_fit:
+            num_to_fit = max(num_to_fit, -(-request.num_tokens // bs) - num_held - num_hits)
+        # Touching an evictable hit takes it out of the free queue, so it counts against it.
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        pool = self.block_pool
+        if num_to_fit + num_evictable_hits > pool.get_num_free_blocks():
+            return None
+
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        if hits:
+            pool.touch(hits)
+            blocks.extend(hits)
+            # Hit blocks are cached already (they came from the map).
+            self.num_cached_blocks[request_id] += num_hits
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        blocks.extend(new_blocks)
+        if request.num_computed_tokens == 0 and self.enable_caching:
+            self._record_prefix_query(request, num_new_computed_tokens)
+        if self.enable_caching:
+            num_full = min(num_total, request.num_tokens) // bs
+            num_cached = self.num_cached_blocks[request_id]
+            if num_full > num_cached:
+                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_blocks[request_id] = num_full
+        if not hits and not new_blocks:
+            return NO_NEW_BLOCKS
+        return [b.block_id for b in hits] + [b.block_id for b in new_blocks]
+
+    def _record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        if request.num_preemptions:
+            self._preempted_queries += request.num_tokens
+            self._preempted_hits += num_hit_tokens
+        else:
+            self._queries += request.num_tokens
+            self._hits += num_hit_tokens
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the full blocks among the first `num_tokens` positions (tokens known by now)."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        num_full = min(num_tokens, request.num_tokens, len(blocks) * self.block_size)
+        num_full //= self.block_size
+        num_cached = self.num_cached_blocks[request.request_id]
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+            self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of `request`, last block first (it is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; refused (False) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def prefix_cache_statistics(self) -> PrefixCacheStatistics:
+        return PrefixCacheStatistics(
+            self._queries, self._hits, self._preempted_queries, self._preempted_hits
+        )
+
+    def statistics(self) -> BlockPoolStatistics:
+        return self.block_pool.statistics()

@@ -1,0 +1,425 @@
+"""The Scheduler: which requests run in the next step, and with how many tokens each.
+
+Runs in: EngineCore. Synchronous, torch-free, I/O-free: the EngineCore loop feeds it
+`AddRequest`s and aborts, calls `schedule()` to get a `SchedulerOutput` for the workers, and
+`update_from_output()` with rank 0's `ModelRunnerOutput` to get the `EngineCoreOutput`s.
+
+The one rule (vLLM V1): there is no prefill or decode phase. Each request has
+`num_computed_tokens` and `num_tokens` (prompt + known outputs + placeholders), and each step
+hands every request, running ones first and then waiting ones, as many tokens as close the gap,
+under `max_num_batched_tokens` and `max_num_seqs`. Chunked prefill, prefix-cache hits and
+resumption after preemption all fall out of that rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from vx.config import EngineConfig
+from vx.core.block_hash import update_block_hashes
+from vx.core.kv_cache_manager import KVCacheManager
+from vx.core.request import Request, RequestStatus
+from vx.core.scheduler_checks import kv_self_check
+from vx.messages import (
+    AddRequest,
+    CachedRequestData,
+    EngineCoreOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_STOP = "stop"
+_LENGTH = "length"
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill, prefix caching, recompute preemption and async
+    scheduling (one step ahead, with output placeholders).
+
+    Invariants:
+    - every request in `requests` is in exactly one of `waiting` (WAITING or PREEMPTED, no
+      blocks) or `running` (RUNNING, holds blocks for its computed tokens);
+    - a step never schedules more than `max_num_batched_tokens` tokens, `running` never holds
+      more than `max_num_seqs` requests, and no request ever grows past `max_model_len`;
+    - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
+      blocks at once and queues the id for the next output's `finished_req_ids`;
+    - the preemption victim is always the tail of `running`; it goes to the front of `waiting`,
+      and nothing is admitted in a step that preempted.
+    """
+
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, *, max_model_len: int | None = None
+    ) -> None:
+        sched = config.scheduler
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.async_scheduling = sched.async_scheduling
+        self.enable_caching = config.cache.enable_prefix_caching
+        capacity = num_blocks * self.block_size
+        limit = max_model_len or config.model.max_model_len or capacity
+        if limit > capacity:
+            # A request alone must always fit, or it would preempt itself forever.
+            logger.warning(
+                "max_model_len %d exceeds the KV pool (%d tokens); capping it", limit, capacity
+            )
+            limit = capacity
+        #: The context limit actually enforced (report this one in EngineReady).
+        self.max_model_len = limit
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Freed / preempted since the last output that scheduled anything (see schedule()).
+        self.finished_req_ids: list[str] = []
+        self.preempted_req_ids: list[str] = []
+        self._step_ids = itertools.count()
+        self.num_preempted_total = 0
+        self._last_num_prefill_tokens = 0
+        self._last_num_decode_tokens = 0
+
+    # ── requests in and out ─────────────────────────────────────────────────────────────
+    def add_request(self, msg: AddRequest | Request) -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a prompt that can never run."""
+        request = (
+            msg
+            if isinstance(msg, Request)
+            else Request.from_add_request(msg, max_model_len=self.max_model_len)
+        )
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
+        """End requests from outside (abort, error); frees their blocks at once. Idempotent:
+        unknown or already finished ids are ignored. Returns the ids actually finished."""
+        assert RequestStatus.is_finished(status), status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        victims = [r for rid in request_ids if (r := self.requests.get(rid)) is not None]
+        if not victims:
+            return []
+        gone = set(victims)
+        if any(r.status == _RUNNING for r in victims):
+            self.running = [r for r in self.running if r not in gone]
+        if any(r.status != _RUNNING for r in victims):
+            self.waiting = deque(r for r in self.waiting if r not in gone)
+        for request in victims:
+            self._free_request(request, status)
+        return [r.request_id for r in victims]
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        """The one funnel every ending goes through (the caller removes it from its queue)."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ── schedule ────────────────────────────────────────────────────────────────────────
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step: running requests first, then admissions from `waiting`."""
+        step_id = next(self._step_ids)
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        is_async = self.async_scheduling
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_ids: list[str] = []
+        cached_new_block_ids: list[list[int]] = []
+        cached_num_computed: list[int] = []
+        num_prefill_tokens = 0
+        preempted = False
+
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_known = request.num_tokens + request.num_output_placeholders
+            num_computed = request.num_computed_tokens
+            num_new = num_known - num_computed
+            if num_new > budget:
+                num_new = budget
+            if 0 < threshold < num_new:
+                num_new = threshold
+            # Skip (not stop) when nothing is left to compute, or when the in-flight step's
+            # tokens already take the request to its length limit (async scheduling).
+            if num_new <= 0 or num_known >= request.max_num_tokens:
+                i += 1
+                continue
+            new_block_ids = allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # the request preempted itself: nobody after it is left either
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new
+            cached_ids.append(request_id)
+            cached_new_block_ids.append(new_block_ids)
+            cached_num_computed.append(num_computed)
+            if num_computed < request.num_prompt_tokens:
+                num_prefill_tokens += min(num_new, request.num_prompt_tokens - num_computed)
+            num_computed += num_new
+            request.num_computed_tokens = num_computed
+            if is_async and num_computed == num_known:
+                request.num_output_placeholders += 1
+            budget -= num_new
+            i += 1
+
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget, num_prefill_tokens = self._admit_waiting(
+                step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens
+            )
+
+        total = self.max_num_batched_tokens - budget
+        output = SchedulerOutput(
+            step_id,
+            new_reqs,
+            CachedRequestData(cached_ids, cached_new_block_ids, cached_num_computed),
+            num_scheduled_tokens,
+            total,
+            self.finished_req_ids,
+            self.preempted_req_ids,
+        )
+        # An output that schedules nothing may never be sent (the EngineCore drops it), so its
+        # ids stay pending and ride along again; workers ignore ids they do not hold.
+        if total:
+            self.finished_req_ids = []
+            self.preempted_req_ids = []
+        self._last_num_prefill_tokens = num_prefill_tokens
+        self._last_num_decode_tokens = total - num_prefill_tokens
+        return output
+
+    def _admit_waiting(
+        self,
+        step_id: int,
+        budget: int,
+        num_scheduled_tokens: dict[str, int],
+        new_reqs: list[NewRequestData],
+        num_prefill_tokens: int,
+    ) -> tuple[int, int]:
+        kv = self.kv_cache_manager
+        threshold = self.long_prefill_token_threshold
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if (
+                kv.allocate_slots(
+                    request, num_new, num_hit, hit_blocks, full_sequence_must_fit=True
+                )
+                is None
+            ):
+                break
+            waiting.popleft()
+            running.append(request)
+            request.status = _RUNNING
+            request.admitted_step_id = step_id
+            if not request.num_preemptions:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_new
+            if self.async_scheduling and request.num_computed_tokens == request.num_tokens:
+                request.num_output_placeholders = 1
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    kv.get_block_ids(request.request_id),
+                    num_hit,
+                    request.output_token_ids if request.num_preemptions else [],
+                    request.eos_token_id,
+                )
+            )
+            num_scheduled_tokens[request.request_id] = num_new
+            num_prefill_tokens += num_new
+            budget -= num_new
+        return budget, num_prefill_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the blocks, forget progress, resume first."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        # Tokens of steps still in flight will be dropped (status check in update_from_output).
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preempted_total += 1
+        self.waiting.appendleft(request)
+        self.preempted_req_ids.append(request.request_id)
+        logger.debug("preempted %s", request)
+
+    # ── update ──────────────────────────────────────────────────────────────────────────
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens; returns an output per request that gained tokens
+        or finished. Tokens for requests finished, aborted or preempted since that step was
+        scheduled are dropped."""
+        step_id = scheduler_output.step_id
+        requests = self.requests
+        is_async = self.async_scheduling
+        caching = self.enable_caching
+        block_size = self.block_size
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        logprobs = model_runner_output.logprobs
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        for request_id, token_ids, new_logprobs in zip(
+            model_runner_output.req_ids,
+            model_runner_output.sampled_token_ids,
+            itertools.repeat(None) if logprobs is None else logprobs,
+            strict=False,
+        ):
+            request = requests.get(request_id)
+            if request is None or request.status != _RUNNING or step_id < request.admitted_step_id:
+                continue
+            plp = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
+            if not token_ids:
+                if plp is not None:  # a prefill chunk's prompt logprobs
+                    outputs.append(
+                        EngineCoreOutput(
+                            request_id, [], None, None, None, plp, request.num_cached_tokens
+                        )
+                    )
+                continue
+            if is_async:
+                n = request.num_output_placeholders - len(token_ids)
+                request.num_output_placeholders = n if n > 0 else 0
+            finish_reason = stop_reason = None
+            if len(token_ids) == 1:
+                # Hot path: one token (plain decode), no trimming possible.
+                token_id = token_ids[0]
+                request.all_token_ids.append(token_id)
+                num_tokens = request.num_tokens = request.num_tokens + 1
+                if caching and num_tokens % block_size == 0:
+                    self._cache_new_full_block(request)
+                if (
+                    token_id in request.stop_token_set
+                    and num_tokens - request.num_prompt_tokens > request.min_tokens
+                ):
+                    finish_reason = _STOP
+                    if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
+                        stop_reason = token_id
+                elif num_tokens >= request.max_num_tokens:
+                    finish_reason = _LENGTH
+            else:
+                token_ids, new_logprobs, finish_reason, stop_reason = self._append_many(
+                    request, token_ids, new_logprobs
+                )
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    token_ids,
+                    finish_reason,
+                    stop_reason,
+                    new_logprobs,
+                    plp,
+                    request.num_cached_tokens,
+                )
+            )
+            if finish_reason is not None:
+                stopped.append(request)
+                self._free_request(
+                    request,
+                    RequestStatus.FINISHED_STOPPED
+                    if finish_reason is _STOP
+                    else RequestStatus.FINISHED_LENGTH_CAPPED,
+                )
+        if stopped:
+            gone = set(stopped)
+            self.running = [r for r in self.running if r not in gone]
+        return outputs
+
+    def _append_many(
+        self, request: Request, token_ids: list[int], new_logprobs: Logprobs | None
+    ) -> tuple[list[int], Logprobs | None, str | None, int | None]:
+        """Append several tokens of one step, stopping (and trimming) at the first stop."""
+        for k, token_id in enumerate(token_ids):
+            request.all_token_ids.append(token_id)
+            request.num_tokens += 1
+            if self.enable_caching and request.num_tokens % self.block_size == 0:
+                self._cache_new_full_block(request)
+            reason = stop_reason = None
+            if (
+                token_id in request.stop_token_set
+                and request.num_output_tokens > request.min_tokens
+            ):
+                reason = _STOP
+                if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
+                    stop_reason = token_id
+            elif request.num_tokens >= request.max_num_tokens:
+                reason = _LENGTH
+            if reason is not None:
+                if k + 1 < len(token_ids):
+                    token_ids = token_ids[: k + 1]
+                    if new_logprobs is not None:
+                        new_logprobs = Logprobs(
+                            new_logprobs.token_ids[: k + 1],
+                            new_logprobs.logprobs[: k + 1],
+                            new_logprobs.ranks[: k + 1],
+                        )
+                return token_ids, new_logprobs, reason, stop_reason
+        return token_ids, new_logprobs, None, None
+
+    def _cache_new_full_block(self, request: Request) -> None:
+        """A block just filled with known tokens: hash it, and cache it if its KV is scheduled."""
+        update_block_hashes(request, self.block_size)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+
+    # ── control and stats ───────────────────────────────────────────────────────────────
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.kv_cache_manager.statistics()
+        prefix = self.kv_cache_manager.prefix_cache_statistics()
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted_total=self.num_preempted_total,
+            kv_usage=stats.usage,
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_free_blocks=stats.num_cached_free_blocks,
+            prefix_queries_total=prefix.queries,
+            prefix_hits_total=prefix.hits,
+            step_num_prefill_tokens=self._last_num_prefill_tokens,
+            step_num_decode_tokens=self._last_num_decode_tokens,
+            step_token_budget=self.max_num_batched_tokens,
+        )
+
+    def kv_self_check(self) -> dict[str, object]:
+        """Audit the block pool against the requests (see `scheduler_checks.kv_self_check`)."""
+        return kv_self_check(self)
