@@ -120,3 +120,95 @@ def make_tiny_model(tmp_path: Any, arch: str = "llama", *, seed: int = 0, **over
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# HF tensor name -> GGUF name (llama.cpp's convert_hf_to_gguf naming)
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    base, _, kind = hf_name.rpartition(".")
+    if base in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)  # model.layers.N.<rest>
+    return f"blk.{layer}.{_GGUF_NAMES[rest]}.{kind}"
+
+
+def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
+    """Write the llama model in `hf_dir` as a llama.cpp-style GGUF, as convert_hf_to_gguf would.
+
+    q_proj/k_proj rows are permuted the way llama.cpp does for its rope; 2-D weights are
+    stored as `qtype` (F32, F16, BF16, Q8_0, Q4_1...), norms as F32. The tokenizer (byte-level
+    BPE) and chat template go into the `tokenizer.*` metadata.
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from vx.gpu.gguf_convert import permute_qk
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(gguf_path, "llama")
+    w.add_name("tiny-llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7, "BF16": 32}.get(qtype, 7))
+
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = CONTROL
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for name in sorted(tensors):
+        a = tensors[name].astype(np.float32)
+        if ".q_proj." in name:
+            a = permute_qk(a, cfg["num_attention_heads"])
+        elif ".k_proj." in name:
+            a = permute_qk(a, cfg["num_key_value_heads"])
+        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+        else:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_path

@@ -150,7 +150,7 @@ def _build_config(
     num_heads = int(meta.get(p + "attention.head_count"))
     num_kv_heads = int(meta.get(p + "attention.head_count_kv", num_heads))
     head_dim = int(meta.get(p + "attention.key_length", hidden // num_heads))
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    bos, eos, pad = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
     config_cls = getattr(transformers, _ARCHS[arch][0])
     kwargs: dict[str, Any] = dict(
         architectures=[_ARCHS[arch][1]],
@@ -165,6 +165,7 @@ def _build_config(
         tie_word_embeddings="output.weight" not in shapes,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),
+        pad_token_id=None if pad is None else int(pad),
         dtype=_FILE_TYPE_DTYPE.get(meta.get("general.file_type"), "bfloat16"),
     )
     if head_dim != hidden // num_heads:
