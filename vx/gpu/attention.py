@@ -1,0 +1,286 @@
+"""Paged attention over the block-table KV cache, and the per-step metadata it reads.
+
+Runs in: each Worker process.
+
+One flattened batch of T tokens mixes decodes (one query token each) and prefill chunks (which
+may start after a cached prefix). The ModelRunner orders it **decodes first**: requests
+``[0, num_decodes)`` have exactly one query token each, so their tokens are the contiguous
+range ``[0, num_decodes)``; the prefill chunks follow. Every layer calls `paged_attention`,
+which first writes the new K/V through `slot_mapping`, then attends through the block tables,
+causally within each chunk, with grouped-query heads (GQA).
+
+The KV layout is `vx.gpu.kv_cache`'s: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+
+CPU path (torch only, no per-request Python loop for decodes):
+
+- decodes: one `index_select` of whole blocks gathers every decode row's context into a
+  scratch buffer ``[Hkv, B, max_ctx, D]`` (reused by every layer of the step), then one SDPA
+  call attends with the G query heads of each kv head as the query rows and a key-padding mask;
+- prefill chunks: per chunk one SDPA; a chunk with no cached prefix attends to its own new K/V
+  with ``is_causal``, one with a prefix gathers its context from the cache and uses a
+  precomputed offset-causal mask.
+
+Everything that is the same for every layer (gather indices, masks, Triton tile maps) is built
+once per step by `build_attention_metadata`. On CUDA `paged_attention` calls the Triton kernels
+in `vx.gpu.triton_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vx.config import BLOCK_SIZE
+
+__all__ = [
+    "AttentionMetadata",
+    "PrefillChunk",
+    "build_attention_metadata",
+    "paged_attention",
+    "write_kv_cache",
+]
+
+
+@dataclass(eq=False)
+class PrefillChunk:
+    """One request with more than one query token (CPU path)."""
+
+    #: Token range of this chunk in the flattened batch.
+    start: int
+    end: int
+    num_computed: int
+    #: Blocks holding the context [0, num_computed + q_len); None when num_computed == 0.
+    block_ids: torch.Tensor | None
+    #: [q_len, ctx] bool, True = attend; None when num_computed == 0 (plain causal).
+    mask: torch.Tensor | None
+
+
+@dataclass(eq=False)
+class AttentionMetadata:
+    """What every layer's attention needs for one step; built once, read by all layers.
+
+    Invariants: requests ``[0, num_decodes)`` have query length 1 and own tokens
+    ``[0, num_decodes)``; `query_start_loc[-1] == num_tokens`; every slot in `slot_mapping`
+    lies in a block listed in its request's `block_table` row; ``seq_lens[i]`` is the
+    context length after this step's tokens (computed + scheduled).
+    """
+
+    num_tokens: int
+    num_reqs: int
+    num_decodes: int
+    #: [T] int64: cache slot (block_id * block_size + offset) of each new token.
+    slot_mapping: torch.Tensor
+    #: [R + 1] int32 cumulative query lengths.
+    query_start_loc: torch.Tensor
+    #: [R] int32 context lengths including this step's tokens.
+    seq_lens: torch.Tensor
+    #: [R, max_blocks] int32, the block tables cut to the widest row needed this step.
+    block_table: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # ── CPU decode path ──
+    #: [num_decodes * decode_num_blocks] int64 blocks to gather (padded rows repeat block 0).
+    decode_block_ids: torch.Tensor | None = None
+    decode_num_blocks: int = 0
+    #: [1, num_decodes, 1, decode_num_blocks * block_size] bool, True = attend.
+    decode_mask: torch.Tensor | None = None
+    # ── CPU prefill path ──
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # ── Triton path ──
+    #: [num_tiles] int32 request index and first query token (in the request) of each tile.
+    tile_req: torch.Tensor | None = None
+    tile_q_start: torch.Tensor | None = None
+    tile_block_m: int = 16
+    #: Per-step scratch (the decode gather buffers), shared by all layers of the step.
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def build_attention_metadata(
+    *,
+    query_lens: np.ndarray,
+    num_computed: np.ndarray,
+    block_table: np.ndarray,
+    slot_mapping: np.ndarray,
+    num_decodes: int,
+    device: torch.device | str = "cpu",
+    block_size: int = BLOCK_SIZE,
+    tile_block_m: int = 16,
+    for_triton: bool | None = None,
+) -> AttentionMetadata:
+    """Build the metadata from per-request numpy arrays (vectorised; loops only over prefills).
+
+    `block_table` is [R, >= blocks needed] (rows already gathered for these requests).
+    `for_triton` (default: on CUDA) adds the Triton tile map; on CUDA the CPU-path fields
+    are skipped.
+    """
+    device = torch.device(device)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    num_computed = np.asarray(num_computed, dtype=np.int64)
+    num_reqs = int(query_lens.shape[0])
+    if num_decodes and np.any(query_lens[:num_decodes] != 1):
+        raise ValueError("the first num_decodes requests must have query length 1")
+    seq_lens = num_computed + query_lens
+    cu = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    max_seq_len = int(seq_lens.max()) if num_reqs else 0
+    num_blocks_used = -(-max_seq_len // block_size)
+    bt = np.ascontiguousarray(block_table[:, :num_blocks_used], dtype=np.int32)
+
+    md = AttentionMetadata(
+        num_tokens=int(cu[-1]),
+        num_reqs=num_reqs,
+        num_decodes=num_decodes,
+        slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
+        query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_table=torch.from_numpy(bt).to(device),
+        max_query_len=int(query_lens.max()) if num_reqs else 0,
+        max_seq_len=max_seq_len,
+        tile_block_m=tile_block_m,
+    )
+    if for_triton is None:
+        for_triton = device.type == "cuda"
+    if for_triton:
+        # Triton: one program per (tile of tile_block_m query tokens of one request, q head).
+        tiles_per_req = -(-query_lens // tile_block_m)
+        tile_req = np.repeat(np.arange(num_reqs, dtype=np.int32), tiles_per_req)
+        first_tile = np.cumsum(tiles_per_req) - tiles_per_req
+        tile_idx = np.arange(tile_req.shape[0]) - np.repeat(first_tile, tiles_per_req)
+        md.tile_req = torch.from_numpy(tile_req).to(device)
+        md.tile_q_start = torch.from_numpy((tile_idx * tile_block_m).astype(np.int32)).to(device)
+    if device.type == "cuda":
+        return md
+
+    if num_decodes:
+        dec_lens = seq_lens[:num_decodes]
+        nblk = int(-(-dec_lens.max() // block_size))
+        ids = bt[:num_decodes, :nblk].astype(np.int64)
+        # Blocks past a row's length may hold anything (0 from the padding): they are masked.
+        col = np.arange(nblk)[None, :]
+        ids = np.where(col * block_size < dec_lens[:, None], ids, 0)
+        md.decode_num_blocks = nblk
+        md.decode_block_ids = torch.from_numpy(ids.reshape(-1))
+        pos = torch.arange(nblk * block_size)
+        mask = pos[None, :] < torch.from_numpy(dec_lens)[:, None]
+        md.decode_mask = mask[None, :, None, :]
+    for i in range(num_decodes, num_reqs):
+        start, end, nc = int(cu[i]), int(cu[i + 1]), int(num_computed[i])
+        if nc == 0:
+            md.prefills.append(PrefillChunk(start, end, 0, None, None))
+            continue
+        ctx = nc + (end - start)
+        nblk = -(-ctx // block_size)
+        q_pos = torch.arange(nc, ctx)
+        mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+        ids = torch.from_numpy(bt[i, :nblk].astype(np.int64))
+        md.prefills.append(PrefillChunk(start, end, nc, ids, mask))
+    return md
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k/v [T, Hkv, D] at their slots in the caches [Hkv, NB, BS, D] (torch path)."""
+    hkv, nb, bs, d = k_cache.shape
+    k_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    attn_metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write k/v into `kv_cache`, then attend: q [T, Hq, D] -> [T, Hq, D].
+
+    `k`, `v` are [T, Hkv, D] for the same tokens; Hq must be a multiple of Hkv.
+    """
+    k_cache, v_cache = kv_cache
+    if q.is_cuda:
+        from vx.gpu import triton_attention
+
+        triton_attention.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        return triton_attention.paged_attention(q, k_cache, v_cache, attn_metadata, scale)
+    write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+    out = torch.empty_like(q)
+    md = attn_metadata
+    if md.num_decodes:
+        out[: md.num_decodes] = _decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale)
+    for chunk in md.prefills:
+        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """All decode rows at once: gather their blocks, one SDPA with G query rows per kv head."""
+    hkv, _, bs, d = k_cache.shape
+    b, hq, _ = q.shape
+    g = hq // hkv
+    ctx = md.decode_num_blocks * bs
+    assert md.decode_block_ids is not None and md.decode_mask is not None
+    kbuf = md.scratch.get("decode_k")
+    if kbuf is None or kbuf.dtype != k_cache.dtype or kbuf.shape[0] != hkv:
+        shape = (hkv, md.decode_block_ids.shape[0], bs, d)
+        kbuf = md.scratch["decode_k"] = k_cache.new_empty(shape)
+        md.scratch["decode_v"] = v_cache.new_empty(shape)
+    vbuf = md.scratch["decode_v"]
+    torch.index_select(k_cache, 1, md.decode_block_ids, out=kbuf)
+    torch.index_select(v_cache, 1, md.decode_block_ids, out=vbuf)
+    # Query rows of one (kv head, request) batch entry are that kv head's G query heads.
+    qg = q.view(b, hkv, g, d).transpose(0, 1)
+    o = F.scaled_dot_product_attention(
+        qg,
+        kbuf.view(hkv, b, ctx, d),
+        vbuf.view(hkv, b, ctx, d),
+        attn_mask=md.decode_mask,
+        scale=scale,
+    )
+    return o.transpose(0, 1).reshape(b, hq, d)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk: causal over its own K/V, or over cached prefix + chunk with an offset mask."""
+    s, e = chunk.start, chunk.end
+    qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if chunk.block_ids is None:
+        ks = k[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vs = v[s:e].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        hkv, _, bs, d = k_cache.shape
+        ctx = chunk.num_computed + (e - s)
+        ks = k_cache.index_select(1, chunk.block_ids).view(hkv, -1, d)[:, :ctx]
+        vs = v_cache.index_select(1, chunk.block_ids).view(hkv, -1, d)[:, :ctx]
+        o = F.scaled_dot_product_attention(
+            qs,
+            ks.unsqueeze(0).to(q.dtype),
+            vs.unsqueeze(0).to(q.dtype),
+            attn_mask=chunk.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+    return o[0].transpose(0, 1)
