@@ -1,4 +1,4 @@
-"""OS-level helpers for `vx.ring`: memory fences, wake-up sockets, peer liveness, stale sweeps.
+"""OS-level plumbing for `vx.ring`: shm segments, memory fences, wake-ups, peer liveness.
 
 Runs in: every process that holds a ring end (ApiServer, EngineCore, Workers).
 
@@ -18,43 +18,56 @@ correctness. The payload itself lives in an owner-only (0600) segment.
 
 from __future__ import annotations
 
+import _posixshmem
 import errno
+import mmap
 import os
 import platform
 import select
 import socket
 import threading
+from multiprocessing import resource_tracker
 
 __all__ = [
     "FENCE_IS_FULL",
+    "Fence",
     "PeerWatch",
+    "ShmSegment",
     "WakeSender",
     "Waker",
-    "full_fence",
     "pid_alive",
     "sweep_stale_segments",
 ]
 
-_fence_lock = threading.Lock()
-_fence_acquire = _fence_lock.acquire
-_fence_release = _fence_lock.release
-
-#: True where `full_fence` is a real StoreLoad barrier: on x86-64 a lock acquire is a
-#: `lock cmpxchg`, which orders every earlier store before every later load. Elsewhere it is an
-#: acquire/release pair, which is weaker; the rings' bounded re-check interval then bounds the
-#: cost of a missed wake-up to `vx.ring.RECHECK_S` of latency (never a hang).
+#: True where `Fence` is known to be a full (StoreLoad) barrier: on x86 every lock operation is
+#: a `lock`-prefixed instruction. On ARMv8 the store-release of `release()` followed by the
+#: load-acquire of `acquire()` is ordered too (RCsc), but that is not tested on such hardware here;
+#: the rings' bounded re-check interval caps the cost of any missed wake-up at
+#: `vx.ring.RECHECK_S` of latency (never a hang).
 FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-def full_fence() -> None:
-    """Orders this thread's earlier shared-memory stores before its later loads.
+class Fence:
+    """A memory barrier callable from Python: `fence()` orders earlier loads and stores before
+    later ones (about 0.1 µs).
 
-    Python exposes no fence, so this borrows the one inside an uncontended lock round trip
-    (about 0.1 µs). The rings need it exactly where a Dekker-style handshake stores one flag and
-    then loads the peer's (publish a counter, then look at the peer's "parked" flag).
+    Python exposes no fence, so this borrows the one inside a lock round trip. The lock is held
+    between calls, so each call is `release()` (a store-release) followed by `acquire()` (a
+    load-acquire), both uncontended. One `Fence` per ring end: a ring end is used by one thread
+    at a time, which keeps the release/acquire pairs balanced.
     """
-    _fence_acquire()
-    _fence_release()
+
+    __slots__ = ("_acquire", "_lock", "_release")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._acquire = self._lock.acquire
+        self._release = self._lock.release
+
+    def __call__(self) -> None:
+        self._release()
+        self._acquire()
 
 
 def _abstract(name: str) -> str:
@@ -185,6 +198,65 @@ class PeerWatch:
             if fd >= 0:
                 os.close(fd)
         self._fds.clear()
+
+
+class ShmSegment:
+    """One mapped POSIX shm segment (mode 0600); `q` views it as native u64 slots.
+
+    The creator owns the name: it registers it with its resource tracker (which unlinks it if
+    the creator is killed -9) and unlinks it in `close()`. Attaching processes open it with
+    `shm_open` directly and never register. NOTE: on Python 3.11 `SharedMemory(create=False)`
+    always registers; the tracker's set is shared with spawned children, so unregistering after
+    such an attach would also drop the creator's entry.
+    """
+
+    __slots__ = ("mm", "name", "owner", "q")
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
+        self.name = name
+        self.owner = owner
+        self.mm = mmap.mmap(fd, size)
+        self.q = memoryview(self.mm).cast("Q")
+
+    @classmethod
+    def create(cls, name: str, size: int) -> ShmSegment:
+        path = "/" + name
+        fd = _posixshmem.shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        resource_tracker.register(path, "shared_memory")
+        try:
+            os.ftruncate(fd, size)
+            try:
+                # Reserve the tmpfs pages now: a full /dev/shm then fails here with ENOSPC
+                # instead of killing a process with SIGBUS on some later write.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            return cls(name, fd, size, owner=True)
+        except BaseException:
+            _posixshmem.shm_unlink(path)
+            resource_tracker.unregister(path, "shared_memory")
+            raise
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, name: str) -> ShmSegment:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            return cls(name, fd, os.fstat(fd).st_size, owner=False)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.q.release()
+        self.mm.close()
+        if self.owner:
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+            resource_tracker.unregister("/" + self.name, "shared_memory")
 
 
 def sweep_stale_segments(prefix: str = "vx") -> list[str]:

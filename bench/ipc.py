@@ -1,0 +1,221 @@
+"""IPC round-trip latency and one-way throughput: vx's ring vs ZMQ, mp.Queue and mp.Pipe.
+
+Runs in: a benchmark process that spawns one echo child per transport (multiprocessing spawn).
+Every transport is measured in the same run, interleaved per repeat, because this machine's
+speed drifts. Hold the shared lock: `flock /tmp/vx-bench.lock .venv/bin/python bench/ipc.py`.
+
+Round trip: the parent sends `size` bytes, the child sends the same bytes back; median and p99.
+Throughput: the parent streams messages one way, the child acknowledges the last one.
+pyzmq is optional (it is not a vx dependency): without it the ZMQ rows are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+from vx.ring import RingHandle, RingReader, RingWriter
+
+try:
+    import zmq
+except ImportError:  # pragma: no cover - depends on the environment
+    zmq = None
+
+SIZES = [64, 1 << 10, 16 << 10, 256 << 10, 1 << 20]
+_STREAM = b"S"  # control message: the next message is a count of messages to stream
+_ACK = b"A"
+
+
+def _serve(recv, send) -> None:
+    """The child's loop: echo, or swallow a stream and acknowledge it; ends on b"Q"."""
+    while True:
+        msg = recv()
+        if msg == b"Q":
+            return
+        if msg == _STREAM:
+            count = int(recv())
+            for _ in range(count):
+                recv()
+            send(_ACK)
+        else:
+            send(msg)
+
+
+def ring_child(ping: RingHandle, pong: RingHandle) -> None:
+    reader, writer = RingReader.attach(ping), RingWriter.attach(pong)
+    try:
+        _serve(reader.recv, writer.send)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def zmq_child(endpoint: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(endpoint)
+    try:
+        _serve(sock.recv, sock.send)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def queue_child(q_in, q_out) -> None:
+    _serve(q_in.get, q_out.put)
+
+
+def pipe_child(conn) -> None:
+    _serve(conn.recv_bytes, conn.send_bytes)
+
+
+class _Transport:
+    """The parent's side of one transport plus its echo child."""
+
+    def __init__(self, name, send, recv, proc, cleanup) -> None:
+        self.name, self.send, self.recv, self._proc, self._cleanup = name, send, recv, proc, cleanup
+
+    def close(self) -> None:
+        self.send(b"Q")
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._cleanup()
+
+
+def _start(ctx, target, args):
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def open_ring(ctx) -> _Transport:
+    # 4 MiB default rings; 1 MiB messages fit without chunking, as in vx.
+    ping = RingWriter.create(name_prefix="vxbench")
+    pong = RingReader.create(name_prefix="vxbench")
+    proc = _start(ctx, ring_child, (ping.handle, pong.handle))
+
+    def cleanup() -> None:
+        ping.close()
+        pong.close()
+
+    return _Transport("vx ring", ping.send, pong.recv, proc, cleanup)
+
+
+def open_zmq(ctx, tmpdir: str) -> _Transport:
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.PAIR)
+    endpoint = f"ipc://{tmpdir}/bench.sock"
+    sock.bind(endpoint)
+    proc = _start(ctx, zmq_child, (endpoint,))
+
+    def cleanup() -> None:
+        sock.close(linger=0)
+        zctx.term()
+
+    return _Transport("zmq ipc", sock.send, sock.recv, proc, cleanup)
+
+
+def open_queue(ctx) -> _Transport:
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = _start(ctx, queue_child, (q_in, q_out))
+    return _Transport("mp.Queue", q_in.put, q_out.get, proc, lambda: None)
+
+
+def open_pipe(ctx) -> _Transport:
+    parent, child = ctx.Pipe()
+    proc = _start(ctx, pipe_child, (child,))
+    return _Transport("mp.Pipe", parent.send_bytes, parent.recv_bytes, proc, parent.close)
+
+
+def round_trips(t: _Transport, size: int, budget_s: float) -> list[float]:
+    msg = os.urandom(size)
+    for _ in range(20):  # warm-up: caches, page faults, the child's first spin
+        t.send(msg)
+        t.recv()
+    samples: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(samples) < 20000 and (len(samples) < 50 or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        t.send(msg)
+        t.recv()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def throughput(t: _Transport, size: int, budget_s: float) -> float:
+    """Bytes per second, streaming `count` messages one way."""
+    msg = os.urandom(size)
+    count = max(20, min(20000, int(budget_s * 2e9 / 50 / max(size, 4096))))
+    t0 = time.perf_counter()
+    t.send(_STREAM)
+    t.send(str(count).encode())
+    for _ in range(count):
+        t.send(msg)
+    assert t.recv() == _ACK
+    return count * size / (time.perf_counter() - t0)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=0.4, help="seconds per measurement")
+    parser.add_argument("--sizes", type=int, nargs="*", default=SIZES)
+    args = parser.parse_args()
+
+    ctx = mp.get_context("spawn")
+    names = ["vx ring", "zmq ipc", "mp.Pipe", "mp.Queue"]
+    if zmq is None:
+        print("pyzmq is not installed: skipping the ZMQ rows (pip install pyzmq)")
+        names.remove("zmq ipc")
+    # results[name][size] = list over repeats of (median_s, p99_s, bytes_per_s)
+    results: dict[str, dict[int, list[tuple[float, float, float]]]] = {
+        n: {s: [] for s in args.sizes} for n in names
+    }
+    with tempfile.TemporaryDirectory(prefix="vxbench-") as tmpdir:
+        for _ in range(args.repeats):
+            for name in names:
+                t = {
+                    "vx ring": lambda: open_ring(ctx),
+                    "zmq ipc": lambda: open_zmq(ctx, tmpdir),
+                    "mp.Pipe": lambda: open_pipe(ctx),
+                    "mp.Queue": lambda: open_queue(ctx),
+                }[name]()
+                try:
+                    for size in args.sizes:
+                        rt = round_trips(t, size, args.budget)
+                        p99 = statistics.quantiles(rt, n=100)[98]
+                        bw = throughput(t, size, args.budget)
+                        results[name][size].append((statistics.median(rt), p99, bw))
+                finally:
+                    t.close()
+
+    def med(name: str, size: int, k: int) -> float:
+        return statistics.median(r[k] for r in results[name][size])
+
+    print(f"\nIPC between two spawned processes, median of {args.repeats} repeats")
+    print("round trip µs (median / p99), one-way throughput MB/s, ratio = RT median / ZMQ's")
+    header = f"{'transport':<10} {'size':>8} {'RT med':>9} {'RT p99':>9} {'MB/s':>9} {'vs zmq':>7}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        for size in args.sizes:
+            rt, p99, bw = med(name, size, 0), med(name, size, 1), med(name, size, 2)
+            ratio = f"{rt / med('zmq ipc', size, 0):.2f}" if zmq is not None else "-"
+            print(
+                f"{name:<10} {_fmt_size(size):>8} {rt * 1e6:>9.1f} {p99 * 1e6:>9.1f} "
+                f"{bw / 1e6:>9.0f} {ratio:>7}"
+            )
+
+
+if __name__ == "__main__":
+    main()
