@@ -246,7 +246,9 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
 
 def _convert_slow(root: pathlib.Path, template: object) -> tuple[_RustTokenizer, object]:
     """No tokenizer.json: let transformers build the fast tokenizer once (imports torch)."""
-    logger.warning("%s has no tokenizer.json; converting the slow tokenizer with transformers", root)
+    logger.warning(
+        "%s has no tokenizer.json; converting the slow tokenizer with transformers", root
+    )
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(root))

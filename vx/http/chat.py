@@ -1,0 +1,226 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, n, logprobs, streaming.
+
+Runs in: the ApiServer process. Streams follow OpenAI's shape: one id for every chunk, the
+role alone in each choice's first chunk, `finish_reason` only on a choice's last chunk, and with
+`stream_options.include_usage` a final chunk with `choices: []` and the usage, before
+`data: [DONE]`. Tools may be passed to the template; tool calls are not parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vx.http.completions import check_length, read_body
+from vx.http.detokenizer import TextState
+from vx.http.errors import APIError
+from vx.http.generation import Choice, Generation, ServerContext, new_request_id
+from vx.http.protocol import (
+    ChatCompletionRequest,
+    CompletionMessage,
+    build_sampling_params,
+    check_prompt_ids,
+    fan_out,
+    parse_body,
+)
+from vx.http.tokenizer import ChatTemplateError, Tokenizer
+
+
+def message_dicts(messages: list[CompletionMessage]) -> list[dict[str, Any]]:
+    """The messages as the dicts chat templates expect; text parts are joined with newlines."""
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise APIError(
+                        400, "a text content part needs a string `text`", param="messages"
+                    )
+                texts.append(text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls is not None:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def render_chat(
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    tools: list[Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text; template failures are a 400."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400, "continue_final_message and add_generation_prompt are exclusive",
+            param="continue_final_message",
+        )  # fmt: skip
+    kwargs = dict(extra or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    try:
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            **kwargs,
+        )  # fmt: skip
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if continue_final_message:
+        final = str(messages[-1].get("content", "")).strip()
+        cut = text.rfind(final) if final else -1
+        if cut >= 0:
+            text = text[: cut + len(final)]
+    return text
+
+
+class ChatGeneration(Generation):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, logprobs: bool, top_logprobs: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.ctx.tokenizer.token_bytes(token_id)
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": logprob,
+            "bytes": list(raw),
+        }
+
+    def _logprobs(self, rows: tuple[list[list[int]], list[list[float]]]) -> dict[str, Any]:
+        content = []
+        for ids, values in zip(*rows, strict=True):
+            entry = self._entry(ids[0], values[0])
+            k = self.top_logprobs
+            entry["top_logprobs"] = [
+                self._entry(t, v) for t, v in zip(ids[1 : 1 + k], values[1 : 1 + k], strict=True)
+            ]
+            content.append(entry)
+        return {"content": content}
+
+    def first_chunks(self, c: Choice) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [
+            self.chunk(
+                [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+            )
+        ]
+
+    def delta_chunk(self, c: Choice, text: str, finish_reason: str | None) -> dict[str, Any] | None:
+        logprobs = None
+        if self.logprobs:
+            rows = self.take_logprob_rows(c)
+            if rows[0]:
+                logprobs = self._logprobs(rows)
+        if not (text or logprobs or finish_reason):
+            return None
+        choice = {
+            "index": c.index,
+            "delta": {"content": text} if text else {},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason:
+            choice["stop_reason"] = c.state.stop_reason
+        return self.chunk([choice])
+
+    def final_body(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            logprobs = self._logprobs((c.lp_token_ids, c.lp_values)) if self.logprobs else None
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.state.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.state.finish_reason,
+                    "stop_reason": c.state.stop_reason,
+                }
+            )
+        body = self.chunk(choices)
+        body["object"] = "chat.completion"
+        body["usage"] = self.usage()
+        return body
+
+
+async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGeneration:
+    """Validate, render and tokenize; every failure here is an APIError, nothing admitted."""
+    model = ctx.check_model(req.model)
+    ctx.check_available()
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
+                       param="response_format")  # fmt: skip
+    if req.tools and req.tool_choice not in (None, "none", "auto"):
+        raise APIError(
+            400, "tool_choice other than none/auto is not supported", param="tool_choice"
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    tok = ctx.tokenizer
+    text = render_chat(
+        tok,
+        message_dicts(req.messages),
+        add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+        continue_final_message=req.continue_final_message,
+        chat_template=req.chat_template,
+        tools=req.tools,
+        extra=req.chat_template_kwargs,
+    )
+    ids = await tok.encode_async(text, add_special_tokens=req.add_special_tokens)
+    check_prompt_ids(ids, tok.vocab_size, param="messages")
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
+    max_tokens = check_length(ctx, len(ids), requested, param)
+    top = req.top_logprobs or 0
+    params = build_sampling_params(
+        req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
+        vocab_size=tok.vocab_size,
+    )  # fmt: skip
+    response_id = new_request_id("chatcmpl")
+    choices = [
+        Choice(i, f"{response_id}-{i}", ids, p, TextState(tok, ids, p, tok.eos_token_ids))
+        for i, p in enumerate(fan_out(params, req.n))
+    ]
+    gen = ChatGeneration(ctx, response_id, model, choices, logprobs=req.logprobs, top_logprobs=top)
+    gen.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return gen
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
+    ctx.metrics.received.inc()
+    try:
+        req = parse_body(await read_body(request), ChatCompletionRequest)
+        gen = await build_chat(ctx, req)
+        gen.submit()
+    except APIError as e:
+        ctx.metrics.rejected(e.status)
+        return e.response()
+    if req.stream:
+        return gen.streaming_response()  # type: ignore[return-value]
+    try:
+        return await gen.complete(request.receive)
+    except APIError as e:
+        return e.response()

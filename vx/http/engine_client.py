@@ -1,0 +1,469 @@
+"""EngineClient: the ApiServer's handle on its EngineCores, over the vx rings.
+
+Runs in: the ApiServer process, inside the launcher's anyio task group. It imports no vx.core:
+everything it knows about an EngineCore arrives as a `vx.messages` event.
+
+One reader task per engine decodes `EngineCoreEvent`s and dispatches each `EngineCoreOutput`
+into its request's `RequestStream`, a mailbox that merges deltas when the HTTP side reads slower
+than the engine produces. The dispatcher therefore never blocks on a client, and a slow client
+costs memory proportional only to the tokens it has not read yet (bounded by max_tokens).
+
+Writes to the engines (`AddRequest`, `AbortRequests`, `UtilityRequest`) are non-blocking: when an
+input ring is full, messages wait in a per-engine outbox that a flusher task drains in order, so
+`abort_nowait` is safe in `finally` blocks and cancelled scopes, and never loses an abort.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from vx import codec, messages
+from vx.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+#: Messages an engine's outbox may hold before `add_request` refuses new work (503).
+MAX_OUTBOX = 4096
+#: How often the flusher retries a full input ring.
+FLUSH_RETRY_S = 0.001
+
+
+class EngineBusyError(RuntimeError):
+    """The engine's input ring and the outbox are both full (an HTTP 503 with Retry-After)."""
+
+
+class RingWriterLike(Protocol):
+    def send_nowait(self, data: bytes) -> None: ...
+
+
+class RingReaderLike(Protocol):
+    def recv_nowait(self) -> bytes: ...
+
+    async def receive(self) -> bytes: ...
+
+
+class OutputObserver(Protocol):
+    """Receives per-request timings as outputs arrive (the /metrics histograms)."""
+
+    def on_tokens(self, *, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """Everything a request gained since the consumer last looked (merged engine outputs)."""
+
+    new_token_ids: list[int] = field(default_factory=list)
+    #: Logprob rows for `new_token_ids` (row i: sampled token first, then the top-k).
+    logprob_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    prompt_logprobs: messages.Logprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, out: messages.EngineCoreOutput) -> None:
+        self.new_token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            self.logprob_token_ids.extend(out.new_logprobs.token_ids)
+            self.logprobs.extend(out.new_logprobs.logprobs)
+            self.ranks.extend(out.new_logprobs.ranks)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.error = out.error
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+
+
+class RequestStream:
+    """The mailbox of one engine request, written by the dispatcher, read by one HTTP task.
+
+    Invariants: at most `limit` undelivered deltas are kept (newer outputs merge into the last
+    one); after a delta with `finish_reason` is queued nothing more is accepted; `get()` after
+    the final delta has been delivered raises `anyio.EndOfStream`.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_delivered_final",
+        "_event",
+        "_limit",
+        "_queue",
+        "arrival_time",
+        "engine_index",
+        "first_token_time",
+        "last_token_time",
+        "num_output_tokens",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str, engine_index: int, *, limit: int = 1) -> None:
+        self.request_id = request_id
+        self.engine_index = engine_index
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_output_tokens = 0
+        self._limit = max(1, limit)
+        self._queue: collections.deque[RequestDelta] = collections.deque()
+        self._event = anyio.Event()
+        self._closed = False
+        self._delivered_final = False
+
+    @property
+    def finished(self) -> bool:
+        """True once the final delta is queued (the engine finished, aborted or died)."""
+        return self._closed
+
+    def put(self, out: messages.EngineCoreOutput) -> None:
+        if self._closed:
+            return
+        if self._queue and len(self._queue) >= self._limit:
+            self._queue[-1].merge(out)
+        else:
+            delta = RequestDelta()
+            delta.merge(out)
+            self._queue.append(delta)
+        if out.finish_reason is not None:
+            self._closed = True
+        self._event.set()
+
+    def put_final(self, finish_reason: str, error: str | None = None) -> None:
+        """End the stream from the front (engine death, abort): wakes the reader at once."""
+        self.put(
+            messages.EngineCoreOutput(
+                request_id=self.request_id,
+                new_token_ids=[],
+                finish_reason=finish_reason,
+                error=error,
+            )
+        )
+
+    def get_nowait(self) -> RequestDelta:
+        if self._queue:
+            delta = self._queue.popleft()
+            if delta.finished:
+                self._delivered_final = True
+            return delta
+        if self._delivered_final:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
+    async def get(self) -> RequestDelta:
+        """The merged delta since the last call; waits while there is none."""
+        while True:
+            try:
+                delta = self.get_nowait()
+            except anyio.WouldBlock:
+                await self._event.wait()
+                self._event = anyio.Event()
+                continue
+            await anyio.lowlevel.checkpoint()
+            return delta
+
+
+class EngineClient:
+    """Routes requests to EngineCores and their outputs back to per-request mailboxes.
+
+    Invariants: every id in `_streams` belongs to a request the engine may still be running;
+    a stream leaves `_streams` exactly once (finished, aborted, or the engine died) and then
+    its engine's load count drops by one; once `is_dead`, no request is admitted and no stream
+    is left open.
+    """
+
+    def __init__(
+        self,
+        engines: list[tuple[Any, Any]],
+        *,
+        mailbox_limit: int = 1,
+    ) -> None:
+        if not engines:
+            raise ValueError("EngineClient needs at least one engine")
+        self._writers = [w for w, _ in engines]
+        self._readers = [r for _, r in engines]
+        self._mailbox_limit = mailbox_limit
+        self._encoder = codec.engine_input_codec()
+        self._decoder = codec.engine_event_codec()
+        self._streams: dict[str, RequestStream] = {}
+        self._load = [0] * len(engines)
+        self._outbox: list[collections.deque[bytes]] = [collections.deque() for _ in engines]
+        self._outbox_event = anyio.Event()
+        self._ready: dict[int, messages.EngineReady] = {}
+        self._all_ready = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._stats: dict[int, messages.SchedulerStats] = {}
+        self._call_ids = itertools.count()
+        self._calls: dict[int, tuple[anyio.Event, list[messages.UtilityResult]]] = {}
+        self.is_dead = False
+        self.dead_reason: str | None = None
+        #: Set by the launcher on SIGTERM: /health and new requests answer 503.
+        self.draining = False
+        self.observer: OutputObserver | None = None
+        self._readers_scope: anyio.CancelScope | None = None
+
+    # ─────────────────────────── state ───────────────────────────
+
+    @property
+    def ready(self) -> list[messages.EngineReady]:
+        return [self._ready[i] for i in sorted(self._ready)]
+
+    @property
+    def max_model_len(self) -> int:
+        return min(r.max_model_len for r in self._ready.values()) if self._ready else 0
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._writers)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def latest_stats(self, engine_index: int) -> messages.SchedulerStats | None:
+        return self._stats.get(engine_index)
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is in flight (used to drain on SIGTERM)."""
+        while self._streams:
+            await self._idle.wait()
+
+    def mark_dead(self, reason: str) -> None:
+        """Fail every open stream and utility call; later requests get EngineDeadError."""
+        if self.is_dead:
+            return
+        self.is_dead = True
+        self.dead_reason = reason
+        logger.error("engine marked dead: %s", reason)
+        for stream in list(self._streams.values()):
+            stream.put_final(messages.FinishReason.ERROR, f"engine dead: {reason}")
+        self._streams.clear()
+        self._load = [0] * len(self._load)
+        self._idle.set()
+        for event, _ in self._calls.values():
+            event.set()
+        self._all_ready.set()
+        if self._readers_scope is not None:
+            self._readers_scope.cancel()
+
+    # ─────────────────────────── requests ───────────────────────────
+
+    def add_request(self, req: messages.AddRequest) -> RequestStream:
+        """Send `req` to the least-loaded engine and return its mailbox.
+
+        Raises:
+            EngineDeadError: the engine is dead.
+            EngineBusyError: the engine's input is backed up beyond `MAX_OUTBOX` messages.
+            ValueError: the request id is already in flight.
+        """
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        if req.request_id in self._streams:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        engine_index = min(range(len(self._load)), key=self._load.__getitem__)
+        if len(self._outbox[engine_index]) >= MAX_OUTBOX:
+            raise EngineBusyError("the engine is not keeping up with its input")
+        stream = RequestStream(req.request_id, engine_index, limit=self._mailbox_limit)
+        self._send(engine_index, self._encoder.encode(req))
+        self._streams[req.request_id] = stream
+        self._load[engine_index] += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        return stream
+
+    def abort_nowait(self, request_ids: list[str], cause: str) -> None:
+        """Abort in-flight requests in the front and in their engines; never blocks.
+
+        Ids that already finished are ignored, so this is idempotent and safe in `finally`.
+        """
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            self._forget(stream)
+            stream.put_final(messages.FinishReason.ABORT)
+            by_engine.setdefault(stream.engine_index, []).append(request_id)
+        if self.is_dead:
+            return
+        for engine_index, ids in by_engine.items():
+            logger.debug("aborting %d request(s) on engine %d: %s", len(ids), engine_index, cause)
+            msg = messages.AbortRequests(request_ids=ids, cause=cause)
+            self._send(engine_index, self._encoder.encode(msg))
+
+    async def call_utility(
+        self, method: str, args: dict[str, object] | None = None, engine_index: int = 0
+    ) -> dict[str, object]:
+        """Run a control call on one engine and return its result.
+
+        Raises:
+            EngineDeadError: the engine died before it answered.
+            RuntimeError: the engine reported an error.
+        """
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        call_id = next(self._call_ids)
+        event = anyio.Event()
+        slot: list[messages.UtilityResult] = []
+        self._calls[call_id] = (event, slot)
+        try:
+            req = messages.UtilityRequest(call_id=call_id, method=method, args=args or {})
+            self._send(engine_index, self._encoder.encode(req))
+            await event.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if not slot:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        if slot[0].error is not None:
+            raise RuntimeError(f"{method} failed: {slot[0].error}")
+        return dict(slot[0].result)
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.pop(stream.request_id, None) is not None:
+            self._load[stream.engine_index] -= 1
+            if not self._streams:
+                self._idle.set()
+
+    def _send(self, engine_index: int, data: bytes) -> None:
+        outbox = self._outbox[engine_index]
+        if not outbox:
+            try:
+                self._writers[engine_index].send_nowait(data)
+                return
+            except anyio.WouldBlock:
+                pass
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+                self.mark_dead(f"engine {engine_index} input ring: {e!r}")
+                return
+        # NOTE: once anything waits in the outbox, every later message queues behind it, so the
+        # engine sees AddRequest and AbortRequests for an id in the order they were sent.
+        outbox.append(data)
+        self._outbox_event.set()
+
+    async def _flush_outboxes(self) -> None:
+        while True:
+            await self._outbox_event.wait()
+            self._outbox_event = anyio.Event()
+            while any(self._outbox) and not self.is_dead:
+                for engine_index, outbox in enumerate(self._outbox):
+                    while outbox:
+                        try:
+                            self._writers[engine_index].send_nowait(outbox[0])
+                        except anyio.WouldBlock:
+                            break
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+                            self.mark_dead(f"engine {engine_index} input ring: {e!r}")
+                            break
+                        outbox.popleft()
+                if any(self._outbox):
+                    await anyio.sleep(FLUSH_RETRY_S)
+
+    # ─────────────────────────── reading ───────────────────────────
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Read every engine's events until they close or die.
+
+        Calls `task_status.started()` once every engine sent EngineReady. Returns when all
+        readers have stopped (after a clean close, or after the engine was marked dead).
+
+        Raises:
+            EngineDeadError: an engine died before every engine was ready.
+        """
+        started = False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._flush_outboxes)
+            async with anyio.create_task_group() as readers:
+                self._readers_scope = readers.cancel_scope
+                for i, reader in enumerate(self._readers):
+                    readers.start_soon(self._read_loop, i, reader)
+                await self._all_ready.wait()
+                if not self.is_dead:
+                    task_status.started()
+                    started = True
+            tg.cancel_scope.cancel()
+        if not started:
+            raise EngineDeadError(f"engine failed during start-up: {self.dead_reason}")
+
+    async def _read_loop(self, engine_index: int, reader: Any) -> None:
+        try:
+            while not self.is_dead:
+                self._handle(await reader.receive())
+                # Drain whatever else is already there before waiting again.
+                while not self.is_dead:
+                    try:
+                        data = reader.recv_nowait()
+                    except anyio.WouldBlock:
+                        break
+                    self._handle(data)
+        except anyio.EndOfStream:
+            if self._streams or len(self._ready) < len(self._readers):
+                self.mark_dead(f"engine {engine_index} closed its output ring")
+        except anyio.BrokenResourceError:
+            self.mark_dead(f"engine {engine_index} died")
+
+    def _handle(self, data: bytes) -> None:
+        event = self._decoder.decode(data)
+        if isinstance(event, messages.EngineCoreOutputs):
+            self._dispatch(event)
+        elif isinstance(event, messages.UtilityResult):
+            call = self._calls.get(event.call_id)
+            if call is not None:
+                call[1].append(event)
+                call[0].set()
+        elif isinstance(event, messages.EngineReady):
+            logger.info(
+                "engine %d ready: %d KV blocks, max_model_len %d",
+                event.engine_index,
+                event.num_blocks,
+                event.max_model_len,
+            )
+            self._ready[event.engine_index] = event
+            if len(self._ready) == len(self._readers):
+                self._all_ready.set()
+        elif isinstance(event, messages.EngineDead):
+            self.mark_dead(f"engine {event.engine_index}: {event.reason}")
+
+    def _dispatch(self, batch: messages.EngineCoreOutputs) -> None:
+        if batch.scheduler_stats is not None:
+            self._stats[batch.engine_index] = batch.scheduler_stats
+        now = time.monotonic()
+        observer = self.observer
+        for out in batch.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                # Already aborted (client left, stop string): the engine may be a step behind.
+                logger.debug("output for unknown request %s dropped", out.request_id)
+                continue
+            if out.new_token_ids:
+                n = len(out.new_token_ids)
+                ttft = itl = None
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    ttft = now - stream.arrival_time
+                elif stream.last_token_time is not None:
+                    itl = (now - stream.last_token_time) / n
+                stream.last_token_time = now
+                stream.num_output_tokens += n
+                if observer is not None:
+                    observer.on_tokens(num_tokens=n, ttft_s=ttft, itl_s=itl)
+            stream.put(out)
+            if out.finish_reason is not None:
+                self._forget(stream)

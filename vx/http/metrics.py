@@ -1,0 +1,176 @@
+"""Prometheus metrics for /metrics: vLLM's set under a `vx:` prefix, plus request accounting.
+
+Runs in: the ApiServer process, with its own CollectorRegistry (two apps in one test process
+never share counters). Engine-side figures (running, waiting, KV usage, prefix cache,
+preemptions) are read from the latest `SchedulerStats` of each engine at scrape time; request
+latencies are observed in the front as outputs arrive.
+
+Accounting invariant, per HTTP inference request (a POST to /v1/completions or
+/v1/chat/completions, whatever its n): exactly one of `vx:requests_rejected_total{status}`,
+`vx:request_success_total{finished_reason}` or `vx:request_aborted_total{cause}` is counted for
+each `vx:requests_received_total`, so received == rejected + finished + aborted once idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from vx.http.engine_client import EngineClient
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds), trimmed to what a small server sees.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from each engine's latest SchedulerStats at scrape time."""
+
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self._client = client
+        self._model = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily(
+            "vx:num_requests_running", "Requests in model execution batches.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "vx:num_requests_waiting", "Requests waiting to be processed.", labels=labels
+        )
+        kv = GaugeMetricFamily(
+            "vx:kv_cache_usage_perc", "KV-cache usage (1 means 100 percent).", labels=labels
+        )
+        queries = CounterMetricFamily(
+            "vx:prefix_cache_queries", "Prefix cache queries, in tokens.", labels=labels
+        )
+        hits = CounterMetricFamily(
+            "vx:prefix_cache_hits", "Prefix cache hits, in tokens.", labels=labels
+        )
+        preempt = CounterMetricFamily(
+            "vx:num_preemptions", "Cumulative preemptions.", labels=labels
+        )
+        dead = GaugeMetricFamily(
+            "vx:engine_dead", "1 when the engine is dead.", labels=["model_name"]
+        )
+        for i in range(self._client.num_engines):
+            stats = self._client.latest_stats(i)
+            values = [self._model, str(i)]
+            if stats is None:
+                running.add_metric(values, 0)
+                waiting.add_metric(values, 0)
+                kv.add_metric(values, 0.0)
+                queries.add_metric(values, 0)
+                hits.add_metric(values, 0)
+                preempt.add_metric(values, 0)
+                continue
+            running.add_metric(values, stats.num_running)
+            waiting.add_metric(values, stats.num_waiting)
+            kv.add_metric(values, stats.kv_usage)
+            queries.add_metric(values, stats.prefix_queries_total)
+            hits.add_metric(values, stats.prefix_hits_total)
+            preempt.add_metric(values, stats.num_preempted_total)
+        dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
+        yield from (running, waiting, kv, queries, hits, preempt, dead)
+
+
+class Metrics:
+    """The front's metrics. Also the EngineClient's `OutputObserver` (TTFT and ITL).
+
+    Invariant: see the module docstring (received == rejected + finished + aborted).
+    """
+
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        # The `_created` series double every counter's output and nothing reads them (vLLM
+        # turns them off too). The switch is process-wide; the ApiServer has no other registry.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        m = ["model_name"]
+        self._model = model_name
+        self.ttft = Histogram("vx:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)  # fmt: skip
+        self.itl = Histogram("vx:inter_token_latency_seconds", "Inter-token latency.", m,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)  # fmt: skip
+        self.e2e = Histogram("vx:e2e_request_latency_seconds", "End-to-end request latency.", m,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)  # fmt: skip
+        self.prompt_tokens = Counter("vx:prompt_tokens", "Prefill tokens processed.", m,
+                                     registry=r).labels(model_name)  # fmt: skip
+        self.generation_tokens = Counter("vx:generation_tokens", "Generation tokens processed.",
+                                         m, registry=r).labels(model_name)  # fmt: skip
+        self.received = Counter("vx:requests_received", "Inference HTTP requests received.", m,
+                                registry=r).labels(model_name)  # fmt: skip
+        self._rejected = Counter("vx:requests_rejected", "Inference HTTP requests refused "
+                                 "before admission, by status.", ["model_name", "status"],
+                                 registry=r)  # fmt: skip
+        self._success = Counter("vx:request_success", "Inference HTTP requests finished, by "
+                                "finish reason.", ["model_name", "finished_reason"],
+                                registry=r)  # fmt: skip
+        self._aborted = Counter("vx:request_aborted", "Inference HTTP requests aborted, by "
+                                "cause.", ["model_name", "cause"], registry=r)  # fmt: skip
+        self._http = Counter("vx:http_responses", "HTTP responses by route and status.",
+                             ["path", "status"], registry=r)  # fmt: skip
+        r.register(_EngineCollector(client, model_name))
+        # Make the labelled series exist at 0, so a scrape always shows the whole set.
+        for reason in ("stop", "length"):
+            self._success.labels(model_name, reason)
+        for cause in ("client_disconnect", "error"):
+            self._aborted.labels(model_name, cause)
+
+    # ── OutputObserver ──
+    def on_tokens(self, *, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if itl_s is not None:
+            self.itl.observe(itl_s)
+
+    # ── request accounting ──
+    def rejected(self, status: int) -> None:
+        self._rejected.labels(self._model, str(status)).inc()
+
+    def finished(self, reason: str, e2e_s: float) -> None:
+        self._success.labels(self._model, reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def aborted(self, cause: str) -> None:
+        self._aborted.labels(self._model, cause).inc()
+
+    def http_response(self, path: str, status: int) -> None:
+        self._http.labels(path, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def totals(self) -> dict[str, float]:
+        """received / rejected / finished / aborted sums (tests and the accounting check)."""
+        out = {"received": 0.0, "rejected": 0.0, "finished": 0.0, "aborted": 0.0}
+        names = {
+            "vx:requests_received": "received",
+            "vx:requests_rejected": "rejected",
+            "vx:request_success": "finished",
+            "vx:request_aborted": "aborted",
+        }
+        for family in self.registry.collect():
+            key = names.get(family.name)
+            if key is None:
+                continue
+            out[key] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return out

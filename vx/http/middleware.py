@@ -1,0 +1,189 @@
+"""Pure ASGI middleware: API-key auth, request-body limit, response accounting.
+
+Runs in: the ApiServer process. None of these wrap `receive` in a way that hides
+`http.disconnect` (starlette's BaseHTTPMiddleware does; vLLM #10087), so disconnects still reach
+the endpoints. CORS is starlette's own `CORSMiddleware`, which is pure ASGI too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vx.http.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+#: Routes answered without an API key (deny by default; see reliability.md §1.5).
+PUBLIC_PATHS = frozenset({"/health", "/"})
+
+
+#: Called with (path, status) when a middleware refuses a request itself.
+OnReject = Callable[[str, int], None]
+
+
+class BodyTooLargeError(Exception):
+    """Raised from the wrapped `receive` once a body passes the limit."""
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    body = err.response()
+    await body({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:  # pragma: no cover - responses never read
+    return {"type": "http.disconnect"}
+
+
+class AuthMiddleware:
+    """Requires `Authorization: Bearer <key>` (or `X-Api-Key`) on every non-public route.
+
+    Invariant: keys are kept only as SHA-256 digests and every presented key is compared with
+    every configured digest (`hmac.compare_digest`, no early exit), so the time taken does not
+    depend on which key, or how much of one, matched. CORS preflights (OPTIONS) pass through to
+    the CORS layer outside this one.
+    """
+
+    def __init__(
+        self, app: ASGIApp, api_keys: Iterable[str], on_reject: OnReject | None = None
+    ) -> None:
+        self.app = app
+        self._on_reject = on_reject
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+
+    def _authorized(self, scope: Scope) -> bool:
+        presented: bytes | None = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    presented = token.strip()
+            elif name == b"x-api-key" and presented is None:
+                presented = value.strip()
+        if presented is None:
+            return False
+        digest = hashlib.sha256(presented).digest()
+        ok = False
+        for expected in self._digests:
+            ok |= hmac.compare_digest(digest, expected)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or not self._digests
+            or scope["path"] in PUBLIC_PATHS
+            or scope["method"] == "OPTIONS"
+            or self._authorized(scope)
+        ):
+            await self.app(scope, receive, send)
+            return
+        if self._on_reject is not None:
+            self._on_reject(scope["path"], 401)
+        await _send_error(
+            send,
+            APIError(
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            ),
+        )
+
+
+class BodyLimitMiddleware:
+    """Answers 413 for a body over `max_body_bytes`, before reading it when it can.
+
+    A declared Content-Length over the limit is refused without reading a byte; a body without
+    one (chunked, HTTP/2) is counted as it streams in, and refused the moment it passes the
+    limit, as long as no response has started.
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, on_reject: OnReject | None = None
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self._on_reject = on_reject
+
+    def _error(self) -> APIError:
+        return APIError(
+            413,
+            f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await _send_error(send, APIError(400, "invalid Content-Length header"))
+                    return
+                if declared > self.max_body_bytes:
+                    if self._on_reject is not None:
+                        self._on_reject(scope["path"], 413)
+                    await _send_error(send, self._error())
+                    return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLargeError
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLargeError:
+            if started:
+                raise
+            await _send_error(send, self._error())
+
+
+class ResponseCounterMiddleware:
+    """Counts every HTTP response by route template and status (for /metrics)."""
+
+    def __init__(self, app: ASGIApp, record: Callable[[str, int], None], paths: set[str]) -> None:
+        self.app = app
+        self._record = record
+        self._paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in self._paths else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._record(path, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def chain(app: ASGIApp, *layers: tuple[Any, dict[str, Any]]) -> ASGIApp:
+    """Wrap `app` in `layers`, the first listed ending up outermost."""
+    for cls, kwargs in reversed(layers):
+        app = cls(app, **kwargs)
+    return app

@@ -1,0 +1,237 @@
+"""OpenAI request bodies as msgspec Structs, and their translation to SamplingParams.
+
+Runs in: the ApiServer process. Unknown fields are tolerated (as OpenAI and vLLM do); a field
+of the wrong type is a 400 naming it. Ranges are checked once, by `SamplingParams.validate`.
+
+`n > 1` fans out into n engine requests with ids `{id}-{i}`; when a seed is given, choice i
+is sampled with `seed + i` (vLLM's parallel sampling does the same), so the n choices differ
+from each other yet a repeated request reproduces all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from vx.http.errors import APIError, from_validation_error
+from vx.sampling_params import SamplingParams
+
+#: OpenAI's documented cap on stop sequences is 4; vLLM allows more. SamplingParams caps at 16.
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints: OpenAI's sampling set plus vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    best_of: int | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, strings, token ids or lists of token ids."""
+
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[Any] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[CompletionMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: completion style (`prompt`) or chat style (`messages`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[CompletionMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(body: bytes, kind: type[Any]) -> Any:
+    """Decode a JSON body into `kind`, or raise a 400 APIError."""
+    if not body:
+        raise APIError(
+            400, "the request body is empty; expected a JSON object", code="invalid_json"
+        )
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.MsgspecError as e:
+        raise from_validation_error(e) from None
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop accepts at most {MAX_STOP_STRINGS} strings", param="stop")
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    return stops
+
+
+def build_sampling_params(
+    req: _SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+) -> SamplingParams:
+    """The request's SamplingParams (before `n` fan-out); a 400 APIError when out of range."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (use n)", param="best_of")
+    kwargs: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "stop": stop_strings(req.stop),
+        "logprobs": logprobs,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "prompt_logprobs",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if req.logit_bias:
+        bias: dict[int, float] = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(
+                    400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+            if not 0 <= token_id < vocab_size:
+                raise APIError(
+                    400, f"logit_bias token id {token_id} is out of vocabulary", param="logit_bias"
+                )
+            bias[token_id] = value
+        kwargs["logit_bias"] = bias
+    for token_id in req.stop_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise APIError(
+                400, f"stop_token_ids has {token_id}, out of vocabulary", param="stop_token_ids"
+            )
+    try:
+        return SamplingParams.create(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        param = next((name for name in kwargs if message.startswith(name)), None)
+        raise APIError(400, message, param=param) from None
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The per-choice params: choice i samples with seed + i (wrapped to 64 bits)."""
+    if params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        seed = (params.seed + i + 2**63) % 2**64 - 2**63
+        out.append(msgspec.structs.replace(params, seed=seed))
+    return out
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    if not token_ids:
+        raise APIError(400, "the prompt is empty", param=param)
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of vocabulary (size {vocab_size})", param=param)
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """Normalise `prompt` to a list of strings or token-id lists; 400 on anything else."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(
+        isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        for p in prompt
+    ):
+        return [list(p) for p in prompt]
+    raise APIError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids, or a list of lists "
+        "of token ids",
+        param="prompt",
+    )

@@ -1,0 +1,135 @@
+"""serve_http: hypercorn inside the launcher's anyio task group, and the start-up banner.
+
+Runs in: the ApiServer process. Hypercorn speaks HTTP/1.1, h2c (both prior knowledge and the
+`Upgrade: h2c` dance) and, with a certificate and key, HTTP/2 over TLS negotiated by ALPN.
+It installs no signal handlers, because the launcher passes `shutdown_trigger` (the launcher
+owns signals and draining).
+
+Readiness: the listening socket is bound here first (so port 0 works and the real port is
+known), handed to hypercorn as `fd://N`, and `task_status.started(port)` fires from inside
+hypercorn's shutdown-trigger task, which hypercorn starts only after every listener is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+
+import vx
+
+if TYPE_CHECKING:
+    from vx.config import EngineConfig
+    from vx.messages import EngineReady
+
+logger = logging.getLogger(__name__)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def hypercorn_config(
+    *, fd: int, ssl_certfile: str | None, ssl_keyfile: str | None, graceful_timeout_s: float
+) -> Config:
+    config = Config()
+    config.bind = [f"fd://{fd}"]
+    config.accesslog = None
+    config.graceful_timeout = graceful_timeout_s
+    config.backlog = 2048
+    if ssl_certfile or ssl_keyfile:
+        if not (ssl_certfile and ssl_keyfile):
+            raise ValueError("TLS needs both ssl_certfile and ssl_keyfile")
+        config.certfile = ssl_certfile
+        config.keyfile = ssl_keyfile
+        config.alpn_protocols = ["h2", "http/1.1"]
+    return config
+
+
+async def serve_http(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    shutdown_trigger: Callable[[], Awaitable[Any]],
+    graceful_timeout_s: float = 5.0,
+    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` on host:port until `shutdown_trigger()` returns.
+
+    `task_status.started(port)` reports the bound port (useful with port 0) once hypercorn
+    accepts connections. Returns after hypercorn's graceful shutdown.
+    """
+    sock = _bind(host, port)
+    bound_port = int(sock.getsockname()[1])
+    config = hypercorn_config(
+        fd=sock.fileno(),
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        graceful_timeout_s=graceful_timeout_s,
+    )
+    handed_over = False
+
+    async def trigger() -> None:
+        nonlocal handed_over
+        # hypercorn now owns the descriptor through its own socket object.
+        sock.detach()
+        handed_over = True
+        scheme = "https" if ssl_certfile else "http"
+        logger.info("listening on %s://%s:%d", scheme, host, bound_port)
+        task_status.started(bound_port)
+        await shutdown_trigger()
+
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=trigger)
+    finally:
+        if not handed_over:
+            sock.close()
+
+
+def startup_banner(
+    config: EngineConfig, ready: list[EngineReady], url: str, elapsed_s: float
+) -> str:
+    """The lines the ApiServer logs once it serves: model, limits, engines, KV pool, routes."""
+    m, s, p = config.model, config.scheduler, config.parallel
+    lines = [
+        f"vx {vx.__version__} serving {m.served_model_name or m.model!r} at {url} "
+        f"(ready in {elapsed_s:.1f} s)",
+        f"  model {m.model} from {m.path or '?'}; device {config.device}, dtype {m.dtype}, "
+        f"tp {p.tensor_parallel_size}, dp {p.data_parallel_size}",
+    ]
+    for r in ready:
+        lines.append(
+            f"  engine {r.engine_index}: pid {r.engine_pid}, workers {r.worker_pids}; "
+            f"KV {r.num_blocks} blocks x {r.block_size} tokens "
+            f"({r.kv_cache_bytes / 2**30:.2f} GiB); max_model_len {r.max_model_len}, "
+            f"max_num_seqs {r.max_num_seqs}, max_num_batched_tokens {r.max_num_batched_tokens}, "
+            f"async scheduling {'on' if r.async_scheduling else 'off'}"
+        )
+    if not ready:
+        lines.append(
+            f"  max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}"
+        )
+    lines.append(
+        "  routes: POST /v1/completions /v1/chat/completions /tokenize /detokenize; "
+        "GET /v1/models /health /version /metrics /openapi.json"
+    )
+    return "\n".join(lines)

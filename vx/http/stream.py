@@ -1,0 +1,176 @@
+"""Server-sent events and client-disconnect detection, at the ASGI level.
+
+Runs in: the ApiServer process.
+
+`SSEResponse` is an ASGI response that runs a producer coroutine (never an async generator, so
+no cancel scope ever encloses a `yield`, PEP 789) next to a listener on `receive()`. When the
+client leaves (`http.disconnect` from hypercorn, on HTTP/1.1 and HTTP/2 alike, or an `OSError`
+from `send` under ASGI 2.4 servers) the producer is cancelled and `on_close(cause)` runs
+synchronously, so the engine abort cannot be lost to cancellation. A send that stays blocked
+for `stall_timeout_s` (the client stopped reading) ends the stream the same way, with cause
+"stall". A comment line goes out after `keepalive_s` of silence so proxies keep the connection.
+
+`run_until_disconnect` gives non-streaming endpoints the same race (starlette itself only watches
+streaming responses): it runs the work next to a `receive()` listener and reports whether the
+client left first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+#: Seconds without a byte before an SSE comment line is sent.
+KEEPALIVE_S = 15.0
+#: Seconds one write may stay blocked (the client is not reading) before the stream is aborted.
+STALL_TIMEOUT_S = 60.0
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+def sse_event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected or stopped reading; `cause` is the abort cause."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class SSEResponse:
+    """An `text/event-stream` ASGI response driven by `produce(write)`.
+
+    Invariants: `on_close(cause)` is called exactly once, synchronously, on every exit path:
+    cause None after a normal end, "client_disconnect", "stall", or "error" (the producer
+    raised); writes are serialised, so events from concurrent producers never interleave.
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[Write], Awaitable[None]],
+        on_close: Callable[[str | None], None],
+        *,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        keepalive_s: float = KEEPALIVE_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
+        self._produce = produce
+        self._on_close = on_close
+        self._headers = SSE_HEADERS + (headers or [])
+        self._keepalive_s = keepalive_s
+        self._stall_timeout_s = stall_timeout_s
+        self._lock = anyio.Lock()
+        self._last_write = time.monotonic()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cause: str | None = "error"
+        try:
+            cause = await self._run(receive, send)
+        finally:
+            # Sync and first thing on the way out: the abort reaches the ring even when the
+            # surrounding scope is cancelled (anyio cancellation is level-triggered).
+            self._on_close(cause)
+
+    async def _run(self, receive: Receive, send: Send) -> str | None:
+        gone: list[str] = []
+
+        async def write(data: bytes) -> None:
+            async with self._lock:
+                try:
+                    with anyio.fail_after(self._stall_timeout_s):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                except TimeoutError:
+                    raise ClientGone("stall") from None
+                except OSError:
+                    raise ClientGone("client_disconnect") from None
+                self._last_write = time.monotonic()
+
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self._headers})
+        except OSError:
+            return "client_disconnect"
+        async with anyio.create_task_group() as tg:
+
+            async def listen() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        gone.append("client_disconnect")
+                        tg.cancel_scope.cancel()
+                        return
+
+            async def keepalive() -> None:
+                try:
+                    while True:
+                        await anyio.sleep(self._keepalive_s)
+                        if time.monotonic() - self._last_write >= self._keepalive_s:
+                            await write(b": keep-alive\n\n")
+                except ClientGone as e:
+                    gone.append(e.cause)
+                    tg.cancel_scope.cancel()
+
+            async def produce() -> None:
+                try:
+                    await self._produce(write)
+                except ClientGone as e:
+                    gone.append(e.cause)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(listen)
+            tg.start_soon(keepalive)
+            tg.start_soon(produce)
+        if gone:
+            return gone[0]
+        try:
+            with anyio.fail_after(self._stall_timeout_s):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, TimeoutError):
+            return "client_disconnect"
+        return None
+
+
+async def run_until_disconnect(
+    work: Callable[[], Awaitable[Any]], receive: Receive
+) -> tuple[bool, Any]:
+    """Run `work()` while watching `receive()`; returns (client_left, result).
+
+    The request body must have been read already: the listener consumes what `receive` yields.
+    When the client leaves first, `work` is cancelled and the result is None.
+    """
+    result: list[Any] = []
+    left = False
+    async with anyio.create_task_group() as tg:
+
+        async def listen() -> None:
+            nonlocal left
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    left = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def run() -> None:
+            result.append(await work())
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(listen)
+        tg.start_soon(run)
+    return left, (result[0] if result else None)
