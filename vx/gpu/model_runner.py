@@ -1,0 +1,395 @@
+"""ModelRunner: one SchedulerOutput in, one ModelRunnerOutput out.
+
+Runs in: each Worker process (one per tensor-parallel rank; only rank 0's output is sent).
+
+A step: apply the diff to the persistent `InputBatch`; flatten the scheduled tokens of every
+request into one batch (decodes first, as `vx.gpu.attention` requires) with numpy array ops
+(no per-token Python); build the `AttentionMetadata` once; run the model; compute logits only
+at the last scheduled token of each request whose chunk reaches the end of its known tokens
+(the others are mid-prefill and get an empty token list); sample; append the sampled tokens to
+the persistent rows (so the next step, even one scheduled before this output arrived, finds
+them there); and answer with the tokens (and logprobs when asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from vx.gpu.attention import AttentionMetadata, build_attention_metadata
+from vx.gpu.input_batch import InputBatch
+from vx.gpu.kv_cache import (
+    KVCache,
+    allocate_kv_caches,
+    block_bytes,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
+from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelRunner", "StepInputs"]
+
+#: Prompt-logprob rows go through the LM head in slices of this many (a [rows, vocab] fp32
+#: tensor for a whole 8K-token chunk would take gigabytes).
+PROMPT_LOGPROBS_SLICE = 512
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """One step's flattened batch. Request i of the step owns tokens
+    ``[query_start[i], query_start[i] + query_lens[i])``; decodes come first."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [R] InputBatch rows
+    query_lens: np.ndarray  # [R]
+    query_start: np.ndarray  # [R]
+    num_computed: np.ndarray  # [R] before this step
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn_metadata: AttentionMetadata
+    #: Indices into req_ids of the requests that sample this step.
+    sample_idx: np.ndarray
+
+
+class _RowTokens(Sequence):
+    """Lazy per-row token views for `SamplingMetadata.build` (read only when a row needs them)."""
+
+    def __init__(self, batch: InputBatch, rows: np.ndarray, outputs: bool) -> None:
+        self._batch, self._rows, self._outputs = batch, rows, outputs
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        row = int(self._rows[i])
+        b = self._batch
+        return b.output_token_ids(row) if self._outputs else b.prompt_token_ids(row)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self._rows)))
+
+
+class ModelRunner:
+    """Owns the model, the KV caches, the persistent batch and the sampler of one rank.
+
+    Invariants: `load_model` runs before `determine_num_blocks`, which runs before
+    `initialize_kv_cache`, which runs before any `execute`; `execute` is called with the
+    SchedulerOutputs in step order, each exactly once.
+    """
+
+    def __init__(self, config: EngineConfig, *, rank: int = 0, device: str = "cpu") -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks = 0
+        self.max_model_len = config.model.max_model_len or 0
+        self.input_batch: InputBatch | None = None
+        self.sampler = None
+
+    # ───────────────────────── start-up ─────────────────────────
+
+    def load_model(self) -> None:
+        from vx.gpu.loader import load_model
+        from vx.gpu.sampler import Sampler
+
+        m = self.config.model
+        torch.manual_seed(m.seed)
+        self.model = load_model(
+            m.path,
+            dtype=m.dtype,
+            device=self.device,
+            tp_rank=self.rank,
+            tp_size=self.config.parallel.tensor_parallel_size,
+            progress=False,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        limit = int(getattr(self.model, "max_position", 0) or 0)
+        self.max_model_len = m.max_model_len or limit
+        window = getattr(self.model, "sliding_window", None)
+        if window and self.max_model_len > window:
+            # The paged attention has no sliding window: stay where full attention is exact.
+            logger.warning("max_model_len capped at the sliding window (%d)", window)
+            self.max_model_len = window
+        self.input_batch = InputBatch(
+            self.config.scheduler.max_num_seqs,
+            self.max_model_len,
+            math.ceil(self.max_model_len / BLOCK_SIZE),
+        )
+        self.sampler = Sampler()
+
+    def _block_bytes(self) -> int:
+        m = self._model
+        return block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(num_blocks, kv_cache_bytes) for this rank's pool."""
+        cache = self.config.cache
+        per_block = self._block_bytes()
+        if cache.num_blocks_override is not None:
+            num = cache.num_blocks_override
+        elif self.device.type == "cpu":
+            budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            num = num_cpu_blocks(budget, per_block)
+        else:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Everything already in use (weights, CUDA context, other processes) counts as
+            # "weights" for the pool: it is memory the pool cannot have.
+            in_use = total - free
+            peak = self.profile_run()
+            num = num_gpu_blocks(total, cache.gpu_memory_utilization, in_use, peak, per_block)
+            logger.info(
+                "GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak",
+                total / 2**30, in_use / 2**30, peak / 2**30,
+            )  # fmt: skip
+        if num <= 0:
+            raise RuntimeError("no memory left for the KV cache; lower the load or raise memory")
+        return num, num * per_block
+
+    def profile_run(self) -> int:
+        """Run a forward of max_num_batched_tokens prefill tokens; returns the activation peak.
+
+        The tokens all write one slot of a one-block cache and read block 0 (values are
+        garbage but finite), so the profile needs no KV pool. Returns bytes on CUDA, 0 on CPU.
+        """
+        m = self._model
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        seq_len = max(min(self.max_model_len, num_tokens), 1)
+        lens = [seq_len] * (num_tokens // seq_len)
+        if num_tokens % seq_len:
+            lens.append(num_tokens % seq_len)
+        caches = allocate_kv_caches(
+            m.num_layers, 1, m.num_kv_heads, m.head_dim, dtype=self.dtype, device=self.device
+        )
+        query_lens = np.array(lens)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        md = build_attention_metadata(
+            query_lens=query_lens,
+            num_computed=np.zeros(len(lens), dtype=np.int64),
+            block_table=np.zeros((len(lens), math.ceil(seq_len / BLOCK_SIZE)), np.int32),
+            slot_mapping=np.zeros(num_tokens, dtype=np.int64),
+            num_decodes=0,
+            device=self.device,
+        )
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            pos = torch.from_numpy(positions).to(self.device)
+            hidden = m(ids, pos, caches, md)
+            n = min(sched.max_num_seqs, num_tokens)
+            logits = m.compute_logits(hidden[:n])
+            logits.argmax(dim=-1)
+        del caches, hidden, logits
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self._model
+        self.kv_caches = allocate_kv_caches(
+            m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, dtype=self.dtype,
+            device=self.device,
+        )  # fmt: skip
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks (%d tokens, %.2f GiB)",
+            num_blocks, num_blocks * BLOCK_SIZE, num_blocks * self._block_bytes() / 2**30,
+        )  # fmt: skip
+
+    @property
+    def _model(self):
+        if self.model is None:
+            raise RuntimeError("load_model() has not run")
+        return self.model
+
+    # ───────────────────────── one step ─────────────────────────
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        so = scheduler_output
+        batch = self.input_batch
+        if batch is None or not self.kv_caches:
+            raise RuntimeError("execute() before load_model() and initialize_kv_cache()")
+        batch.apply(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+        inputs = self.prepare_inputs(so)
+        model = self._model
+        hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+
+        num_reqs = len(inputs.req_ids)
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs_out: list[Logprobs | None] | None = None
+        sample_idx = inputs.sample_idx
+        if sample_idx.size:
+            last = inputs.query_start[sample_idx] + inputs.query_lens[sample_idx] - 1
+            logits = model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
+            rows = inputs.rows[sample_idx]
+            sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
+            batch.append_tokens(rows, sampled)
+            for j, tok in zip(sample_idx.tolist(), sampled.tolist(), strict=True):
+                sampled_lists[j] = [tok]
+        # Requests advance by what was scheduled (the next diff sets the same value again).
+        batch.num_computed_tokens[inputs.rows] = inputs.num_computed + inputs.query_lens
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        return ModelRunnerOutput(
+            step_id=so.step_id,
+            req_ids=inputs.req_ids,
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs_out,
+            prompt_logprobs=prompt_logprobs,
+            execute_time_s=time.perf_counter() - t0,
+        )
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled tokens (decodes first) and build the attention metadata."""
+        batch = self.input_batch
+        assert batch is not None
+        index = batch.req_id_to_index
+        decodes: list[str] = []
+        prefills: list[str] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            (decodes if n == 1 else prefills).append(req_id)
+        req_ids = decodes + prefills
+        num_reqs = len(req_ids)
+        try:
+            rows = np.fromiter((index[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        except KeyError as e:
+            raise KeyError(f"scheduled request {e.args[0]!r} is not in the batch") from None
+        nst = so.num_scheduled_tokens
+        query_lens = np.fromiter((nst[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_computed = batch.num_computed_tokens[rows]
+        ends = num_computed + query_lens
+        known = batch.num_tokens[rows]
+        if np.any(ends > known):
+            bad = req_ids[int(np.argmax(ends > known))]
+            raise ValueError(f"request {bad!r} was scheduled past its known tokens")
+        cu = np.cumsum(query_lens)
+        query_start = cu - query_lens
+        num_tokens = int(cu[-1])
+        tok_req = np.repeat(np.arange(num_reqs), query_lens)
+        positions = np.arange(num_tokens) - query_start[tok_req] + num_computed[tok_req]
+        tok_rows = rows[tok_req]
+        input_ids = batch.token_ids[tok_rows, positions]
+        block_idx = positions // BLOCK_SIZE
+        if np.any(block_idx >= batch.num_blocks[tok_rows]):
+            raise ValueError("a scheduled token has no KV block")
+        slot_mapping = batch.block_table[tok_rows, block_idx].astype(np.int64) * BLOCK_SIZE + (
+            positions % BLOCK_SIZE
+        )
+        width = -(-int(ends.max()) // BLOCK_SIZE)
+        md = build_attention_metadata(
+            query_lens=query_lens,
+            num_computed=num_computed,
+            block_table=batch.block_table[rows, :width],
+            slot_mapping=slot_mapping,
+            num_decodes=len(decodes),
+            device=self.device,
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            query_lens=query_lens,
+            query_start=query_start,
+            num_computed=num_computed,
+            input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn_metadata=md,
+            sample_idx=np.flatnonzero(ends == known),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
+    ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
+        from vx.gpu.sampler import SamplingMetadata
+
+        batch = self.input_batch
+        assert batch is not None and self.sampler is not None
+        row_list = rows.tolist()
+        params = [batch.sampling_params[r] for r in row_list]
+        md = SamplingMetadata.build(
+            params,
+            prompt_token_ids=_RowTokens(batch, rows, outputs=False),
+            output_token_ids=_RowTokens(batch, rows, outputs=True),
+            eos_token_ids=[batch.eos_token_ids[r] for r in row_list],
+            vocab_size=self._model.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler(logits, md)
+        sampled = out.sampled_token_ids.cpu().numpy()
+        if out.logprobs is None:
+            return sampled, None
+        ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+        result: list[Logprobs | None] = [None] * num_reqs
+        for j, (i, p) in enumerate(zip(sample_idx.tolist(), params, strict=True)):
+            if p.logprobs is not None:
+                k = 1 + p.logprobs
+                result[i] = Logprobs(
+                    token_ids=[ids[j][:k]], logprobs=[lps[j][:k]], ranks=[ranks[j]]
+                )
+        return sampled, result
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, Logprobs] | None:
+        """Logprobs of the prompt tokens this step's chunks predict (vLLM's prompt_logprobs).
+
+        A chunk covering positions [s, e) yields rows for prompt tokens s+1 .. min(e, P-1):
+        row p is the logprob of prompt token p+1 given tokens <= p, so the rows of all chunks
+        together cover prompt tokens 1 .. P-1 (token 0 has none). Positions served from the
+        prefix cache are not recomputed and so get no row.
+        """
+        batch = self.input_batch
+        assert batch is not None
+        wants = batch.wants_prompt_logprobs
+        if not any(wants[r] for r in inputs.rows.tolist()):
+            return None
+        from vx.gpu.sampler import compute_logprobs_rows
+
+        result: dict[str, Logprobs] = {}
+        for i, row in enumerate(inputs.rows.tolist()):
+            if not wants[row]:
+                continue
+            s = int(inputs.num_computed[i])
+            e = min(s + int(inputs.query_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if e <= s:
+                continue
+            k = batch.sampling_params[row].prompt_logprobs or 0
+            start = int(inputs.query_start[i])
+            ids_rows: list[list[int]] = []
+            lp_rows: list[list[float]] = []
+            rank_rows: list[int] = []
+            for a in range(s, e, PROMPT_LOGPROBS_SLICE):
+                b = min(a + PROMPT_LOGPROBS_SLICE, e)
+                logits = self._model.compute_logits(hidden[start + a - s : start + b - s])
+                targets = torch.from_numpy(batch.token_ids[row, a + 1 : b + 1].astype(np.int64))
+                ids, lps, ranks = compute_logprobs_rows(logits, targets.to(self.device), k)
+                ids_rows += ids.tolist()
+                lp_rows += lps.tolist()
+                rank_rows += ranks.tolist()
+            result[inputs.req_ids[i]] = Logprobs(
+                token_ids=ids_rows, logprobs=lp_rows, ranks=rank_rows
+            )
+        return result or None
