@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from vx.config import EngineConfig
-from vx.ring import RingReader, RingWriter
+from vx.ring import RingOwner, RingReader, RingWriter
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class EngineRank:
     index: int
     to_engine: RingWriter
     from_engine: RingReader
-    to_workers: RingWriter
-    from_rank0: RingReader
+    to_workers: RingOwner
+    from_rank0: RingOwner
     engine_proc: BaseProcess
     worker_procs: list[BaseProcess] = field(default_factory=list)
 
@@ -104,8 +104,8 @@ class EngineProcesses:
             for index in range(self.config.parallel.data_parallel_size):
                 to_engine = RingWriter.create(capacity=INPUT_RING_BYTES)
                 from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
-                to_workers = RingWriter.create(capacity=WORKER_RING_BYTES, num_readers=tp)
-                from_rank0 = RingReader.create(capacity=RESULT_RING_BYTES)
+                to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=tp)
+                from_rank0 = RingOwner.create(capacity=RESULT_RING_BYTES)
                 engine_proc = ctx.Process(
                     target=run_engine_core,
                     name=f"vx-engine{index}",

@@ -75,7 +75,15 @@ import msgspec
 
 from vx.ring_wait import FENCE_IS_FULL, Fence, PeerWatch, ShmSegment, Waker, WakeSender
 
-__all__ = ["RECHECK_S", "SPIN_S", "RingHandle", "RingReader", "RingStatistics", "RingWriter"]
+__all__ = [
+    "RECHECK_S",
+    "SPIN_S",
+    "RingHandle",
+    "RingOwner",
+    "RingReader",
+    "RingStatistics",
+    "RingWriter",
+]
 
 #: How long an empty reader (or a writer facing a full ring) polls before it parks.
 SPIN_S = 50e-6
@@ -597,3 +605,33 @@ class RingReader(_End):
         if q[_WRITER_PARKED]:
             self._sender.wake(self._writer_wake_name)
         self._release()
+
+
+class RingOwner:
+    """Owns a ring's segment without holding either end.
+
+    The launcher creates the EngineCore <-> Worker rings this way: both ends live in children,
+    but the segment must belong to the process that outlives them, so that it (or, if it is
+    killed, its resource tracker) unlinks it.
+    """
+
+    def __init__(self, seg: ShmSegment) -> None:
+        self._seg = seg
+        self._handle = RingHandle(seg.name, seg.q[_CAPACITY], seg.q[_NUM_READERS])
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls, *, capacity: int = 1 << 22, num_readers: int = 1, name_prefix: str = "vx"
+    ) -> RingOwner:
+        return cls(_create_segment(name_prefix, num_readers, capacity, 0))
+
+    @property
+    def handle(self) -> RingHandle:
+        return self._handle
+
+    def close(self) -> None:
+        """Unlinks the segment (ends that are open keep their mapping). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._seg.close()
