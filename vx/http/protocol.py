@@ -119,6 +119,8 @@ def parse_body(body: bytes, kind: type[Any]) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.MsgspecError as e:
         raise from_validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

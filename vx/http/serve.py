@@ -31,6 +31,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _patch_h2_backpressure() -> None:
+    """Make hypercorn's HTTP/2 send block while the peer's flow-control window is closed.
+
+    NOTE: in hypercorn 0.18, `StreamBuffer.pop(0)` (what the sender calls when the stream's
+    window is 0) sets the "paused" event because it popped fewer than LOW_WATER bytes, which
+    releases the app's blocked `send` at once. So over HTTP/2 a client that stops reading never
+    blocks the app and hypercorn buffers its output without bound (found by
+    tests/http/test_http_disconnect.py's stall test). Releasing the writer only once the buffer
+    itself is below LOW_WATER restores backpressure; idempotent, and skipped if hypercorn
+    changes shape.
+    """
+    from hypercorn.protocol import h2 as hyper_h2
+
+    buffer_cls = getattr(hyper_h2, "StreamBuffer", None)
+    low_water = getattr(hyper_h2, "BUFFER_LOW_WATER", None)
+    if buffer_cls is None or low_water is None or getattr(buffer_cls, "_vx_patched", False):
+        return
+
+    async def pop(self: Any, max_length: int) -> bytes:
+        length = min(len(self.buffer), max_length)
+        data = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        if len(self.buffer) < low_water:
+            await self._paused.set()
+        if len(self.buffer) == 0:
+            await self._is_empty.set()
+        return data
+
+    buffer_cls.pop = pop
+    buffer_cls._vx_patched = True
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -78,6 +110,7 @@ async def serve_http(
     `task_status.started(port)` reports the bound port (useful with port 0) once hypercorn
     accepts connections. Returns after hypercorn's graceful shutdown.
     """
+    _patch_h2_backpressure()
     sock = _bind(host, port)
     bound_port = int(sock.getsockname()[1])
     config = hypercorn_config(
@@ -87,19 +120,32 @@ async def serve_http(
         graceful_timeout_s=graceful_timeout_s,
     )
     handed_over = False
+    listening = anyio.Event()
 
     async def trigger() -> None:
         nonlocal handed_over
         # hypercorn now owns the descriptor through its own socket object.
         sock.detach()
         handed_over = True
-        scheme = "https" if ssl_certfile else "http"
-        logger.info("listening on %s://%s:%d", scheme, host, bound_port)
-        task_status.started(bound_port)
+        listening.set()
         await shutdown_trigger()
 
     try:
-        await hypercorn_serve(app, config, shutdown_trigger=trigger)
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                try:
+                    await hypercorn_serve(app, config, shutdown_trigger=trigger)
+                finally:
+                    listening.set()
+
+            tg.start_soon(run)
+            # NOTE: started() must come from this task, not from hypercorn's trigger task.
+            await listening.wait()
+            if handed_over:
+                scheme = "https" if ssl_certfile else "http"
+                logger.info("listening on %s://%s:%d", scheme, host, bound_port)
+                task_status.started(bound_port)
     finally:
         if not handed_over:
             sock.close()

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -44,14 +45,6 @@ Write = Callable[[bytes], Awaitable[None]]
 
 def sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
-
-
-class ClientGone(Exception):
-    """The client disconnected or stopped reading; `cause` is the abort cause."""
-
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause
 
 
 class SSEResponse:
@@ -90,47 +83,49 @@ class SSEResponse:
 
     async def _run(self, receive: Receive, send: Send) -> str | None:
         gone: list[str] = []
-
-        async def write(data: bytes) -> None:
-            async with self._lock:
-                try:
-                    with anyio.fail_after(self._stall_timeout_s):
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                except TimeoutError:
-                    raise ClientGone("stall") from None
-                except OSError:
-                    raise ClientGone("client_disconnect") from None
-                self._last_write = time.monotonic()
-
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers})
         except OSError:
             return "client_disconnect"
         async with anyio.create_task_group() as tg:
 
+            def leave(cause: str) -> None:
+                gone.append(cause)
+                tg.cancel_scope.cancel()
+
+            async def write(data: bytes) -> None:
+                # A failed write cancels the whole response (producers included) rather than
+                # raising, so no exception has to cross the producers' own task groups.
+                async with self._lock:
+                    try:
+                        with anyio.fail_after(self._stall_timeout_s):
+                            await send(
+                                {"type": "http.response.body", "body": data, "more_body": True}
+                            )
+                    except TimeoutError:
+                        leave("stall")
+                    except OSError:
+                        leave("client_disconnect")
+                    else:
+                        self._last_write = time.monotonic()
+                        return
+                await anyio.lowlevel.checkpoint()  # delivers the cancellation just requested
+
             async def listen() -> None:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        gone.append("client_disconnect")
-                        tg.cancel_scope.cancel()
+                        leave("client_disconnect")
                         return
 
             async def keepalive() -> None:
-                try:
-                    while True:
-                        await anyio.sleep(self._keepalive_s)
-                        if time.monotonic() - self._last_write >= self._keepalive_s:
-                            await write(b": keep-alive\n\n")
-                except ClientGone as e:
-                    gone.append(e.cause)
-                    tg.cancel_scope.cancel()
+                while True:
+                    await anyio.sleep(self._keepalive_s)
+                    if time.monotonic() - self._last_write >= self._keepalive_s:
+                        await write(b": keep-alive\n\n")
 
             async def produce() -> None:
-                try:
-                    await self._produce(write)
-                except ClientGone as e:
-                    gone.append(e.cause)
+                await self._produce(write)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(listen)
