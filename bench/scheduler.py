@@ -300,13 +300,14 @@ def run_side(side: str, steps: int, repeats: int) -> dict[str, list[dict]]:
     return results
 
 
-def run_vllm(python: str, steps: int, repeats: int) -> dict[str, list[dict]] | None:
+def run_vllm(python: str, steps: int) -> dict[str, list[dict]] | None:
+    """One repeat of every workload under vLLM's interpreter (a fresh process each time)."""
     if not os.path.exists(python):
         print(f"[vLLM skipped: no interpreter at {python}; run peers.sh vllm-setup]")
         return None
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", VLLM_TARGET_DEVICE="cpu")
     proc = subprocess.run(
-        [python, __file__, "--side", "vllm", "--steps", str(steps), "--repeats", str(repeats)],
+        [python, __file__, "--side", "vllm", "--steps", str(steps), "--repeats", "1"],
         capture_output=True,
         text=True,
         env=env,
@@ -335,8 +336,20 @@ def main() -> None:
         print(json.dumps(run_side("vllm", args.steps, args.repeats)))
         return
     sys.path.insert(0, str(ROOT))
-    vx = run_side("vx", args.steps, args.repeats)
-    vl = run_vllm(args.vllm_python, args.steps, args.repeats) if args.vllm_python else None
+    # Interleave the two sides repeat by repeat: this machine drifts between a fast and a slow
+    # state, and interleaving spreads the drift over both.
+    vx: dict[str, list[dict]] = {}
+    vl: dict[str, list[dict]] | None = {} if args.vllm_python else None
+    for _ in range(args.repeats):
+        for key, runs in run_side("vx", args.steps, 1).items():
+            vx.setdefault(key, []).extend(runs)
+        if vl is not None:
+            got = run_vllm(args.vllm_python, args.steps)
+            if got is None:
+                vl = None
+                continue
+            for key, runs in got.items():
+                vl.setdefault(key, []).extend(runs)
 
     def med(runs: list[dict], field: str) -> float:
         return statistics.median(r[field] for r in runs)

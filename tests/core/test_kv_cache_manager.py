@@ -115,7 +115,7 @@ def test_decode_fills_and_caches_blocks_as_they_fill() -> None:
     assert manager.req_to_blocks["0"][0].block_hash == r.block_hashes[0]
     r.append_output_token_id(52)
     assert schedule(manager, r, 1) == [1]
-    assert manager.num_cached_blocks["0"] == 1
+    assert manager.req_to_blocks["0"].num_cached_blocks == 1
 
 
 def test_placeholders_are_never_cached() -> None:

@@ -19,6 +19,19 @@ __all__ = ["KVCacheManager", "PrefixCacheStatistics"]
 NO_NEW_BLOCKS: list[int] = []
 
 
+class BlockTable(list[KVCacheBlock]):
+    """A request's blocks in position order, plus how many of the first ones are cached.
+
+    A list subclass so one dict lookup on the decode path yields both.
+    """
+
+    __slots__ = ("num_cached_blocks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_cached_blocks = 0
+
+
 class PrefixCacheStatistics(NamedTuple):
     """Counters in tokens, as vLLM's `vllm:prefix_cache_queries` / `_hits`."""
 
@@ -36,8 +49,8 @@ class KVCacheManager:
     ``[computed | new prefix hits | new tokens]``; blocks are held for all of it.
 
     Invariants: ``req_to_blocks[id]`` covers ``request.num_computed_tokens`` positions (plus
-    whatever was just scheduled); the first ``num_cached_blocks[id]`` of those blocks are full
-    of known tokens and hashed (in the pool's map, or a duplicate left unhashed); a prefix hit
+    whatever was just scheduled); its first `num_cached_blocks` blocks are full of known
+    tokens and hashed (in the pool's map, or a duplicate left unhashed); a prefix hit
     never covers a request's last known token, so at least one token is always scheduled.
     """
 
@@ -47,8 +60,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.req_to_blocks: dict[str, BlockTable] = {}
         self._queries = self._hits = 0
         self._preempted_queries = self._preempted_hits = 0
 
@@ -99,25 +111,25 @@ class KVCacheManager:
         bs = self.block_size
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id)
-        num_held = 0 if blocks is None else len(blocks)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_total = num_computed + num_new_tokens
-        num_required = -(-num_total // bs)
-        if not new_computed_blocks and num_required <= num_held and not full_sequence_must_fit:
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if (
+            blocks is not None
+            and num_total <= len(blocks) * bs
+            and not new_computed_blocks
+            and not full_sequence_must_fit
+        ):
             # Decode fast path: the tokens fit in blocks already held.
-            if self.enable_caching and blocks is not None:
-                num_full = min(num_total, request.num_tokens) // bs
-                num_cached = self.num_cached_blocks[request_id]
-                if num_full > num_cached:
-                    self.block_pool.cache_full_blocks(
-                        blocks, request.block_hashes, num_cached, num_full
-                    )
-                    self.num_cached_blocks[request_id] = num_full
+            if self.enable_caching:
+                num_known = request.num_tokens
+                num_full = (num_total if num_total < num_known else num_known) // bs
+                if num_full > blocks.num_cached_blocks:
+                    self._cache_full_blocks(request, blocks, num_full)
             return NO_NEW_BLOCKS
 
+        num_held = 0 if blocks is None else len(blocks)
         hits = new_computed_blocks or ()
         num_hits = len(hits)
-        num_new_blocks = max(num_required - num_held - num_hits, 0)
+        num_new_blocks = max(-(-num_total // bs) - num_held - num_hits, 0)
         num_to_fit = num_new_blocks
         if full_sequence_must_fit:
             num_to_fit = max(num_to_fit, -(-request.num_tokens // bs) - num_held - num_hits)
@@ -128,26 +140,29 @@ class KVCacheManager:
             return None
 
         if blocks is None:
-            blocks = self.req_to_blocks[request_id] = []
-            self.num_cached_blocks[request_id] = 0
+            blocks = self.req_to_blocks[request_id] = BlockTable()
         if hits:
             pool.touch(hits)
             blocks.extend(hits)
             # Hit blocks are cached already (they came from the map).
-            self.num_cached_blocks[request_id] += num_hits
+            blocks.num_cached_blocks += num_hits
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         blocks.extend(new_blocks)
-        if request.num_computed_tokens == 0 and self.enable_caching:
-            self._record_prefix_query(request, num_new_computed_tokens)
         if self.enable_caching:
+            if request.num_computed_tokens == 0:
+                self._record_prefix_query(request, num_new_computed_tokens)
             num_full = min(num_total, request.num_tokens) // bs
-            num_cached = self.num_cached_blocks[request_id]
-            if num_full > num_cached:
-                pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_blocks[request_id] = num_full
+            if num_full > blocks.num_cached_blocks:
+                self._cache_full_blocks(request, blocks, num_full)
         if not hits and not new_blocks:
             return NO_NEW_BLOCKS
         return [b.block_id for b in hits] + [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: BlockTable, num_full: int) -> None:
+        self.block_pool.cache_full_blocks(
+            blocks, request.block_hashes, blocks.num_cached_blocks, num_full
+        )
+        blocks.num_cached_blocks = num_full
 
     def _record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         if request.num_preemptions:
@@ -166,15 +181,12 @@ class KVCacheManager:
             return
         num_full = min(num_tokens, request.num_tokens, len(blocks) * self.block_size)
         num_full //= self.block_size
-        num_cached = self.num_cached_blocks[request.request_id]
-        if num_full > num_cached:
-            self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
-            self.num_cached_blocks[request.request_id] = num_full
+        if num_full > blocks.num_cached_blocks:
+            self._cache_full_blocks(request, blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Release every block of `request`, last block first (it is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

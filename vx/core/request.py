@@ -174,6 +174,34 @@ class Request:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
 
+    def append_output_token_ids(self, token_ids: list[int]) -> tuple[int, str | None, int | None]:
+        """Append tokens until one ends the request: (number appended, finish, stop reason)."""
+        for k, token_id in enumerate(token_ids):
+            self.append_output_token_id(token_id)
+            finish_reason, stop_reason = self.check_stop(token_id)
+            if finish_reason is not None:
+                return k + 1, finish_reason, stop_reason
+        return len(token_ids), None, None
+
+    def check_stop(self, token_id: int) -> tuple[str | None, int | None]:
+        """The stop rule, applied after `token_id` was appended: (finish_reason, stop_reason).
+
+        A stop token (EOS unless ignore_eos, or one of stop_token_ids) ends the request once
+        more than `min_tokens` outputs exist, i.e. no stop at output index < min_tokens (the
+        sampler masks them there too); `stop_reason` is the token id for stop_token_ids and
+        None for EOS, as in vLLM. Otherwise reaching `max_num_tokens` ends it with "length".
+        The Scheduler's decode path inlines the cheap "neither can apply" test before this.
+        """
+        if token_id in self.stop_token_set and self.num_tokens - self.num_prompt_tokens > (
+            self.min_tokens
+        ):
+            if token_id == self.eos_token_id and not self.sampling_params.ignore_eos:
+                return FinishReason.STOP, None
+            return FinishReason.STOP, token_id
+        if self.num_tokens >= self.max_num_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
     def __repr__(self) -> str:
         # Never the prompt: keep user text (and its token ids) out of logs.
         return (

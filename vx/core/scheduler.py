@@ -27,6 +27,7 @@ from vx.messages import (
     AddRequest,
     CachedRequestData,
     EngineCoreOutput,
+    FinishReason,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -39,8 +40,15 @@ __all__ = ["Scheduler"]
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
-_STOP = "stop"
-_LENGTH = "length"
+_NONES = itertools.repeat(None)
+_FINISHED = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
+}
+
+
+def _trim_logprobs(logprobs: Logprobs, n: int) -> Logprobs:
+    return Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
 
 
 class Scheduler:
@@ -112,7 +120,8 @@ class Scheduler:
         assert RequestStatus.is_finished(status), status
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        victims = [r for rid in request_ids if (r := self.requests.get(rid)) is not None]
+        unique_ids = dict.fromkeys(request_ids)
+        victims = [r for rid in unique_ids if (r := self.requests.get(rid)) is not None]
         if not victims:
             return []
         gone = set(victims)
@@ -298,7 +307,7 @@ class Scheduler:
         for request_id, token_ids, new_logprobs in zip(
             model_runner_output.req_ids,
             model_runner_output.sampled_token_ids,
-            itertools.repeat(None) if logprobs is None else logprobs,
+            itertools.repeat(None) if logprobs is None else itertools.chain(logprobs, _NONES),
             strict=False,
         ):
             request = requests.get(request_id)
@@ -324,19 +333,15 @@ class Scheduler:
                 num_tokens = request.num_tokens = request.num_tokens + 1
                 if caching and num_tokens % block_size == 0:
                     self._cache_new_full_block(request)
-                if (
-                    token_id in request.stop_token_set
-                    and num_tokens - request.num_prompt_tokens > request.min_tokens
-                ):
-                    finish_reason = _STOP
-                    if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
-                        stop_reason = token_id
-                elif num_tokens >= request.max_num_tokens:
-                    finish_reason = _LENGTH
-            else:
-                token_ids, new_logprobs, finish_reason, stop_reason = self._append_many(
-                    request, token_ids, new_logprobs
-                )
+                if token_id in request.stop_token_set or num_tokens >= request.max_num_tokens:
+                    finish_reason, stop_reason = request.check_stop(token_id)
+            else:  # several tokens in one step (speculative): trim after the first stop
+                n, finish_reason, stop_reason = request.append_output_token_ids(token_ids)
+                if caching:
+                    self._cache_new_full_block(request)
+                if n < len(token_ids):
+                    token_ids = token_ids[:n]
+                    new_logprobs = new_logprobs and _trim_logprobs(new_logprobs, n)
             outputs.append(
                 EngineCoreOutput(
                     request_id,
@@ -346,51 +351,15 @@ class Scheduler:
                     new_logprobs,
                     plp,
                     request.num_cached_tokens,
-                )
+                )  # fmt: skip
             )
             if finish_reason is not None:
                 stopped.append(request)
-                self._free_request(
-                    request,
-                    RequestStatus.FINISHED_STOPPED
-                    if finish_reason is _STOP
-                    else RequestStatus.FINISHED_LENGTH_CAPPED,
-                )
+                self._free_request(request, _FINISHED[finish_reason])
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
         return outputs
-
-    def _append_many(
-        self, request: Request, token_ids: list[int], new_logprobs: Logprobs | None
-    ) -> tuple[list[int], Logprobs | None, str | None, int | None]:
-        """Append several tokens of one step, stopping (and trimming) at the first stop."""
-        for k, token_id in enumerate(token_ids):
-            request.all_token_ids.append(token_id)
-            request.num_tokens += 1
-            if self.enable_caching and request.num_tokens % self.block_size == 0:
-                self._cache_new_full_block(request)
-            reason = stop_reason = None
-            if (
-                token_id in request.stop_token_set
-                and request.num_output_tokens > request.min_tokens
-            ):
-                reason = _STOP
-                if token_id != request.eos_token_id or request.sampling_params.ignore_eos:
-                    stop_reason = token_id
-            elif request.num_tokens >= request.max_num_tokens:
-                reason = _LENGTH
-            if reason is not None:
-                if k + 1 < len(token_ids):
-                    token_ids = token_ids[: k + 1]
-                    if new_logprobs is not None:
-                        new_logprobs = Logprobs(
-                            new_logprobs.token_ids[: k + 1],
-                            new_logprobs.logprobs[: k + 1],
-                            new_logprobs.ranks[: k + 1],
-                        )
-                return token_ids, new_logprobs, reason, stop_reason
-        return token_ids, new_logprobs, None, None
 
     def _cache_new_full_block(self, request: Request) -> None:
         """A block just filled with known tokens: hash it, and cache it if its KV is scheduled."""

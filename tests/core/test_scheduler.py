@@ -1,0 +1,327 @@
+"""Scheduler: the one rule, budgets, prefix hits, preemption, stops, aborts, the diff protocol."""
+
+from __future__ import annotations
+
+import pytest
+
+from vx.core.request import RequestStatus
+from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+from .helpers import EOS, make_add_request, make_scheduler
+
+COMMON = list(range(100, 148))
+
+
+def result(out: SchedulerOutput, tokens: dict[str, list[int]] | None = None, **kw: object):
+    """Rank 0's answer: the given tokens, [] (a prefill chunk) for everything else."""
+    tokens = tokens or {}
+    ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        step_id=out.step_id,
+        req_ids=ids,
+        sampled_token_ids=[tokens.get(i, []) for i in ids],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def decode_all(out: SchedulerOutput, token: int = 5) -> ModelRunnerOutput:
+    return result(out, {i: [token] for i in out.num_scheduled_tokens})
+
+
+def check(s) -> None:
+    report = s.kv_self_check()
+    assert report["ok"], report["problems"]
+
+
+def test_chunked_prefill_running_first_under_the_budget() -> None:
+    s = make_scheduler(64, max_num_batched_tokens=64)
+    s.add_request(make_add_request("a", list(range(100))))
+    s.add_request(make_add_request("b", list(range(200, 300))))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 64}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    assert out.scheduled_new_reqs[0].block_ids == [0, 1, 2, 3]
+    s.update_from_output(out, result(out))  # a prefill chunk: nothing sampled
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 36, "b": 28}
+    assert out.total_num_scheduled_tokens == 64
+    assert out.scheduled_cached_reqs.req_ids == ["a"]
+    assert out.scheduled_cached_reqs.num_computed_tokens == [64]
+    assert out.scheduled_cached_reqs.new_block_ids == [[4, 5, 6]]
+    outputs = s.update_from_output(out, result(out, {"a": [7]}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [7])]
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 63}
+    assert out.scheduled_cached_reqs.new_block_ids == [[], [9, 10, 11, 12]]
+    check(s)
+
+
+def test_max_num_seqs_and_long_prefill_threshold() -> None:
+    s = make_scheduler(64, max_num_seqs=2, long_prefill_token_threshold=10)
+    for i in range(3):
+        s.add_request(make_add_request(f"r{i}", list(range(i * 50, i * 50 + 30))))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 10, "r1": 10}
+    s.update_from_output(out, result(out))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r0": 10, "r1": 10}
+    assert len(s.running) == 2 and len(s.waiting) == 1
+
+
+def test_prefix_hit_advances_computed_without_scheduling() -> None:
+    s = make_scheduler(64)
+    s.add_request(make_add_request("a", COMMON + [1]))
+    out = s.schedule()
+    s.update_from_output(out, decode_all(out))
+    s.add_request(make_add_request("b", COMMON + [2, 3]))
+    out = s.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 48
+    assert out.num_scheduled_tokens == {"a": 1, "b": 2}
+    assert new.block_ids[:3] == [0, 1, 2]  # the shared blocks
+    outputs = s.update_from_output(out, decode_all(out))
+    assert {o.request_id: o.num_cached_tokens for o in outputs} == {"a": 0, "b": 48}
+    stats = s.make_stats()
+    assert (stats.prefix_queries_total, stats.prefix_hits_total) == (49 + 50, 48)
+    check(s)
+
+
+def test_new_request_data_carries_everything_once() -> None:
+    s = make_scheduler(64)
+    s.add_request(make_add_request("a", [1, 2, 3], temperature=0.5, eos_token_id=9))
+    out = s.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.prompt_token_ids == [1, 2, 3] and new.eos_token_id == 9
+    assert new.sampling_params.temperature == 0.5
+    assert new.output_token_ids == [] and new.num_computed_tokens == 0
+    s.update_from_output(out, decode_all(out))
+    out = s.schedule()
+    assert out.scheduled_new_reqs == [] and out.scheduled_cached_reqs.req_ids == ["a"]
+
+
+def test_preemption_takes_the_tail_and_resumes_it_first() -> None:
+    # 4 blocks: a (16 tokens) and b (16 tokens) hold 1 block each and need a second one.
+    s = make_scheduler(4, max_num_batched_tokens=64, max_model_len=64)
+    s.add_request(make_add_request("a", list(range(16)), max_tokens=40, ignore_eos=True))
+    s.add_request(make_add_request("b", list(range(50, 66)), max_tokens=40, ignore_eos=True))
+    s.add_request(make_add_request("c", list(range(80, 90)), max_tokens=40, ignore_eos=True))
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["a", "b", "c"]
+    s.update_from_output(out, decode_all(out))
+    # Each needs a block for position 16 (a, b): 1 free block left after a takes its own.
+    out = s.schedule()
+    assert out.preempted_req_ids == ["c"]  # the tail, not b
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert out.scheduled_new_reqs == []  # no admissions in a step that preempted
+    assert [r.request_id for r in s.waiting] == ["c"]
+    c = s.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert s.make_stats().num_preempted_total == 1
+    check(s)
+    s.update_from_output(out, decode_all(out, 6))
+    # b and a keep growing; finish a so c can come back, carrying its output token.
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed.req_id == "c" and resumed.output_token_ids == [5]
+    assert resumed.prompt_token_ids == list(range(80, 90))
+    assert out.num_scheduled_tokens["c"] == 11  # prompt + its one output, recomputed
+    assert out.finished_req_ids == ["a"]
+    check(s)
+
+
+def test_a_request_that_cannot_grow_preempts_itself() -> None:
+    s = make_scheduler(3, max_model_len=48)
+    s.add_request(make_add_request("a", list(range(16)), max_tokens=10, ignore_eos=True))
+    s.add_request(make_add_request("b", list(range(30, 46)), max_tokens=10, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, decode_all(out))
+    out = s.schedule()  # a takes the last free block; b, the tail, is its own victim
+    assert out.preempted_req_ids == ["b"] and list(out.num_scheduled_tokens) == ["a"]
+    assert [r.request_id for r in s.waiting] == ["b"] and [r.request_id for r in s.running] == ["a"]
+    check(s)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tokens", "expect_tokens", "reason", "stop_reason"),
+    [
+        ({}, [4, EOS, 6], [4, EOS], "stop", None),
+        ({"ignore_eos": True, "max_tokens": 3}, [4, EOS, 6], [4, EOS, 6], "length", None),
+        ({"stop_token_ids": [6]}, [4, 6], [4, 6], "stop", 6),
+        ({"max_tokens": 2}, [4, 4, 4], [4, 4], "length", None),
+        ({"min_tokens": 2}, [EOS, 6, EOS, EOS], [EOS, 6, EOS], "stop", None),
+        ({"min_tokens": 1, "stop_token_ids": [7]}, [7, 7], [7, 7], "stop", 7),
+    ],
+)
+def test_stop_conditions(kwargs, tokens, expect_tokens, reason, stop_reason) -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("r", [1, 2, 3], **kwargs))
+    got: list[int] = []
+    for token in tokens:
+        out = s.schedule()
+        outputs = s.update_from_output(out, decode_all(out, token))
+        (o,) = outputs
+        got += o.new_token_ids
+        if o.finish_reason:
+            assert (o.finish_reason, o.stop_reason) == (reason, stop_reason)
+            break
+    assert got == expect_tokens
+    assert not s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.finished_req_ids == ["r"] and out.total_num_scheduled_tokens == 0
+    check(s)
+
+
+def test_context_limit_finishes_with_length() -> None:
+    s = make_scheduler(16, max_model_len=20)
+    s.add_request(make_add_request("r", list(range(17)), max_tokens=None))
+    n = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        assert max(out.scheduled_cached_reqs.num_computed_tokens, default=0) < 20
+        (o,) = s.update_from_output(out, decode_all(out))
+        n += 1
+    assert n == 3 and o.finish_reason == "length"
+    s.add_request(make_add_request("full", list(range(20))))  # = max_model_len: one token
+    out = s.schedule()
+    (o,) = s.update_from_output(out, decode_all(out))
+    assert o.finish_reason == "length" and o.new_token_ids == [5]
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        s.add_request(make_add_request("long", list(range(21))))
+
+
+def test_add_request_rejects_bad_input() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("r", [1]))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(make_add_request("r", [1]))
+    with pytest.raises(ValueError, match="empty"):
+        s.add_request(make_add_request("e", []))
+    assert s.get_num_unfinished_requests() == 1
+
+
+def test_max_model_len_is_capped_by_the_pool() -> None:
+    s = make_scheduler(4, max_model_len=1000)
+    assert s.max_model_len == 64
+
+
+def test_abort_frees_blocks_at_once_and_is_idempotent() -> None:
+    s = make_scheduler(16, max_num_seqs=1)
+    s.add_request(make_add_request("a", list(range(40))))
+    s.add_request(make_add_request("w", list(range(40))))  # stays waiting (max_num_seqs)
+    out = s.schedule()
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 16 - 3
+    assert s.finish_requests(["a", "w", "zzz"], RequestStatus.FINISHED_ABORTED) == ["a", "w"]
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 16
+    assert s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []
+    assert not s.running and not s.waiting and not s.has_unfinished_requests()
+    # The in-flight step's tokens for the aborted request are dropped.
+    assert s.update_from_output(out, decode_all(out)) == []
+    out = s.schedule()
+    assert out.finished_req_ids == ["a", "w"]
+    check(s)
+
+
+def test_empty_schedule_keeps_finished_ids_pending() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("a", [1, 2]))
+    s.add_request(make_add_request("b", [1, 2]))
+    out = s.schedule()
+    s.finish_requests("a", RequestStatus.FINISHED_ERROR)
+    s.update_from_output(out, decode_all(out))
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    empty = s.schedule()
+    assert empty.total_num_scheduled_tokens == 0 and empty.finished_req_ids == ["a", "b"]
+    s.add_request(make_add_request("c", [3]))
+    out = s.schedule()  # the first output that is really sent still names them
+    assert out.finished_req_ids == ["a", "b"]
+    assert s.schedule().finished_req_ids == []
+
+
+def test_logprobs_are_carried_and_trimmed() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("a", [1, 2, 3], max_tokens=2, logprobs=1, prompt_logprobs=1))
+    out = s.schedule()
+    lp = Logprobs(token_ids=[[4, 9]], logprobs=[[-0.1, -2.0]], ranks=[1])
+    plp = Logprobs(token_ids=[[2], [3]], logprobs=[[-1.0], [-1.5]], ranks=[3, 2])
+    (o,) = s.update_from_output(
+        out, result(out, {"a": [4]}, logprobs=[lp], prompt_logprobs={"a": plp})
+    )
+    assert o.new_logprobs == lp and o.prompt_logprobs == plp
+    # Several tokens in one step (e.g. speculative): trimmed at the stop, logprobs too.
+    out = s.schedule()
+    lp3 = Logprobs(token_ids=[[5], [6], [7]], logprobs=[[-1.0], [-2.0], [-3.0]], ranks=[1, 1, 1])
+    (o,) = s.update_from_output(out, result(out, {"a": [5, 6, 7]}, logprobs=[lp3]))
+    assert o.new_token_ids == [5] and o.finish_reason == "length"
+    assert o.new_logprobs == Logprobs(token_ids=[[5]], logprobs=[[-1.0]], ranks=[1])
+
+
+def test_prompt_logprobs_of_a_prefill_chunk_are_emitted() -> None:
+    s = make_scheduler(16, max_num_batched_tokens=8)
+    s.add_request(make_add_request("a", list(range(1, 13)), prompt_logprobs=0))
+    out = s.schedule()
+    plp = Logprobs(token_ids=[[i] for i in range(8)], logprobs=[[-1.0]] * 8, ranks=[1] * 8)
+    (o,) = s.update_from_output(out, result(out, prompt_logprobs={"a": plp}))
+    assert o.new_token_ids == [] and o.prompt_logprobs == plp and o.finish_reason is None
+
+
+def test_stats_self_check_and_reset() -> None:
+    s = make_scheduler(16)
+    report = s.kv_self_check()
+    assert report["ok"] and report["idle"] and report["num_free_blocks"] == 16
+    s.add_request(make_add_request("a", list(range(20)), max_tokens=1))
+    out = s.schedule()
+    stats = s.make_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (1, 0, 14)
+    assert stats.step_num_prefill_tokens == 20 and stats.step_num_decode_tokens == 0
+    assert stats.kv_usage == pytest.approx(2 / 16)
+    assert s.reset_prefix_cache() is False
+    report = s.kv_self_check()
+    assert report["ok"] and not report["idle"]
+    # Corrupt the pool: the self-check names it.
+    s.kv_cache_manager.req_to_blocks["a"][0].ref_cnt += 1
+    assert not s.kv_self_check()["ok"]
+    s.kv_cache_manager.req_to_blocks["a"][0].ref_cnt -= 1
+    s.update_from_output(out, decode_all(out))
+    assert s.make_stats().num_cached_free_blocks == 1
+    assert s.reset_prefix_cache() is True
+    assert s.make_stats().num_cached_free_blocks == 0
+
+
+def test_caching_disabled_end_to_end() -> None:
+    s = make_scheduler(16, enable_prefix_caching=False)
+    for name in "ab":
+        s.add_request(make_add_request(name, COMMON + [1]))
+    out = s.schedule()
+    assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [0, 0]
+    s.update_from_output(out, decode_all(out))
+    assert s.make_stats().prefix_queries_total == 0
+    check(s)
+
+
+def test_finish_requests_tolerates_repeated_ids() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("a", [1, 2]))
+    s.schedule()
+    assert s.finish_requests(["a", "a"], RequestStatus.FINISHED_ABORTED) == ["a"]
+    check(s)
+
+
+def test_several_tokens_in_one_step_fill_and_cache_blocks() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("a", list(range(14)), max_tokens=30, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, result(out, {"a": [1, 2, 3, 4]}))  # crosses into block 1
+    a = s.requests["a"]
+    assert a.num_tokens == 18 and len(a.block_hashes) == 1
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}  # the three unseen outputs and the last
+    assert s.kv_cache_manager.req_to_blocks["a"][0].block_hash == a.block_hashes[0]
+    check(s)
+
+
+def test_request_repr_keeps_the_prompt_out_of_logs() -> None:
+    s = make_scheduler(16)
+    s.add_request(make_add_request("secret", [31337, 4242]))
+    text = repr(s.requests["secret"])
+    assert "31337" not in text and "secret" in text
