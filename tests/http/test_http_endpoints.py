@@ -167,9 +167,11 @@ async def test_stop_string(tokenizer: Tokenizer, stream: bool) -> None:
         expected = REPLY[: REPLY.index("ee fo")]
         assert text == expected
         assert finish["finish_reason"] == "stop" and finish["stop_reason"] == "ee fo"
-        # The engine does not know stop strings: the front aborted the request, as a finish.
+        # The engine does not know stop strings: the front aborts the request, as a finish
+        # (unless the engine's own EOS arrived in the same merged delta: then nothing to abort).
         await h.engine.wait_for_async(lambda e: not e.running)
-        assert h.engine.aborted_ids("stop_string") == [h.engine.adds()[0].request_id]
+        assert h.engine.aborted_ids() in ([], [h.engine.adds()[0].request_id])
+        assert set(h.engine.aborted_ids()) == set(h.engine.aborted_ids("stop_string"))
         totals = h.metrics.totals()
         assert totals["finished"] == 1 and totals["aborted"] == 0
 
