@@ -296,3 +296,18 @@ async def test_data_parallel_routes_to_least_loaded(tokenizer: Tokenizer) -> Non
         for e in h.engines:  # type: ignore[attr-defined]
             await e.wait_for_async(lambda e: len(e.aborted_ids()) == 2)
         assert h.client.num_unfinished == 0
+
+
+async def test_stop_string_aborts_the_engine_request(tokenizer: Tokenizer) -> None:
+    async with running_app(tokenizer, step_s=0.002) as h, h.http() as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                  "ignore_eos": True, "stop": ["ee fo"], "n": 2, "stream": True},
+        )  # fmt: skip
+        assert r.status_code == 200
+        await h.engine.wait_for_async(lambda e: not e.running)
+        assert sorted(h.engine.aborted_ids("stop_string")) == sorted(
+            a.request_id for a in h.engine.adds()
+        )
+        assert h.metrics.totals() == {"received": 1, "rejected": 0, "finished": 1, "aborted": 0}
