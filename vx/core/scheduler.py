@@ -158,6 +158,8 @@ class Scheduler:
         cached_ids: list[str] = []
         cached_new_block_ids: list[list[int]] = []
         cached_num_computed: list[int] = []
+        add_id, add_block_ids = cached_ids.append, cached_new_block_ids.append
+        add_num_computed = cached_num_computed.append
         num_prefill_tokens = 0
         preempted = False
 
@@ -189,9 +191,9 @@ class Scheduler:
                 break  # the request preempted itself: nobody after it is left either
             request_id = request.request_id
             num_scheduled_tokens[request_id] = num_new
-            cached_ids.append(request_id)
-            cached_new_block_ids.append(new_block_ids)
-            cached_num_computed.append(num_computed)
+            add_id(request_id)
+            add_block_ids(new_block_ids)
+            add_num_computed(num_computed)
             if num_computed < request.num_prompt_tokens:
                 num_prefill_tokens += min(num_new, request.num_prompt_tokens - num_computed)
             num_computed += num_new
@@ -303,6 +305,9 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
+        emit = outputs.append
+        make_output = EngineCoreOutput
+        running_status = _RUNNING
         stopped: list[Request] = []
         for request_id, token_ids, new_logprobs in zip(
             model_runner_output.req_ids,
@@ -311,7 +316,11 @@ class Scheduler:
             strict=False,
         ):
             request = requests.get(request_id)
-            if request is None or request.status != _RUNNING or step_id < request.admitted_step_id:
+            if (
+                request is None
+                or request.status != running_status
+                or step_id < request.admitted_step_id
+            ):
                 continue
             plp = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
             if not token_ids:
@@ -342,16 +351,11 @@ class Scheduler:
                 if n < len(token_ids):
                     token_ids = token_ids[:n]
                     new_logprobs = new_logprobs and _trim_logprobs(new_logprobs, n)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    token_ids,
-                    finish_reason,
-                    stop_reason,
-                    new_logprobs,
-                    plp,
-                    request.num_cached_tokens,
-                )  # fmt: skip
+            num_cached = request.num_cached_tokens
+            emit(
+                make_output(
+                    request_id, token_ids, finish_reason, stop_reason, new_logprobs, plp, num_cached
+                )
             )
             if finish_reason is not None:
                 stopped.append(request)
