@@ -2,62 +2,48 @@
 
 Runs in: every process (ApiServer, EngineCore, Workers); each process holds one end of a ring.
 
-A ring has one writer and `num_readers` readers. Every reader sees every message, in order
-(1 reader: a pipe; N readers: the EngineCore -> Workers broadcast for tensor parallelism). The
-writer never overwrites bytes that some reader has not consumed. Messages are opaque `bytes`
-(`vx.codec` turns them into messages); a message larger than the ring is cut into chunks that
-the reader joins again, so any size goes through.
+A ring has one writer and `num_readers` readers; every reader sees every message, in order
+(1 reader: a pipe; N readers: the EngineCore -> Workers broadcast). The writer never overwrites
+bytes that some reader has not consumed. Messages are opaque bytes (see `vx.codec`); one larger
+than the ring is cut into chunks that the reader joins again.
 
-Segment layout (one POSIX shm segment, `/dev/shm/<prefix>-<creator pid>-<random>`, mode 0600).
-Every field is a native u64 slot, and each party's hot fields sit in their own 64-byte line::
+Layout of the segment (`/dev/shm/<prefix>-<creator pid>-<random>`, mode 0600); every field is a
+native u64 slot, and each party's hot fields have their own 64-byte line::
 
     line 0        magic | version | capacity | num_readers | data_offset        (constant)
     line 1        write_pos | writer_pid | writer_parked | writer_closed        (writer writes)
     line 2 + i    read_pos | reader_pid | reader_parked | reader_closed         (reader i writes)
-    data_offset   capacity bytes of frames, addressed as position % capacity
+    data_offset   `capacity` bytes of frames, addressed by position % capacity
 
-`write_pos` and `read_pos` are monotonically increasing 64-bit *byte* counters (they never wrap
-in practice: 2**64 bytes is centuries at 1 GB/s). The bytes in [min(read_pos), write_pos) are
-published and unconsumed; the writer may write only into [write_pos, min(read_pos) + capacity).
-A frame is an 8-byte header (`length | flags << 32`, one u64) and the payload, padded to 8 bytes.
-Frames start 8-aligned, so a header never straddles the end of the data area; a payload may wrap
-and is then copied in two pieces. Flags: START (first frame of a message), END (last frame).
-A message is either one START|END frame or START, 0..n middle frames, END. If `send` times out
-in the middle of a chunked message, the reader drops the torn part when the next START arrives
-(or at end of stream): a message is delivered whole or not at all.
+`write_pos`/`read_pos` are monotonically increasing 64-bit byte counters (2**64 bytes is
+centuries at 1 GB/s). [min(read_pos), write_pos) is published and unconsumed; the writer writes
+only into [write_pos, min(read_pos) + capacity). A frame is one u64 header (`length | flags <<
+32`) and the payload padded to 8 bytes; frames are 8-aligned, so a header never straddles the
+end of the data area, while a payload may wrap (two copies). Flags: START, END; a message is one
+START|END frame or START, middles, END. If `send` times out mid-message, the reader drops the
+torn part when the next START (or the end of stream) arrives: messages arrive whole or not at all.
 
-Memory ordering. The writer copies the payload first and stores `write_pos` last; the reader
-loads `write_pos` first and the payload after; a reader copies the payload out before it stores
-its `read_pos`, and the writer loads `read_pos` before it overwrites. Every access goes through
-`mmap` slice copies or native `memoryview` u64 items (a single aligned 8-byte `memcpy`, i.e. one
-mov: no torn counters), each in its own C call, so the C compiler cannot reorder them. With a
-single writer and x86-TSO (stores are seen in program order, loads are not reordered with
-loads, nor with later stores), that makes a published counter imply published bytes. On weakly
-ordered CPUs (ARM, POWER) that needs barriers: there the ring calls its `Fence` before the
-counter store and after the counter load (`_WEAK_ORDER`); on x86 those calls are skipped.
+Memory ordering: the writer copies the payload, then stores `write_pos`; the reader loads
+`write_pos`, then copies the payload, then stores its `read_pos`; the writer loads `read_pos`
+before it overwrites. Each access is its own C call (an `mmap` slice copy, or one aligned 8-byte
+`memcpy` for a u64 item: no torn counters), so the compiler cannot reorder them, and x86-TSO
+keeps store/store, load/load and load/store order: with one writer, a published counter implies
+published bytes. Weakly ordered CPUs (ARM, POWER) need barriers there: the ring then calls its
+fence after the payload and after the counter load (`_WEAK_ORDER`); x86 skips those calls.
 
-Waiting and the park handshake. An empty reader first spins for `spin_s` (~50 µs, polling with
-`sched_yield`), then parks: it stores `reader_parked = 1`, fences, re-checks `write_pos` and
-`writer_closed`, and only then blocks in `poll` on its wake-up socket and the writer's pidfd.
-The writer stores `write_pos`, fences, and sends a wake-up byte only to readers whose flag is
-set. The two fences make this a Dekker handshake: x86 may delay a store past a later load, so
-without them both sides could miss each other. A writer blocked on a full ring parks the same
-way (`writer_parked`) and the reader that frees space wakes it. So an idle ring costs no CPU,
-and a busy one costs no syscalls. Blocking waits also wake every `RECHECK_S` to look at peer
-liveness and to bound the cost of any missed wake-up.
+Waiting: an empty reader spins for `spin_s` (~50 µs, `sched_yield` between polls), then parks:
+it stores `reader_parked = 1`, fences, re-checks `write_pos`/`writer_closed`, and only then
+blocks in `poll` on its wake-up socket and the writer's pidfd. The writer stores `write_pos`,
+fences, and wakes only readers whose flag is set. Both fences are needed (x86 may let a load
+pass an earlier store; this is Dekker's handshake). A writer facing a full ring parks the same
+way (`writer_parked`), woken by the reader that frees space. Idle rings cost no CPU, busy ones
+no syscalls; OS waits wake every `RECHECK_S` anyway to check liveness (and bound a lost wake-up).
 
-Peer death. Each end stores its pid in the header on opening. A waiting reader watches the
-writer's pidfd: writer gone without `close()` -> `anyio.BrokenResourceError` once the data it
-published is drained; after `close()` -> `anyio.EndOfStream`. A writer blocked on a full ring
-watches the readers holding it back: one that died or closed -> `anyio.BrokenResourceError`.
-
-Ownership and cleanup. The creator (`RingWriter.create` or `RingReader.create`) owns the segment
-and unlinks it in `close()`. It creates the segment with `_posixshmem.shm_open` (as
-`multiprocessing.shared_memory` does) and registers it with its resource tracker, so the tracker
-unlinks it if the creator is killed -9. Attaching processes open it with `shm_open` directly and
-never register: on Python 3.11 `SharedMemory(create=False)` always registers, the tracker's set
-is shared with spawned children, and unregistering would also drop the creator's entry.
-`vx.ring_wait.sweep_stale_segments` removes what a dead process tree leaked anyway.
+Peer death: each end stores its pid on opening. A waiting reader watches the writer's pidfd:
+gone without `close()` -> anyio.BrokenResourceError (after draining what it published); after
+`close()` -> anyio.EndOfStream. A blocked writer raises anyio.BrokenResourceError when a reader
+died or closed. Cleanup: the creator owns and unlinks the segment; see `vx.ring_wait.ShmSegment`
+for the resource-tracker rules (the tracker unlinks it if the creator is killed -9).
 
 A ring end is not thread-safe: use each from one thread (or one task) at a time.
 """
@@ -73,22 +59,9 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from vx.ring_wait import FENCE_IS_FULL, Fence, PeerWatch, ShmSegment, Waker, WakeSender
+from vx.ring_wait import FENCE_IS_FULL, RECHECK_S, SPIN_S, RingEnd, ShmSegment
 
-__all__ = [
-    "RECHECK_S",
-    "SPIN_S",
-    "RingHandle",
-    "RingOwner",
-    "RingReader",
-    "RingStatistics",
-    "RingWriter",
-]
-
-#: How long an empty reader (or a writer facing a full ring) polls before it parks.
-SPIN_S = 50e-6
-#: Longest uninterrupted OS wait: peer liveness and lost wake-ups are re-checked this often.
-RECHECK_S = 0.25
+__all__ = ["RECHECK_S", "SPIN_S", "RingHandle", "RingReader", "RingStatistics", "RingWriter"]
 
 _MAGIC = 0x7672696E67763031  # "vringv01"
 _VERSION = 1
@@ -97,20 +70,16 @@ _START, _END = 1, 2
 _LEN_MASK = 0xFFFFFFFF
 _WEAK_ORDER = not FENCE_IS_FULL
 
-# u64 slot indices in the header; a reader's are relative to _reader_base(i).
+# u64 slot indices in the header; a reader's are relative to 16 + 8 * reader_index.
 _CAPACITY, _NUM_READERS, _DATA_OFFSET = 2, 3, 4
 _WRITE_POS, _WRITER_PID, _WRITER_PARKED, _WRITER_CLOSED = 8, 9, 10, 11
 _READ_POS, _READER_PID, _READER_PARKED, _READER_CLOSED = 0, 1, 2, 3
 
 
-def _reader_base(i: int) -> int:
-    return 16 + 8 * i
-
-
 class RingHandle(msgspec.Struct, frozen=True):
     """Everything a process needs to open an end of an existing ring (sent to spawned children).
 
-    The wake-up sockets are named after `name` (see `vx.ring_wait`), so nothing else is needed.
+    Wake-up sockets are named after `name` (`<name>.w`, `<name>.r<i>`), so nothing else is needed.
     """
 
     #: Shared-memory segment name (no leading slash): `<prefix>-<creator pid>-<random hex>`.
@@ -118,13 +87,6 @@ class RingHandle(msgspec.Struct, frozen=True):
     #: Bytes in the data area (a multiple of 8).
     capacity: int
     num_readers: int
-
-    def reader_wake_name(self, reader_index: int) -> str:
-        return f"{self.name}.r{reader_index}"
-
-    @property
-    def writer_wake_name(self) -> str:
-        return f"{self.name}.w"
 
 
 class RingStatistics(NamedTuple):
@@ -136,21 +98,26 @@ class RingStatistics(NamedTuple):
     position: int
 
 
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else perf_counter() + timeout
+
+
 def _create_segment(prefix: str, num_readers: int, capacity: int, position: int) -> ShmSegment:
     if not 64 <= capacity <= 1 << 31:
         raise ValueError(f"capacity must be in [64, 2**31], got {capacity}")
+    if len(prefix) > 48:  # the wake-up socket names must stay under 108 bytes
+        raise ValueError(f"name_prefix is too long: {prefix!r}")
     if not 1 <= num_readers <= 1024:
         raise ValueError(f"num_readers must be in [1, 1024], got {num_readers}")
     if position < 0 or position % 8:
         raise ValueError(f"initial_position must be a non-negative multiple of 8: {position}")
     capacity = (capacity + 7) & -8
-    data_offset = _reader_base(num_readers) * 8
-    seg = ShmSegment.create(
-        f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", data_offset + capacity
-    )
+    data_offset = (16 + 8 * num_readers) * 8
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+    seg = ShmSegment.create(name, data_offset + capacity)
     q = seg.q
     q[_CAPACITY], q[_NUM_READERS], q[_DATA_OFFSET] = capacity, num_readers, data_offset
-    for i in [_WRITE_POS] + [_reader_base(i) + _READ_POS for i in range(num_readers)]:
+    for i in [_WRITE_POS] + [16 + 8 * i + _READ_POS for i in range(num_readers)]:
         q[i] = position
     q[1] = _VERSION
     q[0] = _MAGIC  # last: marks the header complete
@@ -160,83 +127,23 @@ def _create_segment(prefix: str, num_readers: int, capacity: int, position: int)
 def _attach_segment(handle: RingHandle) -> ShmSegment:
     seg = ShmSegment.attach(handle.name)
     q = seg.q
-    if (
-        q[0] != _MAGIC
-        or q[1] != _VERSION
-        or q[_CAPACITY] != handle.capacity
-        or q[_NUM_READERS] != handle.num_readers
-        or len(seg.mm) < q[_DATA_OFFSET] + handle.capacity  # NOTE: >=, sizes may be rounded up
-    ):
+    if (q[0], q[1], q[_CAPACITY], q[_NUM_READERS]) != (
+        _MAGIC,
+        _VERSION,
+        handle.capacity,
+        handle.num_readers,
+    ) or len(seg.mm) < q[_DATA_OFFSET] + handle.capacity:  # NOTE: >=, sizes may be rounded up
         seg.close()
         raise ValueError(f"shm segment {handle.name!r} does not match its handle")
     return seg
 
 
-class _End:
-    """What both ends share: the mapping, a fence, wake-up sockets, the liveness watch.
-
-    Takes ownership of `seg`: closes it (and unlinks it, if owned) when opening fails.
-    """
-
-    def __init__(self, seg: ShmSegment, wake_name: str | None = None) -> None:
-        self._handle = RingHandle(seg.name, seg.q[_CAPACITY], seg.q[_NUM_READERS])
-        try:
-            # First: binding the wake-up name fails if this end is already open elsewhere.
-            self._waker = Waker(wake_name or self._handle.writer_wake_name)
-        except BaseException:
-            seg.close()
-            raise
-        self._seg, self._q, self._mm = seg, seg.q, seg.mm
-        self._cap = self._handle.capacity
-        self._base = self._q[_DATA_OFFSET]
-        self._fence = Fence()
-        self._sender = WakeSender()
-        self._watch = PeerWatch(self._waker)
-        self._closed = False
-        #: Seconds to poll before parking; 0 parks at once.
-        self.spin_s = SPIN_S
-
-    @property
-    def handle(self) -> RingHandle:
-        return self._handle
-
-    def _spin_until(self, ready, deadline: float | None) -> bool:
-        """Polls `ready()` for up to spin_s, yielding the CPU between polls."""
-        spin = self.spin_s if deadline is None else min(self.spin_s, deadline - perf_counter())
-        end = perf_counter() + spin
-        while perf_counter() < end:
-            if ready():
-                return True
-            os.sched_yield()
-        return False
-
-    def _wait(self, deadline: float | None, what: str) -> None:
-        """One parked OS wait: until a wake-up, a watched peer's death, RECHECK_S or deadline."""
-        wait = RECHECK_S
-        if deadline is not None:
-            wait = min(wait, deadline - perf_counter())
-            if wait <= 0:
-                raise TimeoutError(f"ring {self._handle.name}: {what} timed out")
-        self._watch.wait(wait)
-
-    def _release(self) -> None:
-        self._closed = True
-        self._watch.close()
-        self._sender.close()
-        self._waker.close()
-        self._seg.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+def _layout(seg: ShmSegment) -> tuple[RingHandle, int, int]:
+    q = seg.q
+    return RingHandle(seg.name, q[_CAPACITY], q[_NUM_READERS]), q[_CAPACITY], q[_DATA_OFFSET]
 
 
-class RingWriter(_End):
+class RingWriter(RingEnd):
     """The single writer of a ring.
 
     Invariants: only this object stores `write_pos`, and `self._wpos` equals it;
@@ -262,15 +169,14 @@ class RingWriter(_End):
         return cls(_attach_segment(handle))
 
     def __init__(self, seg: ShmSegment) -> None:
-        super().__init__(seg)
+        super().__init__(seg, seg.name + ".w")
+        self._handle, self._cap, self._base = _layout(seg)
         q, n = self._q, self._handle.num_readers
         if q[_WRITER_CLOSED]:
             self._release()
             raise ValueError("the writer of this ring has already closed")
-        self._read_idx = [_reader_base(i) + _READ_POS for i in range(n)]
-        self._wake_targets = [
-            (_reader_base(i) + _READER_PARKED, self._handle.reader_wake_name(i)) for i in range(n)
-        ]
+        self._read_idx = [16 + 8 * i + _READ_POS for i in range(n)]
+        self._wake_targets = [(16 + 8 * i + _READER_PARKED, f"{seg.name}.r{i}") for i in range(n)]
         self._wpos = q[_WRITE_POS]
         self._min_read = min(q[i] for i in self._read_idx)
         self._max_frame = self._cap - _HDR
@@ -282,61 +188,53 @@ class RingWriter(_End):
         """Publishes one message, blocking while the ring is full.
 
         Raises TimeoutError (then no part of the message is delivered), anyio.BrokenResourceError
-        when a reader it waits for died or closed, anyio.ClosedResourceError after close().
+        when a reader died or closed while the writer waits, anyio.ClosedResourceError after close.
         """
-        if self._closed:
-            raise anyio.ClosedResourceError
-        if type(data) is not bytes:
-            data = memoryview(data).cast("B")
-        n = len(data)
-        if n > self._max_frame:
-            return self._send_chunked(data, _deadline(timeout))
-        size = _HDR + ((n + 7) & -8)
-        pos = self._wpos
-        if pos + size - self._min_read > self._cap:
-            self._wait_space(pos + size - self._cap, _deadline(timeout))
-        self._put(pos, data, n, _START | _END)
-        self._publish(pos + size)
+        self._send(data, _deadline(timeout), False)
 
     def send_nowait(self, data: bytes | memoryview) -> None:
         """Publishes one message if it fits now, else raises anyio.WouldBlock.
 
-        A message that can never fit whole (over capacity - 8 bytes) raises ValueError: use send.
+        A message that never fits whole (over capacity - 8 bytes) raises ValueError: use send.
         """
+        self._send(data, None, True)
+
+    def _send(self, data: bytes | memoryview, deadline: float | None, nowait: bool) -> None:
         if self._closed:
             raise anyio.ClosedResourceError
         if type(data) is not bytes:
             data = memoryview(data).cast("B")
-        n = len(data)
+        n, cap = len(data), self._cap
         if n > self._max_frame:
-            raise ValueError(f"a {n}-byte message never fits the ring at once: use send()")
-        size = _HDR + ((n + 7) & -8)
-        pos = self._wpos
-        if pos + size - self._min_read > self._cap and self._refresh() < pos + size - self._cap:
-            raise anyio.WouldBlock
-        self._put(pos, data, n, _START | _END)
-        self._publish(pos + size)
-
-    def _send_chunked(self, data: bytes | memoryview, deadline: float | None) -> None:
-        view = memoryview(data)
-        n, done, flags = len(view), 0, _START
-        while done < n:
-            k = min(self._chunk, n - done)
-            if done + k == n:
+            if nowait:
+                raise ValueError(f"a {n}-byte message never fits the ring at once: use send()")
+            data = memoryview(data)  # chunks are slices: views, not copies
+        done, flags = 0, _START
+        while True:
+            k = n - done
+            if k <= self._max_frame:
                 flags |= _END
+            else:
+                k = self._chunk
             size = _HDR + ((k + 7) & -8)
             pos = self._wpos
-            if pos + size - self._min_read > self._cap:
-                self._wait_space(pos + size - self._cap, deadline)
-            self._put(pos, view[done : done + k], k, flags)
-            self._publish(pos + size)
+            if pos + size - self._min_read > cap and self._refresh() < pos + size - cap:
+                if nowait:
+                    raise anyio.WouldBlock
+                self._wait_space(pos + size - cap, deadline)
+            self._publish(pos, data if k == n else data[done : done + k], k, flags, pos + size)
             done += k
+            if done == n:
+                return
             flags = 0
 
-    def _put(self, pos: int, data: bytes | memoryview, n: int, flags: int) -> None:
-        cap, base, mm = self._cap, self._base, self._mm
+    def _publish(
+        self, pos: int, data: bytes | memoryview, n: int, flags: int, new_pos: int
+    ) -> None:
+        """Writes one frame at `pos`, then publishes it and wakes parked readers."""
+        q, cap, base, mm = self._q, self._cap, self._base, self._mm
         off = pos % cap
-        self._q[(base + off) >> 3] = n | (flags << 32)
+        q[(base + off) >> 3] = n | (flags << 32)
         start = off + _HDR
         if start == cap:
             start = 0
@@ -347,13 +245,11 @@ class RingWriter(_End):
             view, k = memoryview(data), cap - start
             mm[base + start : base + cap] = view[:k]
             mm[base : base + n - k] = view[k:]
-
-    def _publish(self, new_pos: int) -> None:
-        q = self._q
         if _WEAK_ORDER:
             self._fence()  # the payload stores before the counter store
         q[_WRITE_POS] = self._wpos = new_pos
-        self._fence()  # the counter store before the parked-flag loads (Dekker)
+        self._fence_release()  # the counter store before the parked-flag loads (Dekker)
+        self._fence_acquire()
         for parked_idx, wake_name in self._wake_targets:
             if q[parked_idx]:
                 self._sender.wake(wake_name)
@@ -365,7 +261,7 @@ class RingWriter(_End):
 
     def _wait_space(self, target: int, deadline: float | None) -> None:
         """Waits until every reader's read_pos >= target: spins, then parks."""
-        if self._spin_until(lambda: self._refresh() >= target, deadline):
+        if self._spin(lambda: self._refresh() >= target, deadline):
             return
         q = self._q
         while True:
@@ -374,25 +270,23 @@ class RingWriter(_End):
                 self._fence()  # the parked store before the read_pos loads (Dekker)
                 if self._refresh() >= target:
                     return
-                self._check_readers(target)
-                self._wait(deadline, "send on a full ring")
+                self._check_readers()
+                self._watch.wait(deadline, RECHECK_S)
             finally:
                 q[_WRITER_PARKED] = 0
             self._waker.drain()
 
-    def _check_readers(self, target: int) -> None:
-        """Raises BrokenResourceError if a reader that holds the writer back is gone."""
+    def _check_readers(self) -> None:
+        """While blocked: raises BrokenResourceError if any reader closed or died (a reader
+        that will never read again holds the writer back sooner or later)."""
         q = self._q
         for i in range(self._handle.num_readers):
-            b = _reader_base(i)
-            if q[b + _READ_POS] >= target:
-                continue
-            pid = q[b + _READER_PID]
-            if q[b + _READER_CLOSED]:
+            pid = q[16 + 8 * i + _READER_PID]
+            if q[16 + 8 * i + _READER_CLOSED]:
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: reader {i} closed")
             if pid:
                 self._watch.update([pid])
-                if self._watch.dead(pid) and q[b + _READ_POS] < target:
+                if self._watch.dead(pid):
                     raise anyio.BrokenResourceError(
                         f"ring {self._handle.name}: reader {i} (pid {pid}) died"
                     )
@@ -414,11 +308,7 @@ class RingWriter(_End):
         self._release()
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else perf_counter() + timeout
-
-
-class RingReader(_End):
+class RingReader(RingEnd):
     """One reader of a ring.
 
     Invariants: only this object stores its `read_pos`, and `self._rpos` equals it;
@@ -441,15 +331,15 @@ class RingReader(_End):
         return cls(_attach_segment(handle), reader_index)
 
     def __init__(self, seg: ShmSegment, reader_index: int) -> None:
-        super().__init__(seg, RingHandle(seg.name, 0, 0).reader_wake_name(reader_index))
-        b, q = _reader_base(reader_index), self._q
+        super().__init__(seg, f"{seg.name}.r{reader_index}")
+        self._handle, self._cap, self._base = _layout(seg)
+        b, q = 16 + 8 * reader_index, self._q
         if q[b + _READER_CLOSED]:
             self._release()
             raise ValueError(f"reader {reader_index} of this ring has already closed")
-        self._read_idx = b + _READ_POS
-        self._parked_idx = b + _READER_PARKED
+        self._read_idx, self._parked_idx = b + _READ_POS, b + _READER_PARKED
         self._closed_idx = b + _READER_CLOSED
-        self._writer_wake_name = self._handle.writer_wake_name
+        self._writer_wake_name = seg.name + ".w"
         self._rpos = self._wseen = q[self._read_idx]
         self._parts: list[bytes] | None = None
         q[b + _READER_PID] = os.getpid()
@@ -471,7 +361,7 @@ class RingReader(_End):
             return msg
         deadline = _deadline(timeout)
         q, rpos = self._q, self._rpos
-        if self._spin_until(lambda: q[_WRITE_POS] != rpos or q[_WRITER_CLOSED], deadline):
+        if self._spin(lambda: q[_WRITE_POS] != rpos or q[_WRITER_CLOSED], deadline):
             msg = self._poll()
             if msg is not None:
                 return msg
@@ -481,7 +371,7 @@ class RingReader(_End):
                 msg = self._poll_parked()
                 if msg is not None:
                     return msg
-                self._wait(deadline, "recv")
+                self._watch.wait(deadline, RECHECK_S)
             finally:
                 q[self._parked_idx] = 0
             self._waker.drain()
@@ -545,9 +435,7 @@ class RingReader(_End):
             n, flags = header & _LEN_MASK, header >> 32
             size = _HDR + ((n + 7) & -8)
             if size > self._wseen - rpos or flags > (_START | _END):
-                raise anyio.BrokenResourceError(
-                    f"ring {self._handle.name}: corrupt frame header {header:#x} at {rpos}"
-                )
+                raise anyio.BrokenResourceError(f"ring {self._handle.name}: corrupt frame {rpos}")
             start = off + _HDR
             if start == cap:
                 start = 0
@@ -558,7 +446,8 @@ class RingReader(_End):
                 payload = mm[base + start : base + cap] + mm[base : base + end - cap]
             # The copy above is complete before this store hands the bytes back (TSO).
             q[self._read_idx] = self._rpos = rpos + size
-            self._fence()  # the read_pos store before the writer_parked load (Dekker)
+            self._fence_release()  # the read_pos store before the writer_parked load (Dekker)
+            self._fence_acquire()
             if q[_WRITER_PARKED]:
                 self._sender.wake(self._writer_wake_name)
             if flags == _START | _END:
@@ -605,33 +494,3 @@ class RingReader(_End):
         if q[_WRITER_PARKED]:
             self._sender.wake(self._writer_wake_name)
         self._release()
-
-
-class RingOwner:
-    """Owns a ring's segment without holding either end.
-
-    The launcher creates the EngineCore <-> Worker rings this way: both ends live in children,
-    but the segment must belong to the process that outlives them, so that it (or, if it is
-    killed, its resource tracker) unlinks it.
-    """
-
-    def __init__(self, seg: ShmSegment) -> None:
-        self._seg = seg
-        self._handle = RingHandle(seg.name, seg.q[_CAPACITY], seg.q[_NUM_READERS])
-        self._closed = False
-
-    @classmethod
-    def create(
-        cls, *, capacity: int = 1 << 22, num_readers: int = 1, name_prefix: str = "vx"
-    ) -> RingOwner:
-        return cls(_create_segment(name_prefix, num_readers, capacity, 0))
-
-    @property
-    def handle(self) -> RingHandle:
-        return self._handle
-
-    def close(self) -> None:
-        """Unlinks the segment (ends that are open keep their mapping). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._seg.close()

@@ -1,4 +1,5 @@
-"""OS-level plumbing for `vx.ring`: shm segments, memory fences, wake-ups, peer liveness.
+"""The OS side of `vx.ring`: shm segments, fences, spinning, wake-ups, peer liveness, and
+`RingEnd`, the part both ring ends share.
 
 Runs in: every process that holds a ring end (ApiServer, EngineCore, Workers).
 
@@ -26,48 +27,61 @@ import platform
 import select
 import socket
 import threading
+import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from vx.ring import RingHandle
 
 __all__ = [
     "FENCE_IS_FULL",
-    "Fence",
+    "RECHECK_S",
+    "SPIN_S",
     "PeerWatch",
+    "RingEnd",
     "ShmSegment",
     "WakeSender",
     "Waker",
     "pid_alive",
+    "make_fence",
+    "spin_until",
     "sweep_stale_segments",
 ]
 
-#: True where `Fence` is known to be a full (StoreLoad) barrier: on x86 every lock operation is
-#: a `lock`-prefixed instruction. On ARMv8 the store-release of `release()` followed by the
-#: load-acquire of `acquire()` is ordered too (RCsc), but that is not tested on such hardware here;
-#: the rings' bounded re-check interval caps the cost of any missed wake-up at
-#: `vx.ring.RECHECK_S` of latency (never a hang).
+#: True where `make_fence` is known to be a full (StoreLoad) barrier: on x86 every lock
+#: operation is a `lock`-prefixed instruction. On ARMv8 a store-release followed by a
+#: load-acquire is ordered too (RCsc), but that is untested on such hardware here; the bounded
+#: re-check interval caps the cost of any missed wake-up at RECHECK_S of latency (never a hang).
 FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: How long an empty reader (or a writer facing a full ring) polls before it parks.
+SPIN_S = 50e-6
+#: Longest uninterrupted OS wait: peer liveness and lost wake-ups are re-checked this often.
+RECHECK_S = 0.25
 
 
-class Fence:
-    """A memory barrier callable from Python: `fence()` orders earlier loads and stores before
-    later ones (about 0.1 µs).
+def make_fence() -> tuple[Callable[[], object], Callable[[], object]]:
+    """A memory barrier for Python: calling `release(); acquire()` orders earlier loads and
+    stores before later ones (about 0.1 µs).
 
-    Python exposes no fence, so this borrows the one inside a lock round trip. The lock is held
-    between calls, so each call is `release()` (a store-release) followed by `acquire()` (a
-    load-acquire), both uncontended. One `Fence` per ring end: a ring end is used by one thread
-    at a time, which keeps the release/acquire pairs balanced.
+    Python exposes no fence, so this borrows the one inside a lock round trip: the lock is held
+    between uses, so each use is an uncontended store-release followed by a load-acquire. Each
+    ring end makes its own (it is used by one thread at a time, so the pairs stay balanced).
     """
+    lock = threading.Lock()
+    lock.acquire()
+    return lock.release, lock.acquire
 
-    __slots__ = ("_acquire", "_lock", "_release")
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._acquire = self._lock.acquire
-        self._release = self._lock.release
-
-    def __call__(self) -> None:
-        self._release()
-        self._acquire()
+def spin_until(ready: Callable[[], object], seconds: float) -> bool:
+    """Polls `ready()` for up to `seconds`, yielding the CPU between polls; True once ready."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if ready():
+            return True
+        os.sched_yield()
+    return False
 
 
 def _abstract(name: str) -> str:
@@ -186,10 +200,15 @@ class PeerWatch:
             return bool(select.select([fd], [], [], 0)[0])
         return not pid_alive(pid)
 
-    def wait(self, timeout_s: float) -> None:
-        """Blocks until a wake-up arrives, a watched peer dies, or `timeout_s` passes."""
+    def wait(self, deadline: float | None, recheck_s: float) -> None:
+        """Blocks until a wake-up arrives, a watched peer dies, `recheck_s` passes or the
+        `perf_counter` deadline does (then raises TimeoutError)."""
+        if deadline is not None:
+            recheck_s = min(recheck_s, deadline - time.perf_counter())
+            if recheck_s <= 0:
+                raise TimeoutError("ring wait timed out")
         try:
-            self._poll.poll(max(0.0, timeout_s) * 1000.0)
+            self._poll.poll(recheck_s * 1000.0)
         except InterruptedError:
             pass
 
@@ -257,6 +276,59 @@ class ShmSegment:
             except FileNotFoundError:
                 pass
             resource_tracker.unregister("/" + self.name, "shared_memory")
+
+
+class RingEnd:
+    """What both ends of a `vx.ring` ring share: the mapping, a fence, the wake-up sockets and
+    the liveness watch. Subclasses add the layout (`_handle`, `_cap`, `_base`).
+
+    Takes ownership of `seg`: closes it (and unlinks it, if owned) when opening fails.
+    """
+
+    _handle: RingHandle
+
+    def __init__(self, seg: ShmSegment, wake_name: str) -> None:
+        try:
+            # First: binding the wake-up name fails if this end is already open elsewhere.
+            self._waker = Waker(wake_name)
+        except BaseException:
+            seg.close()
+            raise
+        self._seg, self._q, self._mm = seg, seg.q, seg.mm
+        self._fence_release, self._fence_acquire = make_fence()
+        self._sender = WakeSender()
+        self._watch = PeerWatch(self._waker)
+        self._closed = False
+        #: Seconds to poll before parking; 0 parks at once.
+        self.spin_s = SPIN_S
+
+    @property
+    def handle(self) -> RingHandle:
+        return self._handle
+
+    def _fence(self) -> None:
+        self._fence_release()
+        self._fence_acquire()
+
+    def _spin(self, ready: Callable[[], object], deadline: float | None) -> bool:
+        spin = self.spin_s if deadline is None else min(self.spin_s, deadline - time.perf_counter())
+        return spin > 0 and spin_until(ready, spin)
+
+    def _release(self) -> None:
+        self._closed = True
+        self._watch.close()
+        self._sender.close()
+        self._waker.close()
+        self._seg.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def sweep_stale_segments(prefix: str = "vx") -> list[str]:
