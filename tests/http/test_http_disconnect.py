@@ -237,3 +237,33 @@ async def test_client_that_stops_reading_is_aborted_as_stall(tokenizer: Tokenize
             await client.read_until(lambda: b"data: " in client.data[sid], ack=False)
             await h.engine.wait_for_async(lambda e: bool(e.aborted_ids("stall")), timeout=20)
     assert h.metrics.totals()["aborted"] == 1
+
+
+async def test_keepalive_comments_while_the_engine_is_silent(tokenizer: Tokenizer) -> None:
+    async with running_app(tokenizer, keepalive_s=0.02) as h:
+        h.engine.gate.clear()  # admitted, but no token comes
+        keepalive = anyio.Event()
+        bodies: list[bytes] = []
+        body_sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                raw = json.dumps({"prompt": "Hello", "max_tokens": 3, "stream": True}).encode()
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await anyio.sleep_forever()
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                bodies.append(message.get("body", b""))
+                if message.get("body") == b": keep-alive\n\n" and not keepalive.is_set():
+                    keepalive.set()
+                    h.engine.gate.set()
+
+        with anyio.fail_after(10):
+            await h.app(_scope("/v1/completions"), receive, send)
+        assert keepalive.is_set()
+        assert bodies[-2] == b"data: [DONE]\n\n" and bodies[-1] == b""
+        assert h.metrics.totals()["finished"] == 1

@@ -201,3 +201,13 @@ def test_startup_banner() -> None:
     text = startup_banner(config, [ready], "http://127.0.0.1:8000", 3.21)
     assert "serving 'smol' at http://127.0.0.1:8000" in text and "100 blocks" in text
     assert "max_model_len 2048" in text and "(ready in 3.2 s)" in text
+
+
+async def test_cancel_never_loses_a_queued_delta() -> None:
+    stream = RequestStream("r", 0)
+    stream.put(_out("r", [1]))
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await stream.get()  # cancelled before taking anything
+    delta = stream.get_nowait()
+    assert delta.new_token_ids == [1]

@@ -300,3 +300,10 @@ async def test_cors(tokenizer: Tokenizer) -> None:
     async with running_app(tokenizer) as h, h.http() as c:  # no origins: no CORS headers at all
         r = await c.get("/v1/models", headers={"origin": origin})
         assert "access-control-allow-origin" not in r.headers
+
+
+async def test_too_many_choices(tokenizer: Tokenizer) -> None:
+    async with running_app(tokenizer) as h, h.http() as c:
+        r = await c.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 100})
+        assert_envelope(r, 400, param="n")
+        assert not h.engine.adds()

@@ -20,6 +20,7 @@ from vx.http.middleware import BodyTooLargeError
 from vx.http.protocol import (
     CompletionRequest,
     build_sampling_params,
+    check_num_choices,
     check_prompt_ids,
     completion_prompts,
     fan_out,
@@ -156,7 +157,9 @@ async def build_completion(ctx: ServerContext, req: CompletionRequest) -> Comple
         raise APIError(400, "suffix is not supported", param="suffix")
     tok = ctx.tokenizer
     prompts: list[tuple[list[int], str | None]] = []
-    for p in completion_prompts(req.prompt):
+    raw_prompts = completion_prompts(req.prompt)
+    check_num_choices(len(raw_prompts), req.n)
+    for p in raw_prompts:
         if isinstance(p, str):
             ids = await tok.encode_async(p, add_special_tokens=req.add_special_tokens)
             prompts.append((ids, p))

@@ -166,15 +166,22 @@ class RequestStream:
         raise anyio.WouldBlock
 
     async def get(self) -> RequestDelta:
-        """The merged delta since the last call; waits while there is none."""
+        """The merged delta since the last call; waits while there is none.
+
+        Cancel-safe: a cancellation is delivered only before a delta is taken, never after.
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             try:
                 delta = self.get_nowait()
             except anyio.WouldBlock:
                 await self._event.wait()
                 self._event = anyio.Event()
+                waited = True
                 continue
-            await anyio.lowlevel.checkpoint()
+            if not waited:
+                await anyio.lowlevel.cancel_shielded_checkpoint()  # still a scheduling point
             return delta
 
 

@@ -90,7 +90,6 @@ class Choice:
     stream: RequestStream | None = None
     lp_token_ids: list[list[int]] = field(default_factory=list)
     lp_values: list[list[float]] = field(default_factory=list)
-    lp_emitted: int = 0
     #: Completions' `text_offset` of the next logprob token, across stream chunks.
     lp_text_offset: int = 0
     prompt_logprobs: messages.Logprobs | None = None
@@ -200,8 +199,9 @@ class Generation:
         }
 
     def take_logprob_rows(self, c: Choice) -> tuple[list[list[int]], list[list[float]]]:
-        rows = c.lp_token_ids[c.lp_emitted :], c.lp_values[c.lp_emitted :]
-        c.lp_emitted = len(c.lp_token_ids)
+        """The rows not streamed yet; a stream keeps no rows it has sent."""
+        rows = c.lp_token_ids, c.lp_values
+        c.lp_token_ids, c.lp_values = [], []
         return rows
 
     # ─────────────────────────── formatting (subclasses) ───────────────────────────

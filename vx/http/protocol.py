@@ -19,6 +19,8 @@ from vx.sampling_params import SamplingParams
 
 #: OpenAI's documented cap on stop sequences is 4; vLLM allows more. SamplingParams caps at 16.
 MAX_STOP_STRINGS = 16
+#: Engine requests one HTTP request may fan out to (prompts x n).
+MAX_CHOICES = 1024
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -214,6 +216,11 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str = "prompt
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of vocabulary (size {vocab_size})", param=param)
+
+
+def check_num_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * max(n, 1) > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
 
 
 def completion_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
