@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,19 +120,19 @@ def test_tiny_temperature_is_clamped_and_nearly_greedy() -> None:
 
 
 def test_temperature_one_matches_the_distribution() -> None:
-    counts = draw_many(sp(temperature=1.0), PROBS, 20000)
+    counts = draw_many(sp(temperature=1.0), PROBS, 10000)
     assert_matches(counts, [0, 1, 2, 3, 4], PROBS)
 
 
 def test_temperature_sharpens() -> None:
-    counts = draw_many(sp(temperature=0.5), PROBS, 20000)
+    counts = draw_many(sp(temperature=0.5), PROBS, 10000)
     sharpened = [p**2 for p in PROBS]
     assert_matches(counts, [0, 1, 2, 3, 4], sharpened)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 def test_top_k_keeps_only_the_top_k(top_k: int) -> None:
-    counts = draw_many(sp(top_k=top_k), PROBS, 20000)
+    counts = draw_many(sp(top_k=top_k), PROBS, 10000)
     assert_matches(counts, list(range(top_k)), PROBS)
 
 
@@ -139,7 +140,7 @@ def test_top_k_keeps_only_the_top_k(top_k: int) -> None:
 def test_top_k_off_or_not_below_vocab_keeps_everything(top_k: int) -> None:
     metadata = build([sp(top_k=top_k)], 5)
     assert metadata.top_k is None
-    counts = draw_many(sp(top_k=top_k), PROBS, 20000)
+    counts = draw_many(sp(top_k=top_k), PROBS, 10000)
     assert_matches(counts, [0, 1, 2, 3, 4], PROBS)
 
 
@@ -159,21 +160,21 @@ def test_top_p_keeps_the_smallest_set_reaching_p(
     top_p: float, support: list[int], candidates: int
 ) -> None:
     # candidates=2 makes most nuclei miss the candidate set, forcing the sorted fallback.
-    counts = draw_many(sp(top_p=top_p), PROBS, 20000, num_top_p_candidates=candidates)
+    counts = draw_many(sp(top_p=top_p), PROBS, 10000, num_top_p_candidates=candidates)
     assert_matches(counts, support, PROBS)
 
 
 @pytest.mark.parametrize("candidates", [0, 1, 256])
 def test_top_p_applies_to_the_top_k_renormalised_distribution(candidates: int) -> None:
     # After top-2, token 0 has 0.4 / 0.7 = 0.57 >= 0.55: alone. Without top-k it needs token 1.
-    counts = draw_many(sp(top_k=2, top_p=0.55), PROBS, 20000, num_top_p_candidates=candidates)
+    counts = draw_many(sp(top_k=2, top_p=0.55), PROBS, 10000, num_top_p_candidates=candidates)
     assert_matches(counts, [0], PROBS)
-    counts = draw_many(sp(top_p=0.55), PROBS, 20000, num_top_p_candidates=candidates)
+    counts = draw_many(sp(top_p=0.55), PROBS, 10000, num_top_p_candidates=candidates)
     assert_matches(counts, [0, 1], PROBS)
 
 
 def test_top_p_rows_mixed_with_other_rows() -> None:
-    rows = [sp(top_p=0.8), sp(), sp(top_p=0.41, top_k=3), sp(temperature=0.0)] * 5000
+    rows = [sp(top_p=0.8), sp(), sp(top_p=0.41, top_k=3), sp(temperature=0.0)] * 2500
     logits = torch.tensor(PROBS).log().expand(len(rows), -1).contiguous()
     sampler = Sampler(generator=torch.Generator().manual_seed(3), num_top_p_candidates=1)
     tokens = sample(rows, logits, sampler=sampler).sampled_token_ids.view(-1, 4)
@@ -186,14 +187,14 @@ def test_top_p_rows_mixed_with_other_rows() -> None:
 
 @pytest.mark.parametrize(("min_p", "support"), [(0.3, [0, 1, 2]), (0.2, [0, 1, 2, 3]), (0.8, [0])])
 def test_min_p(min_p: float, support: list[int]) -> None:
-    counts = draw_many(sp(min_p=min_p), PROBS, 20000)
+    counts = draw_many(sp(min_p=min_p), PROBS, 10000)
     assert_matches(counts, support, PROBS)
 
 
 def test_min_p_applies_after_temperature() -> None:
     # At T = 0.5 the probs go as p**2: relative to the top, [1, .56, .14, .06, .02].
     sharpened = [p**2 for p in PROBS]
-    counts = draw_many(sp(temperature=0.5, min_p=0.3), PROBS, 20000)
+    counts = draw_many(sp(temperature=0.5, min_p=0.3), PROBS, 10000)
     assert_matches(counts, [0, 1], sharpened)
 
 
@@ -270,6 +271,44 @@ def test_penalties_exact() -> None:
     expected = [1.0, -2.0 - 1.0 - 0.25, 0.5, -4.0, 0.5 - 0.5 - 0.25, 3.0]
     torch.testing.assert_close(out[0], torch.tensor(expected))
     torch.testing.assert_close(out[1], torch.tensor(raw))
+
+
+@pytest.mark.parametrize("as_arrays", [False, True])
+def test_penalties_match_a_per_token_reference(as_arrays: bool) -> None:
+    gen = torch.Generator().manual_seed(8)
+    vocab, rows = 50, 6
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    params, prompts, outputs = [], [], []
+    for i in range(rows):
+        rep, freq, pres = [(1.3, 0.4, -0.3), (1.0, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, -0.5, 1.5)][
+            i % 4
+        ]
+        params.append(sp(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres))
+        prompts.append(torch.randint(0, vocab, (20,), generator=gen).tolist())
+        outputs.append(torch.randint(-1, vocab + 3, (15,), generator=gen).tolist())
+    if as_arrays:  # the model runner passes numpy views of its token buffer
+        metadata = build(
+            params,
+            vocab,
+            prompts=[np.asarray(p, dtype=np.int32) for p in prompts],
+            outputs=[np.asarray(o, dtype=np.int32) for o in outputs],
+        )
+    else:
+        metadata = build(params, vocab, prompts=prompts, outputs=outputs)
+    out = apply_penalties(logits.clone(), metadata)
+    expected = logits.clone()
+    for i, p in enumerate(params):
+        counted = [t for t in outputs[i] if 0 <= t < vocab]
+        seen = set(prompts[i]) | set(counted)
+        for t in range(vocab):
+            value = float(expected[i, t])
+            if t in seen:
+                rep = p.repetition_penalty
+                value = value / rep if value > 0 else value * rep
+            value -= p.frequency_penalty * counted.count(t)
+            value -= p.presence_penalty * (t in counted)
+            expected[i, t] = value
+    torch.testing.assert_close(out, expected)
 
 
 def test_penalties_change_the_greedy_token_and_ignore_placeholders() -> None:

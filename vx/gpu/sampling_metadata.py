@@ -278,18 +278,20 @@ def _flat_token_index(
 ) -> torch.Tensor:
     """Flat indices `row * vocab_size + token` of every in-range token of `rows`, vectorised.
 
-    The tokens are gathered into one int64 array by `np.fromiter` (a C loop, no per-token
-    Python); the row offsets and the range filter are array ops.
+    Rows may be lists (gathered by `np.fromiter`, a C loop with no per-token Python) or numpy
+    arrays (concatenated); the row offsets and the range filter are array ops.
     """
-    lengths = [len(token_ids[row]) for row in rows]
+    parts = [token_ids[row] for row in rows]
+    lengths = [len(part) for part in parts]
     total = sum(lengths)
     if total == 0:
         return torch.empty(0, dtype=torch.long, device=device)
-    # NOTE: not `torch.frombuffer(array("q", ...))`: ops on such tensors were measured ~300x
-    # slower with 2 intra-op threads (torch 2.13, CPU).
-    tokens = np.fromiter(
-        chain.from_iterable(token_ids[row] for row in rows), dtype=np.int64, count=total
-    )
+    if all(isinstance(part, np.ndarray) for part in parts):
+        tokens = np.concatenate(parts).astype(np.int64, copy=False)
+    else:
+        # NOTE: not `torch.frombuffer(array("q", ...))`: ops on such tensors were measured
+        # ~300x slower with 2 intra-op threads (torch 2.13, CPU).
+        tokens = np.fromiter(chain.from_iterable(parts), dtype=np.int64, count=total)
     index = np.repeat(np.asarray(rows, dtype=np.int64) * vocab_size, lengths) + tokens
     valid = (tokens >= 0) & (tokens < vocab_size)
     if not valid.all():
