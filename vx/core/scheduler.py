@@ -280,6 +280,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget progress, resume first."""
         self.kv_cache_manager.free(request)
+        logger.debug(
+            "preempted %s, losing %d computed tokens", request, request.num_computed_tokens
+        )
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # Tokens of steps still in flight will be dropped (status check in update_from_output).
@@ -288,7 +291,6 @@ class Scheduler:
         self.num_preempted_total += 1
         self.waiting.appendleft(request)
         self.preempted_req_ids.append(request.request_id)
-        logger.debug("preempted %s", request)
 
     # ── update ──────────────────────────────────────────────────────────────────────────
     def update_from_output(
