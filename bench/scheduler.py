@@ -359,7 +359,7 @@ def main() -> None:
         "us = schedule + update (+ adds, + stats) per step"
     )
     header = f"{'workload':<18}{'reqs/step':>10}{'vx us/step':>12}{'vx us/req':>11}"
-    header += f"{'vLLM us/step':>14}{'vLLM us/req':>13}{'vx/vLLM':>9}"
+    header += f"{'vLLM reqs':>11}{'vLLM us/step':>14}{'vLLM us/req':>13}{'vx/vLLM':>9}"
     print(header)
     for key, runs in vx.items():
         reqs = med(runs, "reqs_per_step")
@@ -367,7 +367,7 @@ def main() -> None:
         line = f"{key:<18}{reqs:>10.0f}{us:>12.0f}{us / reqs:>11.2f}"
         if vl and key in vl:
             vreqs, vus = med(vl[key], "reqs_per_step"), med(vl[key], "us_per_step")
-            line += f"{vus:>14.0f}{vus / vreqs:>13.2f}{us / vus:>9.2f}"
+            line += f"{vreqs:>11.0f}{vus:>14.0f}{vus / vreqs:>13.2f}{us / vus:>9.2f}"
         print(line)
 
 
