@@ -198,6 +198,16 @@ def test_min_p_applies_after_temperature() -> None:
     assert_matches(counts, [0, 1], sharpened)
 
 
+def test_top_p_applies_after_temperature_and_min_p() -> None:
+    # vLLM's order: temperature, min-p, then top-k/top-p over what is left (renormalised).
+    sharpened = [p**2 for p in PROBS]  # T = 0.5: [.56, .32, .08, .04, .01] once normalised
+    counts = draw_many(sp(temperature=0.5, top_p=0.8), PROBS, 10000)
+    assert_matches(counts, [0, 1], sharpened)
+    # min-p 0.3 leaves {0, 1, 2} = [.47, .35, .18]; then 0.82 >= 0.8 is reached by {0, 1}.
+    counts = draw_many(sp(min_p=0.3, top_p=0.8), PROBS, 10000)
+    assert_matches(counts, [0, 1], PROBS)
+
+
 # ───────────────────────────── seeds ─────────────────────────────
 
 
