@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import time
 
 import anyio
@@ -216,6 +217,8 @@ def run_engine_core(
     """Process entry point. Every argument is bytes (msgpack), so spawning pickles none of ours."""
     config = EngineConfig.decode(config_bytes)
     setup_logging(f"engine{engine_index}")
+    # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     input_ring = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle))
     output_ring = RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
     to_workers = RingWriter.attach(msgspec.msgpack.decode(to_workers_handle, type=RingHandle))

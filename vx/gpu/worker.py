@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import anyio
@@ -71,6 +72,8 @@ def run_worker(
     """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours."""
     config = EngineConfig.decode(config_bytes)
     setup_logging(f"worker{rank}")
+    # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), rank)
     outbox = (
         RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
@@ -93,9 +96,15 @@ def run_worker(
         t0 = time.perf_counter()
         runner.load_model()
         num_blocks, kv_bytes = runner.determine_num_blocks()
+        block_bytes = kv_bytes // max(num_blocks, 1)
         if config.cache.num_blocks_override is not None:
-            kv_bytes = kv_bytes * config.cache.num_blocks_override // max(num_blocks, 1)
             num_blocks = config.cache.num_blocks_override
+        else:
+            # More blocks than every sequence at full length (twice, for prefix reuse) would
+            # only cost memory and EngineCore start-up time.
+            per_seq = -(-(config.model.max_model_len or 2048) // config.cache.block_size)
+            num_blocks = min(num_blocks, 2 * config.scheduler.max_num_seqs * per_seq)
+        kv_bytes = num_blocks * block_bytes
         num_blocks = _min_across_ranks(num_blocks, tp)
         runner.initialize_kv_cache(num_blocks)
         logger.info(
