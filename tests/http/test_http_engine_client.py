@@ -205,9 +205,14 @@ def test_startup_banner() -> None:
 
 async def test_cancel_never_loses_a_queued_delta() -> None:
     stream = RequestStream("r", 0)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await stream.get()  # nothing queued: the wait is cancelled
+        raise AssertionError("not reached")
     stream.put(_out("r", [1]))
     with anyio.CancelScope() as scope:
         scope.cancel()
-        await stream.get()  # cancelled before taking anything
-    delta = stream.get_nowait()
+        delta = await stream.get()  # queued: taken whole, even in a cancelled scope
     assert delta.new_token_ids == [1]
+    with pytest.raises(anyio.WouldBlock):
+        stream.get_nowait()
