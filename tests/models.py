@@ -112,7 +112,8 @@ def make_tiny_model(tmp_path: Any, arch: str = "llama", *, seed: int = 0, **over
 
     path = os.path.join(str(tmp_path), f"tiny-{arch}-{seed}")
     tokenizer = make_tokenizer()
-    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    overrides.setdefault("vocab_size", len(tokenizer))  # may exceed the tokenizer's (padding)
+    config = tiny_config(arch, **overrides)
     model_cls = getattr(transformers, _ARCHS[arch][1])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -41,6 +41,12 @@ class PagedDriver:
 
     @torch.no_grad()
     def step(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Run one step; {req_id: float32 logits [vocab] after its last new token}."""
+        return {r: x[-1] for r, x in self.step_all(batch).items()}
+
+    @torch.no_grad()
+    def step_all(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Run one step; {req_id: float32 logits [n_new, vocab] after each new token}."""
         # decodes (one new token) first, as the attention metadata requires
         order = sorted(batch, key=lambda r: len(batch[r]) != 1)
         num_decodes = sum(len(batch[r]) == 1 for r in order)
@@ -75,9 +81,8 @@ class PagedDriver:
             self.kv_caches,
             md,
         )
-        ends = torch.tensor(query_lens).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends])
-        return dict(zip(order, logits, strict=True))
+        logits = self.model.compute_logits(hidden)
+        return dict(zip(order, logits.split(query_lens), strict=True))
 
     def greedy(self, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
         """Prefill all prompts in one step, then decode them together."""
