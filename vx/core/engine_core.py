@@ -67,6 +67,7 @@ class EngineCore:
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
         self._shutdown = False
+        self._stats_dirty = False
         # Per-step profile, accumulated between INFO lines when --profile-steps is on.
         self._prof = collections.Counter[str]()
 
@@ -76,6 +77,8 @@ class EngineCore:
             self.scheduler.add_request(msg)
         elif isinstance(msg, messages.AbortRequests):
             self.scheduler.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
+            # Freed blocks must show on /metrics even if no step follows (an idle engine).
+            self._stats_dirty = True
         elif isinstance(msg, messages.UtilityRequest):
             self._emit(self._call_utility(msg))
         elif isinstance(msg, messages.Shutdown):
@@ -123,6 +126,16 @@ class EngineCore:
             if self._shutdown:
                 break
             self.step()
+            if self._stats_dirty and not self._in_flight:
+                self._stats_dirty = False
+                self._emit(
+                    messages.EngineCoreOutputs(
+                        engine_index=self.engine_index,
+                        outputs=[],
+                        timestamp=time.time(),
+                        scheduler_stats=self.scheduler.make_stats(),
+                    )
+                )
         logger.info("EngineCore %d shutting down", self.engine_index)
 
     def step(self) -> None:
@@ -150,6 +163,7 @@ class EngineCore:
         # Drain aborts just before applying the output, so aborted requests emit nothing more.
         self._drain_input(block=False)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        self._stats_dirty = False
         stats = self._make_stats(scheduler_output, result, t2 - t1)
         self._emit(
             messages.EngineCoreOutputs(
