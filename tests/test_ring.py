@@ -20,7 +20,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vx.ring import RingHandle, RingReader, RingWriter
+from vx.ring import RingHandle, RingOwner, RingReader, RingWriter
 from vx.ring_wait import sweep_stale_segments
 
 PREFIX = "vxringtest"
@@ -236,6 +236,20 @@ def test_names_are_gone_after_the_creator_closes() -> None:
     assert f"@{name}." not in _abstract_names()
 
 
+def test_owner_holds_no_end_and_unlinks() -> None:
+    owner = RingOwner.create(capacity=1024, num_readers=2, name_prefix=PREFIX)
+    name = owner.handle.name
+    w = RingWriter.attach(owner.handle)  # the owner bound no wake-up name, so both ends are free
+    readers = [RingReader.attach(owner.handle, i) for i in range(2)]
+    owner.close()
+    assert not os.path.exists(f"/dev/shm/{name}")  # open ends keep their mapping
+    w.send(b"still works")
+    assert [r.recv(timeout=1) for r in readers] == [b"still works"] * 2
+    for end in [w, *readers]:
+        end.close()
+    assert f"@{name}." not in _abstract_names()
+
+
 def test_sweep_removes_segments_of_dead_creators() -> None:
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
                           capture_output=True, check=True)  # fmt: skip
@@ -319,7 +333,7 @@ def test_writer_kill9_breaks_a_blocked_reader_within_1s() -> None:
         killed_at: list[float] = []
 
         def kill_when_parked() -> None:
-            _wait_for(lambda: r._q[r._parked_idx] == 1)
+            _wait_for(lambda: r._q[r._parked_idx] != 0)
             killed_at.append(time.monotonic())
             os.kill(proc.pid, signal.SIGKILL)
 
@@ -343,7 +357,7 @@ def test_reader_kill9_breaks_a_writer_blocked_on_a_full_ring_within_1s() -> None
         killed_at: list[float] = []
 
         def kill_when_parked() -> None:
-            _wait_for(lambda: w._q[10] == 1)  # writer_parked
+            _wait_for(lambda: w._q[10] != 0)  # writer_parked
             killed_at.append(time.monotonic())
             os.kill(proc.pid, signal.SIGKILL)
 
@@ -442,7 +456,7 @@ def test_a_parked_reader_uses_no_cpu() -> None:
     w = RingWriter.create(capacity=4096, name_prefix=PREFIX)
     proc = _spawn(blocking_reader, w.handle)
     try:
-        _wait_for(lambda: w._q[16 + 2] == 1)  # reader 0 parked
+        _wait_for(lambda: w._q[16 + 2] != 0)  # reader 0 parked
         before = _cpu_seconds(proc.pid)
         time.sleep(0.5)  # the measurement window, not synchronisation
         assert _cpu_seconds(proc.pid) - before < 0.05

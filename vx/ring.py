@@ -3,47 +3,47 @@
 Runs in: every process (ApiServer, EngineCore, Workers); each process holds one end of a ring.
 
 A ring has one writer and `num_readers` readers; every reader sees every message, in order
-(1 reader: a pipe; N readers: the EngineCore -> Workers broadcast). The writer never overwrites
-bytes that some reader has not consumed. Messages are opaque bytes (see `vx.codec`); one larger
-than the ring is cut into chunks that the reader joins again.
+(1 reader: a pipe; N: the EngineCore -> Workers broadcast). The writer never overwrites bytes
+some reader has not consumed. Messages are opaque bytes (`vx.codec`); one larger than the ring
+is cut into chunks that the reader joins again.
 
-Layout of the segment (`/dev/shm/<prefix>-<creator pid>-<random>`, mode 0600); every field is a
-native u64 slot, and each party's hot fields have their own 64-byte line::
+Segment (`/dev/shm/<prefix>-<creator pid>-<random>`, mode 0600) of native u64 slots; each
+party's hot fields have their own 64-byte line::
 
     line 0        magic | version | capacity | num_readers | data_offset        (constant)
     line 1        write_pos | writer_pid | writer_parked | writer_closed        (writer writes)
     line 2 + i    read_pos | reader_pid | reader_parked | reader_closed         (reader i writes)
     data_offset   `capacity` bytes of frames, addressed by position % capacity
 
-`write_pos`/`read_pos` are monotonically increasing 64-bit byte counters (2**64 bytes is
-centuries at 1 GB/s). [min(read_pos), write_pos) is published and unconsumed; the writer writes
-only into [write_pos, min(read_pos) + capacity). A frame is one u64 header (`length | flags <<
-32`) and the payload padded to 8 bytes; frames are 8-aligned, so a header never straddles the
-end of the data area, while a payload may wrap (two copies). Flags: START, END; a message is one
-START|END frame or START, middles, END. If `send` times out mid-message, the reader drops the
-torn part when the next START (or the end of stream) arrives: messages arrive whole or not at all.
+`write_pos`/`read_pos` are monotonically increasing 64-bit byte counters (2**64 bytes take
+centuries at 1 GB/s); [min(read_pos), write_pos) is published and unconsumed. A frame is a u64
+header (`length | flags << 32`) and the payload padded to 8 bytes; frames are 8-aligned, so a
+header never straddles the end of the data area (a payload may: two copies). A message is one
+START|END frame, or START, middles, END. If `send` times out mid-message, the reader drops the
+torn part at the next START (or end of stream): messages arrive whole or not at all.
 
 Memory ordering: the writer copies the payload, then stores `write_pos`; the reader loads
-`write_pos`, then copies the payload, then stores its `read_pos`; the writer loads `read_pos`
-before it overwrites. Each access is its own C call (an `mmap` slice copy, or one aligned 8-byte
+`write_pos`, copies the payload, then stores its `read_pos`; the writer loads `read_pos` before
+it overwrites. Each access is its own C call (an `mmap` slice copy, or one aligned 8-byte
 `memcpy` for a u64 item: no torn counters), so the compiler cannot reorder them, and x86-TSO
 keeps store/store, load/load and load/store order: with one writer, a published counter implies
-published bytes. Weakly ordered CPUs (ARM, POWER) need barriers there: the ring then calls its
-fence after the payload and after the counter load (`_WEAK_ORDER`); x86 skips those calls.
+published bytes. Weakly ordered CPUs (ARM, POWER) need barriers there: the ring then fences
+after the payload and after the counter load (`_WEAK_ORDER`); x86 skips those calls.
 
 Waiting: an empty reader spins for `spin_s` (~50 µs, `sched_yield` between polls), then parks:
-it stores `reader_parked = 1`, fences, re-checks `write_pos`/`writer_closed`, and only then
-blocks in `poll` on its wake-up socket and the writer's pidfd. The writer stores `write_pos`,
-fences, and wakes only readers whose flag is set. Both fences are needed (x86 may let a load
-pass an earlier store; this is Dekker's handshake). A writer facing a full ring parks the same
-way (`writer_parked`), woken by the reader that frees space. Idle rings cost no CPU, busy ones
-no syscalls; OS waits wake every `RECHECK_S` anyway to check liveness (and bound a lost wake-up).
+it stores a fresh park episode number in `reader_parked`, fences, re-checks `write_pos` and
+`writer_closed`, and only then blocks in `poll` on its wake-up socket and the writer's pidfd.
+The writer stores `write_pos`, fences, and wakes a reader whose flag holds an episode not yet
+woken (one datagram per park). Both fences are needed: x86 lets a load pass an earlier store
+(Dekker's handshake). A writer facing a full ring parks the same way (`writer_parked`). Idle
+rings cost no CPU, busy ones no syscalls; OS waits still wake every `RECHECK_S` to check
+liveness (which also bounds the cost of a lost wake-up).
 
 Peer death: each end stores its pid on opening. A waiting reader watches the writer's pidfd:
 gone without `close()` -> anyio.BrokenResourceError (after draining what it published); after
 `close()` -> anyio.EndOfStream. A blocked writer raises anyio.BrokenResourceError when a reader
-died or closed. Cleanup: the creator owns and unlinks the segment; see `vx.ring_wait.ShmSegment`
-for the resource-tracker rules (the tracker unlinks it if the creator is killed -9).
+died or closed. The creator owns and unlinks the segment (resource-tracker rules:
+`vx.ring_wait.ShmSegment`; the header's slot numbers are there too).
 
 A ring end is not thread-safe: use each from one thread (or one task) at a time.
 """
@@ -51,7 +51,6 @@ A ring end is not thread-safe: use each from one thread (or one task) at a time.
 from __future__ import annotations
 
 import os
-import secrets
 from time import perf_counter
 from typing import NamedTuple
 
@@ -59,21 +58,23 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
+from vx import ring_wait as rw
 from vx.ring_wait import FENCE_IS_FULL, RECHECK_S, SPIN_S, RingEnd, ShmSegment
 
-__all__ = ["RECHECK_S", "SPIN_S", "RingHandle", "RingReader", "RingStatistics", "RingWriter"]
+__all__ = [
+    "RECHECK_S",
+    "SPIN_S",
+    "RingHandle",
+    "RingOwner",
+    "RingReader",
+    "RingStatistics",
+    "RingWriter",
+]
 
-_MAGIC = 0x7672696E67763031  # "vringv01"
-_VERSION = 1
 _HDR = 8
 _START, _END = 1, 2
 _LEN_MASK = 0xFFFFFFFF
 _WEAK_ORDER = not FENCE_IS_FULL
-
-# u64 slot indices in the header; a reader's are relative to 16 + 8 * reader_index.
-_CAPACITY, _NUM_READERS, _DATA_OFFSET = 2, 3, 4
-_WRITE_POS, _WRITER_PID, _WRITER_PARKED, _WRITER_CLOSED = 8, 9, 10, 11
-_READ_POS, _READER_PID, _READER_PARKED, _READER_CLOSED = 0, 1, 2, 3
 
 
 class RingHandle(msgspec.Struct, frozen=True):
@@ -90,7 +91,6 @@ class RingHandle(msgspec.Struct, frozen=True):
 
 
 class RingStatistics(NamedTuple):
-    #: Bytes in the data area.
     capacity: int
     #: Bytes published and not yet consumed (by the slowest reader, for the writer).
     num_bytes_pending: int
@@ -98,49 +98,9 @@ class RingStatistics(NamedTuple):
     position: int
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else perf_counter() + timeout
-
-
-def _create_segment(prefix: str, num_readers: int, capacity: int, position: int) -> ShmSegment:
-    if not 64 <= capacity <= 1 << 31:
-        raise ValueError(f"capacity must be in [64, 2**31], got {capacity}")
-    if len(prefix) > 48:  # the wake-up socket names must stay under 108 bytes
-        raise ValueError(f"name_prefix is too long: {prefix!r}")
-    if not 1 <= num_readers <= 1024:
-        raise ValueError(f"num_readers must be in [1, 1024], got {num_readers}")
-    if position < 0 or position % 8:
-        raise ValueError(f"initial_position must be a non-negative multiple of 8: {position}")
-    capacity = (capacity + 7) & -8
-    data_offset = (16 + 8 * num_readers) * 8
-    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-    seg = ShmSegment.create(name, data_offset + capacity)
-    q = seg.q
-    q[_CAPACITY], q[_NUM_READERS], q[_DATA_OFFSET] = capacity, num_readers, data_offset
-    for i in [_WRITE_POS] + [16 + 8 * i + _READ_POS for i in range(num_readers)]:
-        q[i] = position
-    q[1] = _VERSION
-    q[0] = _MAGIC  # last: marks the header complete
-    return seg
-
-
-def _attach_segment(handle: RingHandle) -> ShmSegment:
-    seg = ShmSegment.attach(handle.name)
-    q = seg.q
-    if (q[0], q[1], q[_CAPACITY], q[_NUM_READERS]) != (
-        _MAGIC,
-        _VERSION,
-        handle.capacity,
-        handle.num_readers,
-    ) or len(seg.mm) < q[_DATA_OFFSET] + handle.capacity:  # NOTE: >=, sizes may be rounded up
-        seg.close()
-        raise ValueError(f"shm segment {handle.name!r} does not match its handle")
-    return seg
-
-
 def _layout(seg: ShmSegment) -> tuple[RingHandle, int, int]:
-    q = seg.q
-    return RingHandle(seg.name, q[_CAPACITY], q[_NUM_READERS]), q[_CAPACITY], q[_DATA_OFFSET]
+    cap, num_readers, base = seg.q[rw.CAPACITY], seg.q[rw.NUM_READERS], seg.q[rw.DATA_OFFSET]
+    return RingHandle(seg.name, cap, num_readers), cap, base
 
 
 class RingWriter(RingEnd):
@@ -161,28 +121,31 @@ class RingWriter(RingEnd):
     ) -> RingWriter:
         """Creates (and owns) a new ring. `initial_position` (a multiple of 8) lets tests start
         the 64-bit counters near 2**32."""
-        return cls(_create_segment(name_prefix, num_readers, capacity, initial_position))
+        return cls(ShmSegment.create_ring(name_prefix, num_readers, capacity, initial_position))
 
     @classmethod
     def attach(cls, handle: RingHandle) -> RingWriter:
         """Opens the writer end of a ring that its reader created."""
-        return cls(_attach_segment(handle))
+        return cls(ShmSegment.attach_ring(handle.name, handle.capacity, handle.num_readers))
 
     def __init__(self, seg: ShmSegment) -> None:
         super().__init__(seg, seg.name + ".w")
         self._handle, self._cap, self._base = _layout(seg)
         q, n = self._q, self._handle.num_readers
-        if q[_WRITER_CLOSED]:
+        if q[rw.WRITER_CLOSED]:
             self._release()
             raise ValueError("the writer of this ring has already closed")
-        self._read_idx = [16 + 8 * i + _READ_POS for i in range(n)]
-        self._wake_targets = [(16 + 8 * i + _READER_PARKED, f"{seg.name}.r{i}") for i in range(n)]
-        self._wpos = q[_WRITE_POS]
+        self._read_idx = [rw.READERS + 8 * i + rw.READ_POS for i in range(n)]
+        self._wake_targets = [
+            (rw.READERS + 8 * i + rw.READER_PARKED, f"{seg.name}.r{i}") for i in range(n)
+        ]
+        self._woken = [0] * n  # the park episode each reader was last woken for
+        self._wpos = q[rw.WRITE_POS]
         self._min_read = min(q[i] for i in self._read_idx)
         self._max_frame = self._cap - _HDR
         # Chunks of half the ring let the reader drain one while the writer fills the next.
         self._chunk = (self._cap // 2 - _HDR) & -8
-        q[_WRITER_PID] = os.getpid()
+        q[rw.WRITER_PID] = os.getpid()
 
     def send(self, data: bytes | memoryview, timeout: float | None = None) -> None:
         """Publishes one message, blocking while the ring is full.
@@ -190,7 +153,7 @@ class RingWriter(RingEnd):
         Raises TimeoutError (then no part of the message is delivered), anyio.BrokenResourceError
         when a reader died or closed while the writer waits, anyio.ClosedResourceError after close.
         """
-        self._send(data, _deadline(timeout), False)
+        self._send(data, None if timeout is None else perf_counter() + timeout, False)
 
     def send_nowait(self, data: bytes | memoryview) -> None:
         """Publishes one message if it fits now, else raises anyio.WouldBlock.
@@ -229,7 +192,7 @@ class RingWriter(RingEnd):
             flags = 0
 
     def _publish(
-        self, pos: int, data: bytes | memoryview, n: int, flags: int, new_pos: int
+        self, pos: int, data: bytes | memoryview, n: int, flags: int, next_pos: int
     ) -> None:
         """Writes one frame at `pos`, then publishes it and wakes parked readers."""
         q, cap, base, mm = self._q, self._cap, self._base, self._mm
@@ -247,12 +210,16 @@ class RingWriter(RingEnd):
             mm[base : base + n - k] = view[k:]
         if _WEAK_ORDER:
             self._fence()  # the payload stores before the counter store
-        q[_WRITE_POS] = self._wpos = new_pos
+        q[rw.WRITE_POS] = self._wpos = next_pos
         self._fence_release()  # the counter store before the parked-flag loads (Dekker)
         self._fence_acquire()
+        i = 0
         for parked_idx, wake_name in self._wake_targets:
-            if q[parked_idx]:
+            episode = q[parked_idx]
+            if episode and episode != self._woken[i]:  # one wake-up per park is enough
+                self._woken[i] = episode
                 self._sender.wake(wake_name)
+            i += 1
 
     def _refresh(self) -> int:
         q = self._q
@@ -265,7 +232,8 @@ class RingWriter(RingEnd):
             return
         q = self._q
         while True:
-            q[_WRITER_PARKED] = 1
+            self._episode += 1
+            q[rw.WRITER_PARKED] = self._episode
             try:
                 self._fence()  # the parked store before the read_pos loads (Dekker)
                 if self._refresh() >= target:
@@ -273,7 +241,7 @@ class RingWriter(RingEnd):
                 self._check_readers()
                 self._watch.wait(deadline, RECHECK_S)
             finally:
-                q[_WRITER_PARKED] = 0
+                q[rw.WRITER_PARKED] = 0
             self._waker.drain()
 
     def _check_readers(self) -> None:
@@ -281,8 +249,8 @@ class RingWriter(RingEnd):
         that will never read again holds the writer back sooner or later)."""
         q = self._q
         for i in range(self._handle.num_readers):
-            pid = q[16 + 8 * i + _READER_PID]
-            if q[16 + 8 * i + _READER_CLOSED]:
+            pid = q[rw.READERS + 8 * i + rw.READER_PID]
+            if q[rw.READERS + 8 * i + rw.READER_CLOSED]:
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: reader {i} closed")
             if pid:
                 self._watch.update([pid])
@@ -300,7 +268,7 @@ class RingWriter(RingEnd):
         if self._closed:
             return
         q = self._q
-        q[_WRITER_CLOSED] = 1
+        q[rw.WRITER_CLOSED] = 1
         self._fence()
         for parked_idx, wake_name in self._wake_targets:
             if q[parked_idx]:
@@ -321,28 +289,31 @@ class RingReader(RingEnd):
         cls, *, capacity: int = 1 << 22, name_prefix: str = "vx", initial_position: int = 0
     ) -> RingReader:
         """Creates (and owns) a new single-reader ring; the writer attaches with the handle."""
-        return cls(_create_segment(name_prefix, 1, capacity, initial_position), 0)
+        return cls(ShmSegment.create_ring(name_prefix, 1, capacity, initial_position), 0)
 
     @classmethod
     def attach(cls, handle: RingHandle, reader_index: int = 0) -> RingReader:
         """Opens reader `reader_index` (0 <= reader_index < num_readers) of an existing ring."""
         if not 0 <= reader_index < handle.num_readers:
             raise ValueError(f"reader_index {reader_index} not in [0, {handle.num_readers})")
-        return cls(_attach_segment(handle), reader_index)
+        return cls(
+            ShmSegment.attach_ring(handle.name, handle.capacity, handle.num_readers), reader_index
+        )
 
     def __init__(self, seg: ShmSegment, reader_index: int) -> None:
         super().__init__(seg, f"{seg.name}.r{reader_index}")
         self._handle, self._cap, self._base = _layout(seg)
-        b, q = 16 + 8 * reader_index, self._q
-        if q[b + _READER_CLOSED]:
+        b, q = rw.READERS + 8 * reader_index, self._q
+        if q[b + rw.READER_CLOSED]:
             self._release()
             raise ValueError(f"reader {reader_index} of this ring has already closed")
-        self._read_idx, self._parked_idx = b + _READ_POS, b + _READER_PARKED
-        self._closed_idx = b + _READER_CLOSED
+        self._read_idx, self._parked_idx = b + rw.READ_POS, b + rw.READER_PARKED
+        self._closed_idx = b + rw.READER_CLOSED
         self._writer_wake_name = seg.name + ".w"
         self._rpos = self._wseen = q[self._read_idx]
         self._parts: list[bytes] | None = None
-        q[b + _READER_PID] = os.getpid()
+        self._woken = 0  # the writer's park episode this reader last woke it for
+        q[b + rw.READER_PID] = os.getpid()
 
     def fileno(self) -> int:
         """The wake-up socket: readable once the writer published to this reader while parked."""
@@ -359,22 +330,18 @@ class RingReader(RingEnd):
         msg = self._poll()
         if msg is not None:
             return msg
-        deadline = _deadline(timeout)
+        deadline = None if timeout is None else perf_counter() + timeout
         q, rpos = self._q, self._rpos
-        if self._spin(lambda: q[_WRITE_POS] != rpos or q[_WRITER_CLOSED], deadline):
+        if self._spin(lambda: q[rw.WRITE_POS] != rpos or q[rw.WRITER_CLOSED], deadline):
             msg = self._poll()
             if msg is not None:
                 return msg
-        while True:
-            q[self._parked_idx] = 1
+        while (msg := self._park()) is None:
             try:
-                msg = self._poll_parked()
-                if msg is not None:
-                    return msg
                 self._watch.wait(deadline, RECHECK_S)
             finally:
-                q[self._parked_idx] = 0
-            self._waker.drain()
+                self._unpark()
+        return msg
 
     def recv_nowait(self) -> bytes:
         """Returns the next message if one is complete, else raises anyio.WouldBlock
@@ -392,31 +359,39 @@ class RingReader(RingEnd):
         """recv for the event loop: parks on `anyio.wait_readable` of the wake-up socket (no
         thread). Cancellation never loses a message: messages are taken synchronously."""
         await anyio.lowlevel.checkpoint()
-        q = self._q
-        while True:
+        if self._closed:
+            raise anyio.ClosedResourceError
+        msg = self._poll()
+        while msg is None and (msg := self._park()) is None:
             try:
-                return self.recv_nowait()
-            except anyio.WouldBlock:
-                pass
-            q[self._parked_idx] = 1
-            try:
-                msg = self._poll_parked()
-                if msg is not None:
-                    return msg
                 # NOTE: the pidfd is not in this wait, so writer death is seen within RECHECK_S.
                 with anyio.move_on_after(RECHECK_S):
                     await anyio.wait_readable(self._waker.fileno())
             finally:
-                q[self._parked_idx] = 0
-            self._waker.drain()
+                self._unpark()
+        return msg
 
-    def _poll_parked(self) -> bytes | None:
-        """With the parked flag stored: a message, or None when the caller may block."""
-        while True:
-            self._fence()  # the parked store before the write_pos load (Dekker)
-            msg = self._poll()
-            if msg is not None or not self._check_writer():
-                return msg
+    def _park(self) -> bytes | None:
+        """Stores a fresh park episode and polls again: a message (then unparked), or None
+        (still parked: the caller blocks, then calls `_unpark`)."""
+        self._episode += 1
+        self._q[self._parked_idx] = self._episode
+        try:
+            while True:
+                self._fence()  # the parked store before the write_pos load (Dekker)
+                msg = self._poll()
+                if msg is not None or not self._check_writer():
+                    break
+        except BaseException:
+            self._unpark()
+            raise
+        if msg is not None:
+            self._unpark()
+        return msg
+
+    def _unpark(self) -> None:
+        self._q[self._parked_idx] = 0
+        self._waker.drain()
 
     def _poll(self) -> bytes | None:
         """Consumes published frames until one message is complete; None when they run out."""
@@ -424,7 +399,7 @@ class RingReader(RingEnd):
         while True:
             rpos = self._rpos
             if rpos == self._wseen:
-                wpos = q[_WRITE_POS]
+                wpos = q[rw.WRITE_POS]
                 if wpos == rpos:
                     return None
                 if _WEAK_ORDER:
@@ -448,7 +423,9 @@ class RingReader(RingEnd):
             q[self._read_idx] = self._rpos = rpos + size
             self._fence_release()  # the read_pos store before the writer_parked load (Dekker)
             self._fence_acquire()
-            if q[_WRITER_PARKED]:
+            episode = q[rw.WRITER_PARKED]
+            if episode and episode != self._woken:  # one wake-up per park is enough
+                self._woken = episode
                 self._sender.wake(self._writer_wake_name)
             if flags == _START | _END:
                 self._parts = None  # drops a torn chunked message, if any
@@ -465,23 +442,23 @@ class RingReader(RingEnd):
         """For when no message is complete: True if bytes arrived meanwhile; raises EndOfStream
         or BrokenResourceError when the writer is gone and everything is drained."""
         q = self._q
-        if q[_WRITER_CLOSED]:
+        if q[rw.WRITER_CLOSED]:
             # writer_closed is stored after the last write_pos, so this load is final.
-            if q[_WRITE_POS] != self._rpos:
+            if q[rw.WRITE_POS] != self._rpos:
                 return True
             self._parts = None
             raise anyio.EndOfStream
-        pid = q[_WRITER_PID]
+        pid = q[rw.WRITER_PID]
         if pid:
             self._watch.update([pid])
             if self._watch.dead(pid):
-                if q[_WRITE_POS] != self._rpos or q[_WRITER_CLOSED]:
+                if q[rw.WRITE_POS] != self._rpos or q[rw.WRITER_CLOSED]:
                     return True
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: writer {pid} died")
         return False
 
     def statistics(self) -> RingStatistics:
-        return RingStatistics(self._cap, self._q[_WRITE_POS] - self._rpos, self._rpos)
+        return RingStatistics(self._cap, self._q[rw.WRITE_POS] - self._rpos, self._rpos)
 
     def close(self) -> None:
         """Detaches: a writer waiting on this reader then raises BrokenResourceError; the
@@ -491,6 +468,31 @@ class RingReader(RingEnd):
         q = self._q
         q[self._closed_idx] = 1
         self._fence()
-        if q[_WRITER_PARKED]:
+        if q[rw.WRITER_PARKED]:
             self._sender.wake(self._writer_wake_name)
         self._release()
+
+
+class RingOwner:
+    """Owns a ring's segment without holding either end.
+
+    The launcher creates the EngineCore <-> Worker rings this way: both ends live in children,
+    but the segment must belong to the process that outlives them, so that it (or, if it is
+    killed, its resource tracker) unlinks it.
+    """
+
+    def __init__(self, seg: ShmSegment) -> None:
+        self._seg, self._closed = seg, False
+        self.handle: RingHandle = _layout(seg)[0]
+
+    @classmethod
+    def create(
+        cls, *, capacity: int = 1 << 22, num_readers: int = 1, name_prefix: str = "vx"
+    ) -> RingOwner:
+        return cls(ShmSegment.create_ring(name_prefix, num_readers, capacity, 0))
+
+    def close(self) -> None:
+        """Unlinks the segment (ends that are open keep their mapping). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._seg.close()

@@ -24,6 +24,7 @@ import errno
 import mmap
 import os
 import platform
+import secrets
 import select
 import socket
 import threading
@@ -55,6 +56,13 @@ __all__ = [
 #: load-acquire is ordered too (RCsc), but that is untested on such hardware here; the bounded
 #: re-check interval caps the cost of any missed wake-up at RECHECK_S of latency (never a hang).
 FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# The header of a ring segment, as u64 slot indices (the layout is drawn in `vx.ring`).
+MAGIC, VERSION = 0x7672696E67763031, 1  # "vringv01"
+CAPACITY, NUM_READERS, DATA_OFFSET = 2, 3, 4
+WRITE_POS, WRITER_PID, WRITER_PARKED, WRITER_CLOSED = 8, 9, 10, 11
+READERS = 16  # reader i's line starts at READERS + 8 * i; its slots are relative to that:
+READ_POS, READER_PID, READER_PARKED, READER_CLOSED = 0, 1, 2, 3
+
 #: How long an empty reader (or a writer facing a full ring) polls before it parks.
 SPIN_S = 50e-6
 #: Longest uninterrupted OS wait: peer liveness and lost wake-ups are re-checked this often.
@@ -267,6 +275,39 @@ class ShmSegment:
         finally:
             os.close(fd)
 
+    @classmethod
+    def create_ring(cls, prefix: str, num_readers: int, capacity: int, position: int) -> ShmSegment:
+        """A new ring segment with its header written (every position at `position`)."""
+        if not 64 <= capacity <= 1 << 31:
+            raise ValueError(f"capacity must be in [64, 2**31], got {capacity}")
+        if len(prefix) > 48:  # the wake-up socket names must stay under 108 bytes
+            raise ValueError(f"name_prefix is too long: {prefix!r}")
+        if not 1 <= num_readers <= 1024:
+            raise ValueError(f"num_readers must be in [1, 1024], got {num_readers}")
+        if position < 0 or position % 8:
+            raise ValueError(f"initial_position must be a non-negative multiple of 8: {position}")
+        capacity = (capacity + 7) & -8
+        data_offset = (READERS + 8 * num_readers) * 8
+        seg = cls.create(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", data_offset + capacity)
+        q = seg.q
+        q[CAPACITY], q[NUM_READERS], q[DATA_OFFSET] = capacity, num_readers, data_offset
+        for i in [WRITE_POS] + [READERS + 8 * i + READ_POS for i in range(num_readers)]:
+            q[i] = position
+        q[1] = VERSION
+        q[0] = MAGIC  # last: marks the header complete
+        return seg
+
+    @classmethod
+    def attach_ring(cls, name: str, capacity: int, num_readers: int) -> ShmSegment:
+        """Maps an existing ring segment; ValueError unless its header matches."""
+        seg = cls.attach(name)
+        q = seg.q
+        ok = (q[0], q[1], q[CAPACITY], q[NUM_READERS]) == (MAGIC, VERSION, capacity, num_readers)
+        if not ok or len(seg.mm) < q[DATA_OFFSET] + capacity:  # NOTE: >=, may be rounded up
+            seg.close()
+            raise ValueError(f"shm segment {name!r} does not match its handle")
+        return seg
+
     def close(self) -> None:
         self.q.release()
         self.mm.close()
@@ -299,6 +340,7 @@ class RingEnd:
         self._sender = WakeSender()
         self._watch = PeerWatch(self._waker)
         self._closed = False
+        self._episode = 0  # counts this end's parks: the parked flag holds the current one
         #: Seconds to poll before parking; 0 parks at once.
         self.spin_s = SPIN_S
 
