@@ -253,8 +253,7 @@ class Generation:
     async def _stream_choice(
         self, c: Choice, write: Write, failed: list[str], scope: anyio.CancelScope
     ) -> None:
-        for body in self.first_chunks(c):
-            await write(sse_event(_ENCODER.encode(body)))
+        first = True
         while not c.done:
             await self.next_delta(c)
             if c.error is not None:
@@ -262,6 +261,12 @@ class Generation:
                 failed.append(c.error)
                 scope.cancel()
                 return
+            if first:
+                # As vLLM does: the role chunk goes out with the first engine output, so a
+                # client's time to first chunk measures prefill, not admission.
+                first = False
+                for body in self.first_chunks(c):
+                    await write(sse_event(_ENCODER.encode(body)))
             body = self.delta_chunk(c, c.state.take_delta(), c.state.finish_reason)
             if body is not None:
                 await write(sse_event(_ENCODER.encode(body)))
