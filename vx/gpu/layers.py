@@ -32,6 +32,7 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "apply_rotary",
     "default_weight_loader",
     "silu_and_mul",
 ]
@@ -391,10 +392,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, head_dim] -> rotated copy. Same elementwise ops as HF's rotate_half form."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        # HF: x*cos + cat(-x2, x1)*sin, i.e. first half x1*c + (-x2)*s == x1*c - x2*s bit for bit.
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim // 2] for `positions` [T]; done once per step, not per layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, head_dim] -> rotated copy. The same elementwise ops as HF's rotate_half form:
+    HF's x*cos + cat(-x2, x1)*sin has first half x1*c + (-x2)*s, bit for bit x1*c - x2*s."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

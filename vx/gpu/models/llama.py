@@ -31,6 +31,7 @@ from vx.gpu.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_rotary,
     default_weight_loader,
     silu_and_mul,
 )
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
 
 # HF tensor name suffix -> (fused parameter suffix, shard id)
 _STACKED = {
@@ -112,7 +114,7 @@ def _rope_dict(cfg: Any) -> dict:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any) -> None:
+    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, bias=a.qkv_bias, **kw
@@ -126,17 +128,16 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * a.head_dim
         self.kv_size = self.num_kv_heads * a.head_dim
         self.scale = a.head_dim**-0.5
-        self.rotary = rotary  # one instance shared by all layers (its buffers are deduplicated)
         self.attn_fn = attn_fn
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+        self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         qk_size = self.q_size + self.kv_size
         # q and k are adjacent in the fused output: rotate both heads in one pass.
-        qk = self.rotary(positions, qkv[:, :qk_size].view(t, -1, self.head_dim))  # [T, Hq+Hkv, D]
+        qk = apply_rotary(qkv[:, :qk_size].view(t, -1, self.head_dim), *rope)  # [T, Hq+Hkv, D]
         q = qk[:, : self.num_heads]  # [T, Hq, D]
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -159,17 +160,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, attn_fn: Callable, **kw: Any) -> None:
+    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
-        self.self_attn = LlamaAttention(a, rotary, attn_fn, **kw)
+        self.self_attn = LlamaAttention(a, attn_fn, **kw)
         self.mlp = LlamaMLP(a, **kw)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: KVCache,
@@ -181,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, attn_metadata)
+        h = self.self_attn(rope, h, kv_cache, attn_metadata)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -193,7 +194,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **kw)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, self.rotary, attn_fn, **kw) for _ in range(a.num_layers)
+            LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
 
@@ -205,9 +206,10 @@ class LlamaModel(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions)  # cos, sin [T, 1, D/2], shared by every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+            x, residual = layer(rope, x, residual, kv_cache, attn_metadata)
         x, _ = self.norm(x, residual)
         return x
 
