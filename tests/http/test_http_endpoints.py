@@ -232,6 +232,7 @@ async def test_models_health_version_tokenize(tokenizer: Tokenizer) -> None:
         assert (await c.get(f"/v1/models/{MODEL}")).status_code == 200
         assert (await c.get("/health")).status_code == 200
         assert (await c.get("/version")).json()["version"]
+        assert (await c.get("/")).json()["models"] == [MODEL]
         t = (
             await c.post("/tokenize", json={"prompt": "one two", "return_token_strs": True})
         ).json()

@@ -127,6 +127,8 @@ class BodyLimitMiddleware:
                 try:
                     declared = int(value)
                 except ValueError:
+                    if self._on_reject is not None:
+                        self._on_reject(scope["path"], 400)
                     await _send_error(send, APIError(400, "invalid Content-Length header"))
                     return
                 if declared > self.max_body_bytes:
