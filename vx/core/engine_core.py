@@ -74,7 +74,21 @@ class EngineCore:
     # ── input ──────────────────────────────────────────────────────────────────
     def _handle_input(self, msg: messages.EngineCoreInput) -> None:
         if isinstance(msg, messages.AddRequest):
-            self.scheduler.add_request(msg)
+            try:
+                self.scheduler.add_request(msg)
+            except ValueError as e:  # one bad request fails alone; the engine goes on
+                logger.warning("rejected request %s: %s", msg.request_id, e)
+                self._emit(
+                    messages.EngineCoreOutputs(
+                        engine_index=self.engine_index,
+                        outputs=[
+                            messages.EngineCoreOutput(
+                                msg.request_id, [], finish_reason="error", error=str(e)
+                            )
+                        ],
+                        timestamp=time.time(),
+                    )
+                )
         elif isinstance(msg, messages.AbortRequests):
             self.scheduler.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
             # Freed blocks must show on /metrics even if no step follows (an idle engine).
@@ -183,14 +197,8 @@ class EngineCore:
         result: messages.ModelRunnerOutput,
         wait_s: float,
     ) -> messages.SchedulerStats:
-        num_decode = sum(1 for n in scheduler_output.num_scheduled_tokens.values() if n == 1)
-        stats = self.scheduler.make_stats()
         return msgspec.structs.replace(
-            stats,
-            step_num_prefill_tokens=scheduler_output.total_num_scheduled_tokens - num_decode,
-            step_num_decode_tokens=num_decode,
-            step_token_budget=self.config.scheduler.max_num_batched_tokens,
-            step_time_s=result.execute_time_s or wait_s,
+            self.scheduler.make_stats(), step_time_s=result.execute_time_s or wait_s
         )
 
     def _profile(self, schedule_s: float, wait_s: float, update_s: float, exec_s: float) -> None:
@@ -249,7 +257,7 @@ def run_engine_core(
                     engine_index=engine_index,
                     num_blocks=ready.num_blocks,
                     block_size=config.cache.block_size,
-                    max_model_len=config.model.max_model_len or 0,
+                    max_model_len=engine.scheduler.max_model_len,
                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                     max_num_seqs=config.scheduler.max_num_seqs,
                     kv_cache_bytes=ready.kv_cache_bytes,
