@@ -298,7 +298,9 @@ def test_ring_matches_a_deque_model(ops) -> None:
 # -- across processes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("num_readers", "count"), [(1, 100_000), (4, 30_000)])
+@pytest.mark.parametrize(
+    ("num_readers", "count"), [(1, 100_000), pytest.param(4, 100_000, marks=pytest.mark.slow)]
+)
 def test_stream_to_spawned_readers_is_exact(num_readers: int, count: int) -> None:
     """Random sizes (some larger than the ring), counters crossing 2**32, 1 or 4 readers:
     every reader gets every message exactly once, in order, intact."""
@@ -422,6 +424,24 @@ async def test_async_receive_from_a_spawned_writer() -> None:
         assert got == [b"hello %d" % i for i in range(50)]
     finally:
         proc.join(10)
+        r.close()
+
+
+@pytest.mark.anyio
+async def test_async_receive_notices_a_killed_writer_within_1s() -> None:
+    r = RingReader.create(capacity=4096, name_prefix=PREFIX)
+    proc = _spawn(hello_writer, r.handle, 1)
+    try:
+        with anyio.fail_after(30):
+            assert await r.receive() == b"hello 0"
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
+            await r.receive()
+        assert time.monotonic() - killed_at < 1.0
+    finally:
+        proc.kill()
+        proc.join()
         r.close()
 
 
