@@ -6,10 +6,22 @@ import numpy as np
 import pytest
 import torch
 
+from vx.gpu import attention
 from vx.gpu.attention import build_attention_metadata, paged_attention, write_kv_cache
 from vx.gpu.kv_cache import allocate_kv_caches, block_bytes, num_cpu_blocks, num_gpu_blocks
 
 BS = 16
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request):
+    """Run a test with the C decode kernel and with the torch fallback."""
+    attention.set_cpu_decode_kernel(request.param == "kernel")
+    if request.param == "kernel" and not attention.cpu_decode_kernel_available():
+        attention.set_cpu_decode_kernel(None)
+        pytest.skip("no C compiler: the CPU decode kernel is unavailable")
+    yield request.param
+    attention.set_cpu_decode_kernel(None)
 
 
 def _scenario(
@@ -86,7 +98,7 @@ MIXED = [(0, 1), (40, 1), (16, 1), (95, 1), (0, 23), (16, 7), (33, 40), (5, 1 + 
 )
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 3, 32), (1, 4, 64), (3, 1, 16)])
-def test_paged_attention_matches_dense(reqs, num_decodes, dtype, tol, hkv, g, d):
+def test_paged_attention_matches_dense(reqs, num_decodes, dtype, tol, hkv, g, d, decode_path):
     hist_k, hist_v, k_cache, v_cache, bt, q, k, v, slots = _scenario(
         len(reqs) * 7 + d, reqs, hkv, g, d, dtype
     )
@@ -109,7 +121,7 @@ def test_paged_attention_matches_dense(reqs, num_decodes, dtype, tol, hkv, g, d)
     )
 
 
-def test_metadata_is_shared_across_layers():
+def test_metadata_is_shared_across_layers(decode_path):
     """Two layers with their own caches reuse one metadata (and its scratch buffers)."""
     reqs = [(20, 1), (3, 1), (10, 5)]
     md = None
@@ -128,7 +140,24 @@ def test_metadata_is_shared_across_layers():
         out = paged_attention(q, k, v, (kc, vc), md, 0.25)
         ref = _dense_reference(q, hk, hv, reqs, 2, 0.25)
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert "decode_k" in md.scratch
+    assert md.decode_kernel == (decode_path == "kernel")
+    assert ("decode_k" in md.scratch) == (decode_path == "torch")
+
+
+def test_decode_kernel_falls_back_for_other_dtypes(decode_path):
+    """fp16 has no C kernel: the same metadata serves the torch fallback."""
+    reqs = [(20, 1), (3, 1)]
+    hist_k, hist_v, kc, vc, bt, q, k, v, slots = _scenario(9, reqs, 2, 2, 16, torch.float16)
+    md = build_attention_metadata(
+        query_lens=np.array([1, 1]),
+        num_computed=np.array([20, 3]),
+        block_table=bt,
+        slot_mapping=slots,
+        num_decodes=2,
+    )
+    out = paged_attention(q, k, v, (kc, vc), md, 0.25)
+    ref = _dense_reference(q, hist_k, hist_v, reqs, 2, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 
 
 def test_build_metadata_rejects_misordered_decodes():

@@ -1,0 +1,218 @@
+"""Time one ModelRunner step against HF transformers' forward, in the same run.
+
+Usage (always under the shared benchmark lock):
+
+    flock /tmp/vx-bench.lock .venv/bin/python bench/forward.py [--threads 2] [--repeats 3]
+
+Model: SmolLM2-135M (`vx.gpu.resolve.resolve_model("smollm2-135m")`) in bf16, or with
+`--random` a random model of the same shapes (timings do not depend on the weights).
+Cases: decode steps at batch 1, 16 and 64 with 256 tokens of KV per request, and prefill of
+128 and 2,048 tokens (one request). HF runs with its own DynamicCache and SDPA attention; its
+prefill asks for the last position's logits only (`logits_to_keep=1`, as `generate` does), so
+both sides skip the LM head over the prompt. Each case: one warm-up, then `--repeats` timed
+steps per side, interleaved; the table shows medians and vx / HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vx.config import BLOCK_SIZE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from vx.gpu.model_runner import ModelRunner
+from vx.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from vx.sampling_params import SamplingParams
+
+GREEDY = SamplingParams.create(temperature=0.0, max_tokens=4096)
+KV_LEN = 256
+DECODE_BATCHES = (1, 16, 64)
+PREFILLS = (128, 2048)
+
+
+def random_smollm2(path: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"], dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+class Driver:
+    """Feeds the runner hand-made SchedulerOutputs; blocks come from a simple free list."""
+
+    def __init__(self, runner: ModelRunner, num_blocks: int) -> None:
+        self.runner = runner
+        self.free = list(range(num_blocks))
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.finished: list[str] = []
+        self.step_id = 0
+
+    def _so(self, new, cached, sched) -> SchedulerOutput:
+        so = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[c for c in cached],
+                new_block_ids=[[] for _ in cached],
+                num_computed_tokens=[self.computed[c] for c in cached],
+            ),  # fmt: skip
+            num_scheduled_tokens=sched,
+            total_num_scheduled_tokens=sum(sched.values()),
+            finished_req_ids=self.finished,
+        )
+        self.finished = []
+        self.step_id += 1
+        return so
+
+    def add(self, req_id: str, prompt: list[int], capacity: int) -> NewRequestData:
+        n = math.ceil(capacity / BLOCK_SIZE)
+        self.blocks[req_id] = [self.free.pop() for _ in range(n)]
+        self.computed[req_id] = 0
+        return NewRequestData(
+            req_id=req_id, prompt_token_ids=prompt, sampling_params=GREEDY,
+            block_ids=self.blocks[req_id], num_computed_tokens=0,
+        )  # fmt: skip
+
+    def step(self, new: list[NewRequestData], sched: dict[str, int]) -> float:
+        cached = [r for r in sched if r not in {n.req_id for n in new}]
+        so = self._so(new, cached, sched)
+        t0 = time.perf_counter()
+        self.runner.execute(so)
+        dt = time.perf_counter() - t0
+        for r, n in sched.items():
+            self.computed[r] += n
+        return dt
+
+    def finish(self, req_ids) -> None:
+        for r in req_ids:
+            self.free += self.blocks.pop(r)
+            self.computed.pop(r)
+            self.finished.append(r)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def bench_decode(driver: Driver, hf, batch: int, repeats: int) -> tuple[list[float], list[float]]:
+    from transformers import DynamicCache
+
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    prompts = [prompt_of(KV_LEN, i) for i in range(batch)]
+    cap = KV_LEN + repeats + 2
+    new = [driver.add(r, p, cap) for r, p in zip(ids, prompts, strict=True)]
+    per_step = max(1, 2048 // KV_LEN)
+    for i in range(0, batch, per_step):  # prefill, untimed
+        driver.step(new[i : i + per_step], {r: KV_LEN for r in ids[i : i + per_step]})
+    vx_times = [driver.step([], dict.fromkeys(ids, 1)) for _ in range(repeats + 1)][1:]
+    driver.finish(ids)
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        hf(torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = torch.randint(100, 40000, (batch, 1))
+        hf_times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            hf(tok, past_key_values=cache, use_cache=True)
+            hf_times.append(time.perf_counter() - t0)
+    return vx_times, hf_times[1:]
+
+
+def bench_prefill(driver: Driver, hf, n: int, repeats: int) -> tuple[list[float], list[float]]:
+    from transformers import DynamicCache
+
+    vx_times, hf_times = [], []
+    for rep in range(repeats + 1):
+        rid = f"p{n}-{rep}"
+        prompt = prompt_of(n, 1000 + rep)
+        new = driver.add(rid, prompt, n + 1)
+        vx_times.append(driver.step([new], {rid: n}))
+        driver.finish([rid])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hf(
+                torch.tensor([prompt]),
+                past_key_values=DynamicCache(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            hf_times.append(time.perf_counter() - t0)
+    return vx_times[1:], hf_times[1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
+    ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tmp = None
+    if args.random:
+        tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
+        path = random_smollm2(tmp.name)
+    else:
+        from vx.gpu.resolve import resolve_model
+
+        path = resolve_model("smollm2-135m")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    num_blocks = max(DECODE_BATCHES) * math.ceil((KV_LEN + args.repeats + 2) / BLOCK_SIZE) + 8
+    num_blocks = max(num_blocks, math.ceil((max(PREFILLS) + 1) / BLOCK_SIZE) + 8)
+    config = EngineConfig(
+        model=ModelConfig(path=path, dtype="bfloat16", max_model_len=4096),
+        scheduler=SchedulerConfig(max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=2048),
+        cache=CacheConfig(num_blocks_override=num_blocks),
+        num_threads=args.threads,
+    )
+    config.validate()
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_blocks()[0])
+    driver = Driver(runner, num_blocks)
+
+    rows = []
+    if args.only in (None, "decode"):
+        for b in DECODE_BATCHES:
+            rows.append((f"decode b={b} kv={KV_LEN}", *bench_decode(driver, hf, b, args.repeats)))
+    if args.only in (None, "prefill"):
+        for n in PREFILLS:
+            rows.append((f"prefill {n}", *bench_prefill(driver, hf, n, args.repeats)))
+
+    print(
+        f"\nSmolLM2-135M bf16, {args.threads} threads, median of {args.repeats} ({'random' if args.random else path})"
+    )
+    print(f"{'case':<22} {'HF ms':>9} {'vx ms':>9} {'vx/HF':>7}  goal <= 0.50")
+    for name, vx_t, hf_t in rows:
+        v, h = statistics.median(vx_t) * 1e3, statistics.median(hf_t) * 1e3
+        print(f"{name:<22} {h:>9.1f} {v:>9.1f} {v / h:>7.2f}  {'ok' if v / h <= 0.5 else 'MISS'}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
