@@ -45,8 +45,8 @@ __all__ = [
     "ShmSegment",
     "WakeSender",
     "Waker",
-    "pid_alive",
     "make_fence",
+    "pid_alive",
     "spin_until",
     "sweep_stale_segments",
 ]
@@ -56,6 +56,7 @@ __all__ = [
 #: load-acquire is ordered too (RCsc), but that is untested on such hardware here; the bounded
 #: re-check interval caps the cost of any missed wake-up at RECHECK_S of latency (never a hang).
 FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
 # The header of a ring segment, as u64 slot indices (the layout is drawn in `vx.ring`).
 MAGIC, VERSION = 0x7672696E67763031, 1  # "vringv01"
 CAPACITY, NUM_READERS, DATA_OFFSET = 2, 3, 4
