@@ -86,7 +86,8 @@ class AbortRequests(_Msg):
     """Sent by the front when clients leave (or a stall/timeout fires).
 
     `cause` labels `vx:request_aborted_total{cause=...}`: "client_disconnect", "stall",
-    "timeout", "shutdown" or "error".
+    "timeout", "shutdown" or "error"; "stop_string" ends a request whose text matched a stop
+    string (the front counts that one as finished, not aborted).
     """
 
     request_ids: list[str]
@@ -131,7 +132,8 @@ class Logprobs(_StepMsg, frozen=True):
 
     Row i is one position: `token_ids[i][0]` / `logprobs[i][0]` is the sampled (or prompt)
     token, followed by the top-k alternatives in descending order; `ranks[i]` is the sampled
-    token's 1-based rank in the full distribution.
+    token's 1-based rank in the full distribution. For `prompt_logprobs`, row i is prompt
+    position i + 1 (the first prompt token has no logprob), so there are P - 1 rows.
     """
 
     token_ids: list[list[int]]
