@@ -239,22 +239,24 @@ class RingWriter(RingEnd):
                 if self._refresh() >= target:
                     return
                 self._check_readers()
-                self._watch.wait(deadline, RECHECK_S)
+                woken = self._watch.wait(deadline, RECHECK_S)
             finally:
                 q[rw.WRITER_PARKED] = 0
-            self._waker.drain()
+            if woken:
+                self._waker.consume()
 
     def _check_readers(self) -> None:
         """While blocked: raises BrokenResourceError if any reader closed or died (a reader
         that will never read again holds the writer back sooner or later)."""
-        q = self._q
+        q, watch = self._q, self._watch
+        check = watch.should_check()
         for i in range(self._handle.num_readers):
             pid = q[rw.READERS + 8 * i + rw.READER_PID]
             if q[rw.READERS + 8 * i + rw.READER_CLOSED]:
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: reader {i} closed")
             if pid:
-                self._watch.update([pid])
-                if self._watch.dead(pid):
+                watch.update([pid])  # puts its pidfd in the wait
+                if check and watch.dead(pid):
                     raise anyio.BrokenResourceError(
                         f"ring {self._handle.name}: reader {i} (pid {pid}) died"
                     )
@@ -337,10 +339,11 @@ class RingReader(RingEnd):
             if msg is not None:
                 return msg
         while (msg := self._park()) is None:
+            woken = False
             try:
-                self._watch.wait(deadline, RECHECK_S)
+                woken = self._watch.wait(deadline, RECHECK_S)
             finally:
-                self._unpark()
+                self._unpark(woken)
         return msg
 
     def recv_nowait(self) -> bytes:
@@ -363,12 +366,14 @@ class RingReader(RingEnd):
             raise anyio.ClosedResourceError
         msg = self._poll()
         while msg is None and (msg := self._park()) is None:
+            woken = False
             try:
                 # NOTE: the pidfd is not in this wait, so writer death is seen within RECHECK_S.
                 with anyio.move_on_after(RECHECK_S):
                     await anyio.wait_readable(self._waker.fileno())
+                    woken = True
             finally:
-                self._unpark()
+                self._unpark(woken)
         return msg
 
     def _park(self) -> bytes | None:
@@ -383,15 +388,18 @@ class RingReader(RingEnd):
                 if msg is not None or not self._check_writer():
                     break
         except BaseException:
-            self._unpark()
+            self._q[self._parked_idx] = 0
             raise
         if msg is not None:
-            self._unpark()
+            self._q[self._parked_idx] = 0
         return msg
 
-    def _unpark(self) -> None:
+    def _unpark(self, woken: bool) -> None:
         self._q[self._parked_idx] = 0
-        self._waker.drain()
+        if woken:
+            self._waker.consume()
+        else:
+            self._watch.suspect()  # a timeout or the pidfd: check the writer's liveness next
 
     def _poll(self) -> bytes | None:
         """Consumes published frames until one message is complete; None when they run out."""
@@ -450,8 +458,8 @@ class RingReader(RingEnd):
             raise anyio.EndOfStream
         pid = q[rw.WRITER_PID]
         if pid:
-            self._watch.update([pid])
-            if self._watch.dead(pid):
+            self._watch.update([pid])  # puts its pidfd in the wait
+            if self._watch.should_check() and self._watch.dead(pid):
                 if q[rw.WRITE_POS] != self._rpos or q[rw.WRITER_CLOSED]:
                     return True
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: writer {pid} died")

@@ -122,15 +122,13 @@ class Waker:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def drain(self) -> None:
-        """Discards every pending wake-up datagram (each one is a single byte)."""
-        recv_into = self._sock.recv_into
-        buf = self._buf
-        for _ in range(1024):
-            try:
-                recv_into(buf)
-            except (BlockingIOError, InterruptedError):
-                return
+    def consume(self) -> None:
+        """Takes one pending wake-up datagram, if any (a writer sends one per park episode;
+        a leftover only causes one spurious wake-up later)."""
+        try:
+            self._sock.recv_into(self._buf)
+        except (BlockingIOError, InterruptedError):
+            pass
 
     def close(self) -> None:
         self._sock.close()
@@ -178,13 +176,19 @@ class PeerWatch:
     Without pidfds (kernel < 5.3) `poll` falls back to the re-check interval and `/proc`.
     """
 
-    __slots__ = ("_fds", "_poll", "_waker_fd")
+    __slots__ = ("_checked_at", "_fds", "_poll", "_suspect", "_waker_fd")
+
+    #: Without a hint (a pidfd event or an idle timeout), liveness is re-checked at most this
+    #: often: each check is a syscall, and parking happens on every idle gap of a busy ring.
+    CHECK_INTERVAL_S = 0.05
 
     def __init__(self, waker: Waker) -> None:
         self._waker_fd = waker.fileno()
         self._poll = select.poll()
         self._poll.register(self._waker_fd, select.POLLIN)
         self._fds: dict[int, int] = {}  # pid -> pidfd (or -1 when pidfds are unavailable)
+        self._suspect = True  # the last wait ended by something other than a wake-up
+        self._checked_at = 0.0
 
     def update(self, pids: list[int]) -> None:
         """Starts watching pids seen for the first time (0 means "not attached yet")."""
@@ -203,23 +207,39 @@ class PeerWatch:
                 self._poll.register(fd, select.POLLIN)
             self._fds[pid] = fd
 
+    def should_check(self) -> bool:
+        """Whether a round of `dead` checks is due (always after a suspect wait)."""
+        now = time.monotonic()
+        if not self._suspect and now - self._checked_at < self.CHECK_INTERVAL_S:
+            return False
+        self._suspect, self._checked_at = False, now
+        return True
+
     def dead(self, pid: int) -> bool:
         fd = self._fds.get(pid, -1)
         if fd >= 0:
             return bool(select.select([fd], [], [], 0)[0])
         return not pid_alive(pid)
 
-    def wait(self, deadline: float | None, recheck_s: float) -> None:
+    def wait(self, deadline: float | None, recheck_s: float) -> bool:
         """Blocks until a wake-up arrives, a watched peer dies, `recheck_s` passes or the
-        `perf_counter` deadline does (then raises TimeoutError)."""
+        `perf_counter` deadline does (then raises TimeoutError). True if woken up."""
         if deadline is not None:
             recheck_s = min(recheck_s, deadline - time.perf_counter())
             if recheck_s <= 0:
                 raise TimeoutError("ring wait timed out")
         try:
-            self._poll.poll(recheck_s * 1000.0)
+            events = self._poll.poll(recheck_s * 1000.0)
         except InterruptedError:
-            pass
+            events = []
+        woken = any(fd == self._waker_fd for fd, _ in events)
+        if len(events) > woken or not events:
+            self._suspect = True
+        return woken
+
+    def suspect(self) -> None:
+        """Marks the next `should_check` as due (e.g. after an idle timeout elsewhere)."""
+        self._suspect = True
 
     def close(self) -> None:
         for fd in self._fds.values():
