@@ -111,6 +111,27 @@ def test_tiny_bf16_agrees_with_hf(tiny_models: dict[str, str]) -> None:
     assert agree / (16 * len(PROMPTS)) >= 0.9
 
 
+def test_cpu_prepacked_bf16_equals_plain(tiny_models: dict[str, str], monkeypatch) -> None:
+    """oneDNN-prepacked bf16 weights give the same logits as plain F.linear at decode sizes."""
+    from vx.gpu.layers import cpu_prepack_enabled
+
+    path = tiny_models["qwen2"]  # qkv bias goes through the packed path too
+    packed = load_model(path, dtype=torch.bfloat16, progress=False)
+    if not cpu_prepack_enabled(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    monkeypatch.setenv("VX_CPU_PREPACK", "0")
+    plain = load_model(path, dtype=torch.bfloat16, progress=False)
+    assert not plain.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    a, b = PagedDriver(packed), PagedDriver(plain)
+    batch = {"a": PROMPTS["short"], "b": PROMPTS["repeat"]}
+    for _ in range(4):
+        la, lb = a.step(batch), b.step(batch)
+        for r in batch:
+            torch.testing.assert_close(la[r], lb[r], atol=0.05, rtol=0.02)
+        batch = {r: [int(la[r].argmax())] for r in batch}
+
+
 def test_resolve_dtype() -> None:
     from transformers import LlamaConfig
 
@@ -261,14 +282,15 @@ def test_smollm2_greedy_matches_hf_fp32(smollm2, smollm2_prompts) -> None:
 
 
 def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts) -> None:
-    """vx bf16 vs HF bf16, teacher-forced on vx's own bf16 greedy continuation (512 positions).
+    """vx bf16 vs HF bf16, teacher-forced on vx's own bf16 greedy continuation (512 positions),
+    through three paths: one request per step (HF's shapes), 8 prefills in one flat step, and
+    8 decodes per step through the paged decode attention.
 
-    - one request per step (HF's shapes, batch of 1): top-1 agreement >= 99% (measured 512/512);
-    - batched, as served (8 prefills in one flat step; 8 decodes per step through the paged
-      decode attention): bf16 results depend on the batch shape and bf16 logits tie often
-      (1 ulp is 0.125 at 20), so a position agrees when our token has HF's maximal logit;
-      >= 98% (measured 507/512 for both). For scale, HF bf16 with its own KV cache agrees with
-      HF bf16 full forward on 497/512 of these positions.
+    bf16 results depend on GEMM shapes and packing (fp32 accumulation order before the bf16
+    rounding) and bf16 logits tie or sit one ulp apart often (1 ulp is 0.125 at 20). So:
+    top-1 agreement within one bf16 ulp of HF's top logit >= 99% on every path, and exact
+    argmax agreement >= 98%. For scale, HF bf16 decoding with its own KV cache picks HF bf16
+    full forward's argmax at only 497 of these 512 positions.
     """
     model = load_model(smollm2, dtype="auto", progress=False)
     assert model.dtype is torch.bfloat16  # config.json says bfloat16; auto on CPU keeps it
@@ -278,19 +300,24 @@ def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts) -> None:
     alone = {r: PagedDriver(model, num_blocks=16).step_all({r: seq})[r] for r, seq in full.items()}
     del model
     hf = hf_model(smollm2, torch.bfloat16)
-    counts = {"alone": 0, "batched": 0, "decode": 0}
+    exact = {"alone": 0, "batched": 0, "decode": 0}
+    within_ulp = dict(exact)
     for req_id, prompt in smollm2_prompts.items():
         n = len(prompt) - 1
         with torch.no_grad():
-            theirs = hf(torch.tensor([full[req_id]])).logits[0, n:].float()
+            theirs = hf(torch.tensor([full[req_id]])).logits[0, n:]  # bf16 [64, vocab]
         best = theirs.max(-1).values
-
-        def has_max(tokens: torch.Tensor, theirs=theirs, best=best) -> int:
-            return int((theirs.gather(1, tokens[:, None])[:, 0] == best).sum())
-
-        counts["alone"] += int((alone[req_id][n:].argmax(-1) == theirs.argmax(-1)).sum())
-        counts["batched"] += has_max(batched[req_id][n:].argmax(-1))
-        counts["decode"] += has_max(torch.tensor(ours[req_id]))
+        ulp = (best.float().abs() * 2.0**-7).to(best.dtype)  # bf16 keeps 8 significant bits
+        picks = {
+            "alone": alone[req_id][n:].argmax(-1),
+            "batched": batched[req_id][n:].argmax(-1),
+            "decode": torch.tensor(ours[req_id]),
+        }
+        for path, tokens in picks.items():
+            exact[path] += int((tokens == theirs.argmax(-1)).sum())
+            ours_logit = theirs.gather(1, tokens[:, None])[:, 0]
+            within_ulp[path] += int((ours_logit >= best - ulp).sum())
     total = NEW_TOKENS * len(smollm2_prompts)
-    assert counts["alone"] / total >= 0.99, f"{counts} of {total}"
-    assert min(counts.values()) / total >= 0.98, f"{counts} of {total}"
+    report = f"exact {exact}, within one ulp {within_ulp}, of {total}"
+    assert min(within_ulp.values()) / total >= 0.99, report
+    assert min(exact.values()) / total >= 0.98, report

@@ -128,4 +128,7 @@ def load_model(
     with torch.no_grad():
         model = cls(hf_config, dtype=torch_dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
         model.load_weights(iterate_weights(path, progress=progress))
+        for module in model.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
     return model.eval()
