@@ -31,6 +31,7 @@ from vx.core.executor import WorkerGroup
 from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
 from vx.errors import EngineDeadError
+from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.log import setup_logging
 from vx.ring import RingHandle, RingReader, RingWriter
 
@@ -68,6 +69,7 @@ class EngineCore:
         self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
         self._shutdown = False
         self._stats_dirty = False
+        self._poison_seed = poison_seed("engine")
         # Per-step profile, accumulated between INFO lines when --profile-steps is on.
         self._prof = collections.Counter[str]()
 
@@ -76,6 +78,9 @@ class EngineCore:
         if isinstance(msg, messages.AddRequest):
             try:
                 self.scheduler.add_request(msg)
+                if self._poison_seed is not None and msg.sampling_params.seed == self._poison_seed:
+                    req = self.scheduler.requests[msg.request_id]
+                    req.stop_token_set = PoisonedStopSet()  # test-only: its update raises
             except ValueError as e:  # one bad request fails alone; the engine goes on
                 logger.warning("rejected request %s: %s", msg.request_id, e)
                 self._emit(

@@ -22,7 +22,7 @@ from vx.config import EngineConfig
 from vx.core.block_hash import update_block_hashes
 from vx.core.kv_cache_manager import KVCacheManager
 from vx.core.request import Request, RequestStatus
-from vx.core.scheduler_checks import kv_self_check
+from vx.core.scheduler_checks import fail_requests, kv_self_check
 from vx.messages import (
     AddRequest,
     CachedRequestData,
@@ -311,6 +311,7 @@ class Scheduler:
         make_output = EngineCoreOutput
         running_status = _RUNNING
         stopped: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
         for request_id, token_ids, new_logprobs in zip(
             model_runner_output.req_ids,
             model_runner_output.sampled_token_ids,
@@ -324,35 +325,44 @@ class Scheduler:
                 or step_id < request.admitted_step_id
             ):
                 continue
-            plp = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
-            if not token_ids:
-                if plp is not None:  # a prefill chunk's prompt logprobs
-                    outputs.append(
-                        EngineCoreOutput(
-                            request_id, [], None, None, None, plp, request.num_cached_tokens
+            # A failure in one request's update fails that request alone (vLLM #17248).
+            try:
+                plp = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
+                if not token_ids:
+                    if plp is not None:  # a prefill chunk's prompt logprobs
+                        outputs.append(
+                            EngineCoreOutput(
+                                request_id, [], None, None, None, plp, request.num_cached_tokens
+                            )
                         )
-                    )
+                    continue
+                if is_async:
+                    n = request.num_output_placeholders - len(token_ids)
+                    request.num_output_placeholders = n if n > 0 else 0
+                finish_reason = stop_reason = None
+                if len(token_ids) == 1:
+                    # Hot path: one token (plain decode), no trimming possible.
+                    token_id = token_ids[0]
+                    if token_id < 0:  # the worker's sampling failed for this request
+                        raise RuntimeError("sampling failed in the worker")
+                    request.all_token_ids.append(token_id)
+                    num_tokens = request.num_tokens = request.num_tokens + 1
+                    if caching and num_tokens % block_size == 0:
+                        self._cache_new_full_block(request)
+                    if token_id in request.stop_token_set or num_tokens >= request.max_num_tokens:
+                        finish_reason, stop_reason = request.check_stop(token_id)
+                else:  # several tokens in one step (speculative): trim after the first stop
+                    if min(token_ids) < 0:
+                        raise RuntimeError("sampling failed in the worker")
+                    n, finish_reason, stop_reason = request.append_output_token_ids(token_ids)
+                    if caching:
+                        self._cache_new_full_block(request)
+                    if n < len(token_ids):
+                        token_ids = token_ids[:n]
+                        new_logprobs = new_logprobs and _trim_logprobs(new_logprobs, n)
+            except Exception as e:
+                failed.append((request, e))
                 continue
-            if is_async:
-                n = request.num_output_placeholders - len(token_ids)
-                request.num_output_placeholders = n if n > 0 else 0
-            finish_reason = stop_reason = None
-            if len(token_ids) == 1:
-                # Hot path: one token (plain decode), no trimming possible.
-                token_id = token_ids[0]
-                request.all_token_ids.append(token_id)
-                num_tokens = request.num_tokens = request.num_tokens + 1
-                if caching and num_tokens % block_size == 0:
-                    self._cache_new_full_block(request)
-                if token_id in request.stop_token_set or num_tokens >= request.max_num_tokens:
-                    finish_reason, stop_reason = request.check_stop(token_id)
-            else:  # several tokens in one step (speculative): trim after the first stop
-                n, finish_reason, stop_reason = request.append_output_token_ids(token_ids)
-                if caching:
-                    self._cache_new_full_block(request)
-                if n < len(token_ids):
-                    token_ids = token_ids[:n]
-                    new_logprobs = new_logprobs and _trim_logprobs(new_logprobs, n)
             num_cached = request.num_cached_tokens
             emit(
                 make_output(
@@ -365,6 +375,8 @@ class Scheduler:
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
+        if failed:
+            outputs += fail_requests(self, failed)
         return outputs
 
     def _cache_new_full_block(self, request: Request) -> None:

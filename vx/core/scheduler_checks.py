@@ -1,20 +1,45 @@
-"""The KV self-check: audit the block pool against the Scheduler's requests.
+"""The KV self-check (audit the block pool against the Scheduler's requests), and the
+per-request failure path.
 
-Runs in: EngineCore, on demand (the `kv_self_check` utility call, and tests after every step).
-It walks every block and request, O(num_blocks + tokens held), so it is never on the step path.
+Runs in: EngineCore. `kv_self_check` runs on demand (the `kv_self_check` utility call, and tests
+after every step); it walks every block and request, O(num_blocks + tokens held), so it is never
+on the step path. `fail_requests` runs only when a request's own update raised.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from typing import TYPE_CHECKING
 
 from vx.core.request import RequestStatus
+from vx.messages import EngineCoreOutput, FinishReason
 
 if TYPE_CHECKING:
+    from vx.core.request import Request
     from vx.core.scheduler import Scheduler
 
-__all__ = ["kv_self_check"]
+__all__ = ["fail_requests", "kv_self_check"]
+
+logger = logging.getLogger(__name__)
+
+
+def fail_requests(
+    scheduler: Scheduler, failed: list[tuple[Request, Exception]]
+) -> list[EngineCoreOutput]:
+    """Finish each request whose own update raised with finish_reason "error", freeing its
+    blocks; the other requests of the step are untouched and the engine goes on."""
+    outputs = []
+    for request, e in failed:
+        logger.error("request %s failed in its update: %r", request.request_id, e)
+        if request.request_id in scheduler.requests:
+            scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        outputs.append(
+            EngineCoreOutput(
+                request.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}"
+            )
+        )
+    return outputs
 
 
 def kv_self_check(scheduler: Scheduler) -> dict[str, object]:

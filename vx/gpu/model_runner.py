@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
 from vx.gpu.attention import AttentionMetadata, build_attention_metadata
 from vx.gpu.input_batch import InputBatch
 from vx.gpu.kv_cache import (
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "StepInputs"]
 
+#: The token a request gets in `ModelRunnerOutput.sampled_token_ids` when its sampling raised;
+#: the EngineCore finishes it with finish_reason "error".
+SAMPLE_FAILED = -1
 #: Prompt-logprob rows go through the LM head in slices of this many (a [rows, vocab] fp32
 #: tensor for a whole 8K-token chunk would take gigabytes).
 PROMPT_LOGPROBS_SLICE = 512
@@ -98,6 +102,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise.
+        self._poison_seed = poison_seed("worker")
 
     # ───────────────────────── start-up ─────────────────────────
 
@@ -248,7 +254,9 @@ class ModelRunner:
             logits = model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
             rows = inputs.rows[sample_idx]
             sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
-            batch.append_tokens(rows, sampled)
+            # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
+            # harmless token until the EngineCore's finished_req_ids drops it.
+            batch.append_tokens(rows, np.maximum(sampled, 0))
             for j, tok in zip(sample_idx.tolist(), sampled.tolist(), strict=True):
                 sampled_lists[j] = [tok]
         # Requests advance by what was scheduled (the next diff sets the same value again).
@@ -323,12 +331,47 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
     ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
+        """Sample the batch; if that raises, sample each request alone so that a request
+        whose parameters break the sampler fails alone (token SAMPLE_FAILED) instead of
+        killing the worker and every other request with it."""
+        try:
+            return self._sample_rows(logits, rows, sample_idx, num_reqs)
+        except Exception:
+            if len(sample_idx) == 0:
+                raise
+            logger.exception("batched sampling failed; sampling each request alone")
+        sampled = np.full(len(sample_idx), SAMPLE_FAILED, dtype=np.int64)
+        merged: list[Logprobs | None] | None = None
+        for j in range(len(sample_idx)):
+            one = slice(j, j + 1)
+            try:
+                tok, lps = self._sample_rows(logits[one], rows[one], sample_idx[one], num_reqs)
+            except Exception as e:
+                logger.error("request %s failed in sampling: %r", self._req_id_of(rows[j]), e)
+                continue
+            sampled[j] = tok[0]
+            if lps is not None:
+                i = int(sample_idx[j])
+                merged = merged if merged is not None else [None] * num_reqs
+                merged[i] = lps[i]
+        return sampled, merged
+
+    def _req_id_of(self, row: int) -> str:
+        batch = self.input_batch
+        assert batch is not None
+        return next((r for r, i in batch.req_id_to_index.items() if i == row), "?")
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
+    ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
         from vx.gpu.sampler import SamplingMetadata
 
         batch = self.input_batch
         assert batch is not None and self.sampler is not None
         row_list = rows.tolist()
         params = [batch.sampling_params[r] for r in row_list]
+        if self._poison_seed is not None and any(p.seed == self._poison_seed for p in params):
+            raise PoisonError(f"{POISON_ENV}: injected failure in the sampler")
         md = SamplingMetadata.build(
             params,
             prompt_token_ids=_RowTokens(batch, rows, outputs=False),

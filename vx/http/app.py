@@ -90,7 +90,14 @@ class Endpoints:
         return _json({"status": "ok"})
 
     async def version(self, request: Request) -> Response:
-        return _json({"version": vx.__version__})
+        ready = self.ctx.client.ready
+        return _json(
+            {
+                "version": vx.__version__,
+                "engine_pids": [r.engine_pid for r in ready],
+                "worker_pids": [pid for r in ready for pid in r.worker_pids],
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         req = parse_body(await completions.read_body(request), TokenizeRequest)
@@ -126,6 +133,7 @@ class Endpoints:
         return _json({"prompt": tok.decode(req.tokens)})
 
     async def metrics(self, request: Request) -> Response:
+        await self.ctx.metrics.refresh_self_check()
         return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:

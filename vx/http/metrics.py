@@ -13,9 +13,11 @@ each `vx:requests_received_total`, so received == rejected + finished + aborted 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import anyio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -29,7 +31,11 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from vx.http.engine_client import EngineClient
 
+logger = logging.getLogger(__name__)
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: How long a scrape waits for an engine's KV self-check.
+SELF_CHECK_TIMEOUT_S = 2.0
 
 # vLLM's buckets (seconds), trimmed to what a small server sees.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -46,6 +52,8 @@ class _EngineCollector(Collector):
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self._client = client
         self._model = model_name
+        #: The latest `kv_self_check` result of each engine (run at idle, on scrape).
+        self.self_checks: dict[int, dict[str, object]] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["model_name", "engine"]
@@ -70,9 +78,22 @@ class _EngineCollector(Collector):
         dead = GaugeMetricFamily(
             "vx:engine_dead", "1 when the engine is dead.", labels=["model_name"]
         )
+        check_ok = GaugeMetricFamily(
+            "vx:kv_self_check_ok",
+            "1 when the last idle KV self-check passed (free + cached == total, every "
+            "referenced block owned, nothing running or waiting), 0 when it failed, -1 before "
+            "the first check.",
+            labels=labels,
+        )
+        blocks = GaugeMetricFamily("vx:kv_num_blocks", "KV blocks in the pool.", labels=labels)
+        free = GaugeMetricFamily(
+            "vx:kv_num_free_blocks", "Free KV blocks (cached ones included).", labels=labels
+        )
         for i in range(self._client.num_engines):
             stats = self._client.latest_stats(i)
             values = [self._model, str(i)]
+            check = self.self_checks.get(i)
+            check_ok.add_metric(values, -1 if check is None else 1 if check.get("ok") else 0)
             if stats is None:
                 running.add_metric(values, 0)
                 waiting.add_metric(values, 0)
@@ -87,8 +108,31 @@ class _EngineCollector(Collector):
             queries.add_metric(values, stats.prefix_queries_total)
             hits.add_metric(values, stats.prefix_hits_total)
             preempt.add_metric(values, stats.num_preempted_total)
+            blocks.add_metric(values, stats.num_blocks)
+            free.add_metric(values, stats.num_free_blocks)
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
-        yield from (running, waiting, kv, queries, hits, preempt, dead)
+        yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free)
+
+    async def refresh_self_check(self) -> None:
+        """At idle (no request in the front), ask every engine for its KV self-check.
+
+        The engine reads its input ring in order, so aborts sent before this call are applied
+        before it answers. A failed check is logged with its problems; a busy front keeps the
+        previous result.
+        """
+        client = self._client
+        for i in range(client.num_engines):
+            if client.is_dead or client.num_unfinished:
+                return
+            try:
+                with anyio.fail_after(SELF_CHECK_TIMEOUT_S):
+                    result = await client.call_utility("kv_self_check", engine_index=i)
+            except Exception as e:  # a scrape must never fail because of the check
+                logger.warning("KV self-check on engine %d did not run: %r", i, e)
+                continue
+            self.self_checks[i] = result
+            if not result.get("ok"):
+                logger.error("KV self-check failed on engine %d: %s", i, result.get("problems"))
 
 
 class Metrics:
@@ -127,7 +171,8 @@ class Metrics:
                                 "cause.", ["model_name", "cause"], registry=r)  # fmt: skip
         self._http = Counter("vx:http_responses", "HTTP responses by route and status.",
                              ["path", "status"], registry=r)  # fmt: skip
-        r.register(_EngineCollector(client, model_name))
+        self._engine_collector = _EngineCollector(client, model_name)
+        r.register(self._engine_collector)
         # Make the labelled series exist at 0, so a scrape always shows the whole set.
         for reason in ("stop", "length"):
             self._success.labels(model_name, reason)
@@ -155,6 +200,10 @@ class Metrics:
 
     def http_response(self, path: str, status: int) -> None:
         self._http.labels(path, str(status)).inc()
+
+    async def refresh_self_check(self) -> None:
+        """Run the engines' KV self-check if the front is idle (see `vx:kv_self_check_ok`)."""
+        await self._engine_collector.refresh_self_check()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
