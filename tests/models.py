@@ -149,11 +149,12 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
-    """Write the llama model in `hf_dir` as a llama.cpp-style GGUF, as convert_hf_to_gguf would.
+    """Write the llama or qwen2 model in `hf_dir` as a GGUF, as llama.cpp's convert_hf_to_gguf.
 
-    q_proj/k_proj rows are permuted the way llama.cpp does for its rope; 2-D weights are
-    stored as `qtype` (F32, F16, BF16, Q8_0, Q4_1...), norms as F32. The tokenizer (byte-level
-    BPE) and chat template go into the `tokenizer.*` metadata.
+    For llama, q_proj/k_proj rows are permuted the way llama.cpp does for its rope and llama3
+    rope scaling becomes a `rope_freqs` tensor; 2-D weights are stored as `qtype` (F32, F16,
+    BF16, Q8_0, Q4_1...), norms and biases as F32. The tokenizer (byte-level BPE) and chat
+    template go into the `tokenizer.*` metadata.
     """
     import json
 
@@ -162,14 +163,16 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     from safetensors.numpy import load_file
 
     from vx.gpu.gguf_convert import permute_qk
+    from vx.gpu.layers import rope_inv_freq
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[cfg["architectures"][0]]
     qt = gguf.GGMLQuantizationType[qtype]
-    w = gguf.GGUFWriter(gguf_path, "llama")
-    w.add_name("tiny-llama")
+    w = gguf.GGUFWriter(gguf_path, arch)
+    w.add_name(f"tiny-{arch}")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -198,11 +201,16 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     w.add_chat_template(CHAT_TEMPLATE)
 
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type") == "llama3":  # llama.cpp stores the per-dim divisors
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        base = rope_inv_freq(head_dim, {"rope_theta": rope["rope_theta"]})
+        w.add_tensor("rope_freqs.weight", (base / rope_inv_freq(head_dim, rope)).numpy())
     for name in sorted(tensors):
         a = tensors[name].astype(np.float32)
-        if ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             a = permute_qk(a, cfg["num_key_value_heads"])
         if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))

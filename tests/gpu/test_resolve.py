@@ -124,6 +124,36 @@ def test_gguf_tokenizer_and_chat_template_survive(tiny_llama: str, tmp_path) -> 
         assert json.load(f) == {"bos_token_id": 1, "eos_token_id": 2}
 
 
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen2", {}),  # q/k/v biases, no q/k permutation
+        ("llama", {"rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }}),  # rope_freqs tensor -> llama3 rope parameters
+        ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 1}),
+    ],
+)  # fmt: skip
+def test_gguf_round_trip_variants(tmp_path, arch: str, overrides: dict) -> None:
+    hf_dir = make_tiny_model(tmp_path / "hf", arch, seed=4, **overrides)
+    out = resolve_model(
+        make_tiny_gguf(hf_dir, str(tmp_path / "m.gguf")), cache_dir=str(tmp_path / "cache")
+    )
+    original = load_file(f"{hf_dir}/model.safetensors")
+    got = _weights(out)
+    assert set(got) == set(original)
+    for name, want in original.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    with open(f"{hf_dir}/config.json") as f:
+        want_cfg = json.load(f)
+    with open(f"{out}/config.json") as f:
+        cfg = json.load(f)
+    for key in ("architectures", "rope_parameters", "num_key_value_heads", "tie_word_embeddings"):
+        assert cfg[key] == want_cfg[key], key
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_quantized_gguf_dequantizes_exactly(tiny_llama: str, tmp_path, qtype: str) -> None:
     import gguf

@@ -125,7 +125,7 @@ def _llama3_from_rope_freqs(theta: float, head_dim: int, rope_freqs: Any) -> dic
     from vx.gpu.layers import rope_inv_freq
 
     base = rope_inv_freq(head_dim, {"rope_theta": theta})
-    want = torch.as_tensor(rope_freqs, dtype=torch.float32).flatten()
+    want = torch.tensor(rope_freqs, dtype=torch.float32).flatten()  # a copy: mmap is read-only
     for factor in (8.0, 32.0, 16.0, 4.0):
         params = {
             "rope_type": "llama3",
