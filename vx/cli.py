@@ -74,6 +74,10 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-timeout", type=float, default=30.0,
                    help="seconds before a step is declared stuck")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds a stream may wait for a client that stopped reading")
 
 
 def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
@@ -129,6 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         allowed_origins=tuple(args.allowed_origins),
+        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=args.stall_timeout,
     )
     try:
         return anyio.run(serve, config, settings)

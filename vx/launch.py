@@ -38,6 +38,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = 32 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    #: Seconds a stream's write may stay blocked (client not reading) before it is aborted.
+    stall_timeout_s: float = 60.0
     #: How long a dead engine's streams get to flush their error events before teardown.
     death_grace_s: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
@@ -92,6 +94,7 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                 api_keys=list(settings.api_keys),
                 allowed_origins=list(settings.allowed_origins),
                 max_body_bytes=settings.max_body_bytes,
+                stall_timeout_s=settings.stall_timeout_s,
             )
             shutdown = anyio.Event()
 
@@ -102,6 +105,9 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                         client.draining = True
                         with anyio.move_on_after(settings.drain_timeout_s):
                             await client.wait_idle()
+                        # Survivors get a terminal error event, not a cut connection.
+                        if n := client.fail_all("The server is shutting down."):
+                            logger.warning("drain budget spent: failed %d request(s)", n)
                         shutdown.set()
                         return
 

@@ -8,6 +8,7 @@ role alone in each choice's first chunk, `finish_reason` only on a choice's last
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from starlette.responses import Response
 
 from vx.http.completions import check_length, read_body
 from vx.http.detokenizer import TextState
-from vx.http.errors import APIError
+from vx.http.errors import APIError, error_response
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
 from vx.http.protocol import (
     ChatCompletionRequest,
@@ -26,6 +27,8 @@ from vx.http.protocol import (
     parse_body,
 )
 from vx.http.tokenizer import ChatTemplateError, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def message_dicts(messages: list[CompletionMessage]) -> list[dict[str, Any]]:
@@ -218,6 +221,11 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     except APIError as e:
         ctx.metrics.rejected(e.status)
         return e.response()
+    except Exception:  # a bug in validation: still counted, still the envelope
+        logger.exception("request refused by an unexpected error")
+        ctx.metrics.rejected(500)
+        return error_response(500, "Internal server error.", code="internal_error")
+    gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
     if req.stream:
         return gen.streaming_response()  # type: ignore[return-value]
     try:

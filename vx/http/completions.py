@@ -7,6 +7,7 @@ lengths). Choice index = prompt index x n + i, as in OpenAI's API.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vx.http.detokenizer import TextState
-from vx.http.errors import APIError, context_length_error
+from vx.http.errors import APIError, context_length_error, error_response
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
 from vx.http.middleware import BodyTooLargeError
 from vx.http.protocol import (
@@ -26,6 +27,8 @@ from vx.http.protocol import (
     fan_out,
     parse_body,
 )
+
+logger = logging.getLogger(__name__)
 
 
 async def read_body(request: Request) -> bytes:
@@ -197,6 +200,11 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     except APIError as e:
         ctx.metrics.rejected(e.status)
         return e.response()
+    except Exception:  # a bug in validation: still counted, still the envelope
+        logger.exception("request refused by an unexpected error")
+        ctx.metrics.rejected(500)
+        return error_response(500, "Internal server error.", code="internal_error")
+    gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
     if req.stream:
         return gen.streaming_response()  # type: ignore[return-value]
     try:

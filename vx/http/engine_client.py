@@ -265,6 +265,15 @@ class EngineClient:
         if self._readers_scope is not None:
             self._readers_scope.cancel()
 
+    def fail_all(self, message: str, cause: str = "shutdown") -> int:
+        """End every open stream with an error (the drain budget ran out) and abort them in
+        their engines; returns how many streams were open."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.put_final(messages.FinishReason.ERROR, message)
+        self.abort_nowait([s.request_id for s in streams], cause)
+        return len(streams)
+
     # ─────────────────────────── requests ───────────────────────────
 
     def add_request(self, req: messages.AddRequest) -> RequestStream:

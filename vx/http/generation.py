@@ -114,6 +114,8 @@ class Generation:
         self.created = int(time.time())
         self.choices = choices
         self.include_usage = False
+        #: The client's "host:port", for the disconnect log line.
+        self.peer: str | None = None
         self._start = time.monotonic()
         self._closed = False
 
@@ -157,6 +159,9 @@ class Generation:
             metrics.finished(reason, time.monotonic() - self._start)
         else:
             metrics.aborted(cause or "error")
+        if cause == "client_disconnect":
+            # The wall-clock time lets a test (or an operator) measure detection latency.
+            logger.info("client %s left %s: aborted at %.6f", self.peer, self.id, time.time())
 
     # ─────────────────────────── outputs ───────────────────────────
 
@@ -239,9 +244,13 @@ class Generation:
 
     async def _produce(self, write: Write) -> None:
         failed: list[str] = []
-        async with anyio.create_task_group() as tg:
-            for c in self.choices:
-                tg.start_soon(self._stream_choice, c, write, failed, tg.cancel_scope)
+        try:
+            async with anyio.create_task_group() as tg:
+                for c in self.choices:
+                    tg.start_soon(self._stream_choice, c, write, failed, tg.cancel_scope)
+        except Exception:  # a bug in one request's output processing fails it alone
+            logger.exception("request %s failed in the front", self.id)
+            failed.append("Internal server error while producing the stream.")
         if failed:
             await write(sse_event(_ENCODER.encode(error_body(500, failed[0]))))
         elif self.include_usage:
