@@ -13,7 +13,7 @@ The KV layout is `vx.gpu.kv_cache`'s: ``[num_kv_heads, num_blocks, block_size, h
 
 CPU path (no per-request Python loop for decodes):
 
-- decodes: one call of a small C kernel (`_DECODE_KERNEL_SOURCE`, compiled once per machine
+- decodes: one call of a small C kernel (`vx.gpu.kv_cache`'s, compiled once per machine
   with the system C compiler and loaded with ctypes) reads every decode row's K/V straight from
   the paged cache, in fp32, parallel over (request, kv head) on torch's own OpenMP pool. Without
   a compiler (or with ``VX_CPU_ATTENTION_KERNEL=0``) a torch fallback gathers the blocks into a
@@ -30,13 +30,6 @@ in `vx.gpu.triton_attention`.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,8 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from vx.config import BLOCK_SIZE
-
-logger = logging.getLogger(__name__)
+from vx.gpu.kv_cache import (
+    cpu_decode_kernel_available,
+    decode_kernel_fn,
+    load_cpu_kernels,
+    set_cpu_decode_kernel,
+)
 
 __all__ = [
     "AttentionMetadata",
@@ -212,8 +209,26 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store k/v [T, Hkv, D] at their slots in the caches [Hkv, NB, BS, D] (torch path)."""
+    """Store k/v [T, Hkv, D] at their slots in the caches [Hkv, NB, BS, D] (CPU)."""
     hkv, nb, bs, d = k_cache.shape
+    lib = load_cpu_kernels()
+    if (
+        lib is not None
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.stride(-1) == v.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+    ):
+        e = k.element_size()
+        lib.vx_write_kv(
+            k.data_ptr(), k.stride(0) * e, k.stride(1) * e,
+            v.data_ptr(), v.stride(0) * e, v.stride(1) * e,
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * e, d * e,
+            slot_mapping.data_ptr(), k.shape[0], hkv, nb * bs,
+        )  # fmt: skip
+        return
     k_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
@@ -237,10 +252,12 @@ def paged_attention(
         triton_attention.write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
         return triton_attention.paged_attention(q, k_cache, v_cache, attn_metadata, scale)
     write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-    out = torch.empty_like(q)
     md = attn_metadata
+    if not md.num_decodes and len(md.prefills) == 1:
+        return _prefill_attention(q, k, v, k_cache, v_cache, md.prefills[0], scale)
+    out = q.new_empty(q.shape)
     if md.num_decodes:
-        out[: md.num_decodes] = _decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale)
+        _decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale, out[: md.num_decodes])
     for chunk in md.prefills:
         out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
     return out
@@ -252,16 +269,16 @@ def _decode_attention(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:
-    """All decode rows at once: the C kernel, or gather their blocks and one SDPA."""
+    out: torch.Tensor,
+) -> None:
+    """All decode rows at once into `out` [B, Hq, D]: the C kernel, or a gather and one SDPA."""
     hkv, _, bs, d = k_cache.shape
     b, hq, _ = q.shape
     g = hq // hkv
     ctx = md.decode_num_blocks * bs
     if md.decode_kernel:
-        fn = _decode_kernel_fn(q.dtype)
-        if fn is not None and q.dtype == k_cache.dtype and q.stride(-1) == 1:
-            out = torch.empty((b, hq, d), dtype=q.dtype)
+        fn = decode_kernel_fn(q.dtype)
+        if fn is not None and q.dtype == k_cache.dtype and q.stride(-1) == out.stride(-1) == 1:
             bt, lens = md.decode_block_table, md.decode_seq_lens
             assert bt is not None and lens is not None
             rc = fn(
@@ -272,7 +289,7 @@ def _decode_attention(
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("the CPU decode attention kernel could not allocate scratch")
-            return out
+            return
         _fill_fallback_fields(md, bs)
     assert md.decode_block_ids is not None and md.decode_mask is not None
     kbuf = md.scratch.get("decode_k")
@@ -292,7 +309,7 @@ def _decode_attention(
         attn_mask=md.decode_mask,
         scale=scale,
     )
-    return o.transpose(0, 1).reshape(b, hq, d)
+    out.copy_(o.transpose(0, 1).reshape(b, hq, d))
 
 
 def _prefill_attention(
@@ -335,173 +352,3 @@ def _fill_fallback_fields(md: AttentionMetadata, block_size: int) -> None:
     md.decode_block_ids = md.decode_block_table.reshape(-1).long()
     pos = torch.arange(md.decode_num_blocks * block_size)
     md.decode_mask = (pos[None, :] < md.decode_seq_lens.long()[:, None])[None, :, None, :]
-
-
-# ───────────────────────────── the CPU decode kernel ─────────────────────────────
-
-#: One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
-#: Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
-#: bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
-#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's).
-_DECODE_KERNEL_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#include <stdlib.h>
-typedef uint16_t vx_bf16;
-static inline float ld_f32(float x) { return x; }
-static inline float st_f32(float x) { return x; }
-static inline float ld_bf16(vx_bf16 x) {
-    union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f;
-}
-static inline vx_bf16 st_bf16(float f) {
-    union { uint32_t u; float f; } c; c.f = f;
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (vx_bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even, as torch */
-    return (vx_bf16)(u >> 16);
-}
-#define DECODE_KERNEL(NAME, T, LD, ST) \
-int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
-         const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
-         const int32_t* bt, int64_t bt_s, const int32_t* lens, \
-         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) { \
-    const int G = Hq / Hkv; int failed = 0; \
-    _Pragma("omp parallel") { \
-    float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1)); \
-    float* qf = (float*)malloc(sizeof(float) * (size_t)G * D); \
-    float* acc = (float*)malloc(sizeof(float) * (size_t)G * D); \
-    float* row = (float*)malloc(sizeof(float) * (size_t)D); \
-    if (!sc || !qf || !acc || !row) { failed = 1; } else { \
-    _Pragma("omp for schedule(static)") \
-    for (int64_t w = 0; w < (int64_t)B * Hkv; w++) { \
-        const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b]; \
-        const int nblk = (len + BS - 1) / BS; \
-        for (int g = 0; g < G; g++) { \
-            const T* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh; \
-            for (int d = 0; d < D; d++) qf[g * D + d] = LD(qr[d]) * scale; \
-        } \
-        for (int n = 0; n < nblk; n++) { \
-            const T* kb = kc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
-            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
-            for (int s = 0; s < smax; s++) { \
-                for (int d = 0; d < D; d++) row[d] = LD(kb[s * c_ss + d]); \
-                for (int g = 0; g < G; g++) { \
-                    float dot = 0.f; const float* qg = qf + g * D; \
-                    for (int d = 0; d < D; d++) dot += qg[d] * row[d]; \
-                    sc[(int64_t)g * len + n * BS + s] = dot; \
-                } \
-            } \
-        } \
-        for (int g = 0; g < G; g++) { \
-            float* sg = sc + (int64_t)g * len; float m = sg[0], sum = 0.f; \
-            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m; \
-            for (int j = 0; j < len; j++) { sg[j] = expf(sg[j] - m); sum += sg[j]; } \
-            const float inv = 1.f / sum; \
-            for (int j = 0; j < len; j++) sg[j] *= inv; \
-        } \
-        memset(acc, 0, sizeof(float) * (size_t)G * D); \
-        for (int n = 0; n < nblk; n++) { \
-            const T* vb = vc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
-            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
-            for (int s = 0; s < smax; s++) { \
-                for (int d = 0; d < D; d++) row[d] = LD(vb[s * c_ss + d]); \
-                for (int g = 0; g < G; g++) { \
-                    const float p = sc[(int64_t)g * len + n * BS + s]; float* ag = acc + g * D; \
-                    for (int d = 0; d < D; d++) ag[d] += p * row[d]; \
-                } \
-            } \
-        } \
-        for (int g = 0; g < G; g++) { \
-            T* orow = out + b * o_st + (int64_t)(h * G + g) * o_sh; \
-            for (int d = 0; d < D; d++) orow[d] = ST(acc[g * D + d]); \
-        } \
-    } } \
-    free(sc); free(qf); free(acc); free(row); } \
-    return failed; \
-}
-DECODE_KERNEL(vx_decode_attention_f32, float, ld_f32, st_f32)
-DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16)
-"""
-# -fassociative-math (and what it needs) lets the dot products and sums vectorise.
-_CFLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-]  # fmt: skip
-
-_kernel_state: dict[str, object] = {}
-
-
-def set_cpu_decode_kernel(enabled: bool | None) -> None:
-    """Force the C decode kernel on (if it builds) or off; None: the environment decides."""
-    _kernel_state.clear()
-    if enabled is not None:
-        _kernel_state["forced"] = enabled
-
-
-def cpu_decode_kernel_available() -> bool:
-    """Whether decodes on CPU use the C kernel (built and loaded on first call)."""
-    return _load_kernels() is not None
-
-
-def _decode_kernel_fn(dtype: torch.dtype):
-    lib = _load_kernels()
-    if lib is None:
-        return None
-    return {
-        torch.float32: lib.vx_decode_attention_f32,
-        torch.bfloat16: lib.vx_decode_attention_bf16,
-    }.get(dtype)
-
-
-def _load_kernels() -> ctypes.CDLL | None:
-    if "lib" in _kernel_state:
-        return _kernel_state["lib"]  # type: ignore[return-value]
-    enabled = _kernel_state.get("forced")
-    if enabled is None:
-        enabled = os.environ.get("VX_CPU_ATTENTION_KERNEL", "1") != "0"
-    lib = None
-    if enabled:
-        try:
-            lib = _build_kernels()
-        except (OSError, subprocess.SubprocessError) as e:
-            logger.warning("CPU decode kernel unavailable (%s); using the torch path", e)
-    _kernel_state["lib"] = lib
-    return lib
-
-
-def _build_kernels() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        logger.warning("no C compiler found; CPU decode attention uses the torch path")
-        return None
-    with open("/proc/cpuinfo", "rb") as f:  # -march=native: one build per CPU model
-        cpu = b"".join(line for line in f if line.startswith((b"flags", b"model name")))
-    key = hashlib.sha256(_DECODE_KERNEL_SOURCE.encode() + " ".join(_CFLAGS).encode() + cpu)
-    cache = os.path.join(
-        os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
-        "kernels",
-    )
-    path = os.path.join(cache, f"decode_attention-{key.hexdigest()[:16]}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "decode_attention.c")
-            with open(src, "w") as f:
-                f.write(_DECODE_KERNEL_SOURCE)
-            so = os.path.join(tmp, "decode_attention.so")
-            subprocess.run(
-                [cc, *_CFLAGS, "-o", so, src], check=True, capture_output=True, timeout=120
-            )
-            os.replace(so, path)  # atomic: concurrent builders each publish a whole file
-        logger.info("built the CPU decode attention kernel: %s", path)
-    lib = ctypes.CDLL(path)
-    i64, i32 = ctypes.c_int64, ctypes.c_int
-    ptr = ctypes.c_void_p
-    for fn in (lib.vx_decode_attention_f32, lib.vx_decode_attention_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,
-            i32, i32, i32, i32, i32, ctypes.c_float, i32,
-        ]  # fmt: skip
-    return lib

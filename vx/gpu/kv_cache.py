@@ -12,12 +12,23 @@ so no permute copy is needed after the gather. The Triton kernels take strides a
 
 Sizing: bytes per block = 2 (K and V) x layers x kv_heads x head_dim x block_size x dtype size,
 counting this tensor-parallel rank's kv heads only.
+
+CPU kernels: a small C library over this layout (the KV write through a slot mapping, and the
+decode attention `vx.gpu.attention` uses), compiled once per machine with the system C compiler
+into ``$VX_CACHE/kernels`` (default ``~/.cache/vx/kernels``) and loaded with ctypes; without a
+compiler, or with ``VX_CPU_ATTENTION_KERNEL=0``, callers fall back to torch ops.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import math
+import os
+import shutil
+import subprocess
+import tempfile
 
 import torch
 
@@ -29,8 +40,12 @@ __all__ = [
     "KVCache",
     "allocate_kv_caches",
     "block_bytes",
+    "cpu_decode_kernel_available",
+    "decode_kernel_fn",
+    "load_cpu_kernels",
     "num_cpu_blocks",
     "num_gpu_blocks",
+    "set_cpu_decode_kernel",
 ]
 
 #: One layer's (K, V), each [num_kv_heads, num_blocks, block_size, head_dim].
@@ -104,3 +119,190 @@ def allocate_kv_caches(
     ]
     logger.debug("allocated %d layers of KV %s %s on %s", num_layers, shape, dtype, device)
     return caches
+
+
+# ───────────────────────────── CPU kernels over the cache ─────────────────────────────
+
+#: One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
+#: Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
+#: bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
+#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's).
+_DECODE_KERNEL_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <stdlib.h>
+typedef uint16_t vx_bf16;
+static inline float ld_f32(float x) { return x; }
+static inline float st_f32(float x) { return x; }
+static inline float ld_bf16(vx_bf16 x) {
+    union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f;
+}
+static inline vx_bf16 st_bf16(float f) {
+    union { uint32_t u; float f; } c; c.f = f;
+    uint32_t u = c.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (vx_bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even, as torch */
+    return (vx_bf16)(u >> 16);
+}
+#define DECODE_KERNEL(NAME, T, LD, ST) \
+int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
+         const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
+         const int32_t* bt, int64_t bt_s, const int32_t* lens, \
+         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) { \
+    const int G = Hq / Hkv; int failed = 0; \
+    _Pragma("omp parallel") { \
+    float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1)); \
+    float* qf = (float*)malloc(sizeof(float) * (size_t)G * D); \
+    float* acc = (float*)malloc(sizeof(float) * (size_t)G * D); \
+    float* row = (float*)malloc(sizeof(float) * (size_t)D); \
+    if (!sc || !qf || !acc || !row) { failed = 1; } else { \
+    _Pragma("omp for schedule(static)") \
+    for (int64_t w = 0; w < (int64_t)B * Hkv; w++) { \
+        const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b]; \
+        const int nblk = (len + BS - 1) / BS; \
+        for (int g = 0; g < G; g++) { \
+            const T* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh; \
+            for (int d = 0; d < D; d++) qf[g * D + d] = LD(qr[d]) * scale; \
+        } \
+        for (int n = 0; n < nblk; n++) { \
+            const T* kb = kc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
+            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
+            for (int s = 0; s < smax; s++) { \
+                for (int d = 0; d < D; d++) row[d] = LD(kb[s * c_ss + d]); \
+                for (int g = 0; g < G; g++) { \
+                    float dot = 0.f; const float* qg = qf + g * D; \
+                    for (int d = 0; d < D; d++) dot += qg[d] * row[d]; \
+                    sc[(int64_t)g * len + n * BS + s] = dot; \
+                } \
+            } \
+        } \
+        for (int g = 0; g < G; g++) { \
+            float* sg = sc + (int64_t)g * len; float m = sg[0], sum = 0.f; \
+            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m; \
+            for (int j = 0; j < len; j++) { sg[j] = expf(sg[j] - m); sum += sg[j]; } \
+            const float inv = 1.f / sum; \
+            for (int j = 0; j < len; j++) sg[j] *= inv; \
+        } \
+        memset(acc, 0, sizeof(float) * (size_t)G * D); \
+        for (int n = 0; n < nblk; n++) { \
+            const T* vb = vc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
+            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
+            for (int s = 0; s < smax; s++) { \
+                for (int d = 0; d < D; d++) row[d] = LD(vb[s * c_ss + d]); \
+                for (int g = 0; g < G; g++) { \
+                    const float p = sc[(int64_t)g * len + n * BS + s]; float* ag = acc + g * D; \
+                    for (int d = 0; d < D; d++) ag[d] += p * row[d]; \
+                } \
+            } \
+        } \
+        for (int g = 0; g < G; g++) { \
+            T* orow = out + b * o_st + (int64_t)(h * G + g) * o_sh; \
+            for (int d = 0; d < D; d++) orow[d] = ST(acc[g * D + d]); \
+        } \
+    } } \
+    free(sc); free(qf); free(acc); free(row); } \
+    return failed; \
+}
+/* Store new K/V rows at their slots (any dtype: byte strides; a negative slot is skipped). */
+void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64_t v_st,
+                 int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t row_bytes,
+                 const int64_t* slots, int T, int Hkv, int64_t num_slots) {
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) continue;
+        for (int h = 0; h < Hkv; h++) {
+            memcpy(kc + h * c_sh + slot * row_bytes, k + t * k_st + h * k_sh, (size_t)row_bytes);
+            memcpy(vc + h * c_sh + slot * row_bytes, v + t * v_st + h * v_sh, (size_t)row_bytes);
+        }
+    }
+}
+DECODE_KERNEL(vx_decode_attention_f32, float, ld_f32, st_f32)
+DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16)
+"""
+# -fassociative-math (and what it needs) lets the dot products and sums vectorise.
+_CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+]  # fmt: skip
+
+_kernel_state: dict[str, object] = {}
+
+
+def set_cpu_decode_kernel(enabled: bool | None) -> None:
+    """Force the C decode kernel on (if it builds) or off; None: the environment decides."""
+    _kernel_state.clear()
+    if enabled is not None:
+        _kernel_state["forced"] = enabled
+
+
+def cpu_decode_kernel_available() -> bool:
+    """Whether decodes on CPU use the C kernel (built and loaded on first call)."""
+    return load_cpu_kernels() is not None
+
+
+def decode_kernel_fn(dtype: torch.dtype):
+    lib = load_cpu_kernels()
+    if lib is None:
+        return None
+    return {
+        torch.float32: lib.vx_decode_attention_f32,
+        torch.bfloat16: lib.vx_decode_attention_bf16,
+    }.get(dtype)
+
+
+def load_cpu_kernels() -> ctypes.CDLL | None:
+    if "lib" in _kernel_state:
+        return _kernel_state["lib"]  # type: ignore[return-value]
+    enabled = _kernel_state.get("forced")
+    if enabled is None:
+        enabled = os.environ.get("VX_CPU_ATTENTION_KERNEL", "1") != "0"
+    lib = None
+    if enabled:
+        try:
+            lib = _build_kernels()
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.warning("CPU decode kernel unavailable (%s); using the torch path", e)
+    _kernel_state["lib"] = lib
+    return lib
+
+
+def _build_kernels() -> ctypes.CDLL | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        logger.warning("no C compiler found; CPU decode attention uses the torch path")
+        return None
+    with open("/proc/cpuinfo", "rb") as f:  # -march=native: one build per CPU model
+        cpu = b"".join(line for line in f if line.startswith((b"flags", b"model name")))
+    key = hashlib.sha256(_DECODE_KERNEL_SOURCE.encode() + " ".join(_CFLAGS).encode() + cpu)
+    cache = os.path.join(
+        os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
+        "kernels",
+    )
+    path = os.path.join(cache, f"decode_attention-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            src = os.path.join(tmp, "decode_attention.c")
+            with open(src, "w") as f:
+                f.write(_DECODE_KERNEL_SOURCE)
+            so = os.path.join(tmp, "decode_attention.so")
+            subprocess.run(
+                [cc, *_CFLAGS, "-o", so, src], check=True, capture_output=True, timeout=120
+            )
+            os.replace(so, path)  # atomic: concurrent builders each publish a whole file
+        logger.info("built the CPU decode attention kernel: %s", path)
+    lib = ctypes.CDLL(path)
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    ptr = ctypes.c_void_p
+    for fn in (lib.vx_decode_attention_f32, lib.vx_decode_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,
+            i32, i32, i32, i32, i32, ctypes.c_float, i32,
+        ]  # fmt: skip
+    lib.vx_write_kv.restype = None
+    lib.vx_write_kv.argtypes = [
+        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,
+    ]  # fmt: skip
+    return lib
