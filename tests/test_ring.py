@@ -7,6 +7,7 @@ entry points are module-level functions that get nothing but ring handles and pl
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
 import random
 import signal
@@ -20,11 +21,12 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from vx import ring_wait as rw
 from vx.ring import RingHandle, RingOwner, RingReader, RingWriter
 from vx.ring_wait import sweep_stale_segments
 
 PREFIX = "vxringtest"
-CTX = __import__("multiprocessing").get_context("spawn")
+CTX = multiprocessing.get_context("spawn")
 
 
 @pytest.fixture
@@ -355,11 +357,11 @@ def test_reader_kill9_breaks_a_writer_blocked_on_a_full_ring_within_1s() -> None
     w = RingWriter.create(capacity=1024, name_prefix=PREFIX)
     proc = _spawn(idle_reader, w.handle)
     try:
-        _wait_for(lambda: w._q[16 + 1] == proc.pid)  # the reader wrote its pid on attach
+        _wait_for(lambda: w._q[rw.READERS + rw.READER_PID] == proc.pid)  # written on attach
         killed_at: list[float] = []
 
         def kill_when_parked() -> None:
-            _wait_for(lambda: w._q[10] != 0)  # writer_parked
+            _wait_for(lambda: w._q[rw.WRITER_PARKED] != 0)
             killed_at.append(time.monotonic())
             os.kill(proc.pid, signal.SIGKILL)
 
@@ -476,7 +478,7 @@ def test_a_parked_reader_uses_no_cpu() -> None:
     w = RingWriter.create(capacity=4096, name_prefix=PREFIX)
     proc = _spawn(blocking_reader, w.handle)
     try:
-        _wait_for(lambda: w._q[16 + 2] != 0)  # reader 0 parked
+        _wait_for(lambda: w._q[rw.READERS + rw.READER_PARKED] != 0)
         before = _cpu_seconds(proc.pid)
         time.sleep(0.5)  # the measurement window, not synchronisation
         assert _cpu_seconds(proc.pid) - before < 0.05
