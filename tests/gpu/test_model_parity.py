@@ -16,7 +16,7 @@ import torch
 
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
-from vx.gpu.loader import load_model, resolve_dtype
+from vx.gpu.loader import iterate_weights, load_model, resolve_dtype
 from vx.gpu.models import get_model_class
 
 PROMPTS = {
@@ -130,6 +130,24 @@ def test_cpu_prepacked_bf16_equals_plain(tiny_models: dict[str, str], monkeypatc
         for r in batch:
             torch.testing.assert_close(la[r], lb[r], atol=0.05, rtol=0.02)
         batch = {r: [int(la[r].argmax())] for r in batch}
+
+
+def test_iterate_weights_reads_what_safetensors_wrote(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "d": torch.randn(2, 2).half(),
+        "e": torch.zeros(0, 4),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = dict(iterate_weights(str(tmp_path), progress=False))
+    want = load_file(str(tmp_path / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
 
 
 def test_resolve_dtype() -> None:

@@ -14,6 +14,7 @@ import glob
 import json
 import logging
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,23 +77,64 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_header(f: Any) -> tuple[dict, int]:
+    """A safetensors header: 8-byte little-endian length, then JSON; data follows it."""
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_safetensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one file in storage order, each read into fresh memory.
+
+    NOTE: plain reads rather than safetensors' mmap: pages of a mapping stay resident (and
+    count in RSS) until the whole file is closed, which would put peak memory at model plus
+    file; read() leaves them in the page cache only.
+    """
+    with open(file, "rb") as f:
+        header, base = _read_header(f)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
+            buf = t.view(-1).view(torch.uint8).numpy()
+            if buf.nbytes != end - begin:
+                raise ValueError(f"{file}: {name} has {end - begin} bytes, expected {buf.nbytes}")
+            f.seek(base + begin)
+            if f.readinto(buf) != buf.nbytes:
+                raise ValueError(f"{file}: truncated at {name}")
+            yield name, t
+
+
 def iterate_weights(path: str, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, CPU tensor) for every tensor of every safetensors file, one at a time."""
-    from safetensors import safe_open
     from tqdm import tqdm
 
     files = _safetensors_files(path)
     total = 0
     for file in files:  # headers only: cheap
-        with safe_open(file, framework="pt") as f:
-            total += len(f.keys())
+        with open(file, "rb") as f:
+            total += len(_read_header(f)[0])
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
     try:
         for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-                    bar.update(1)
+            for item in _read_safetensors(file):
+                yield item
+                bar.update(1)
     finally:
         bar.close()
 
