@@ -99,4 +99,5 @@ class PagedDriver:
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """One tiny random model dir per architecture, built once per session."""
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: make_tiny_model(root, arch) for arch in ("llama", "qwen2", "mistral")}
+    archs = ("llama", "qwen2", "mistral")
+    return {arch: make_tiny_model(root, arch, seed=i) for i, arch in enumerate(archs)}

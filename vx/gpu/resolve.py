@@ -71,7 +71,7 @@ def resolve_model(model: str, *, cache_dir: str | None = None) -> str:
         return _convert_cached(path, cache, _file_key(path))
     if model.endswith(".gguf") or model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
         raise FileNotFoundError(f"model {model!r}: no such file or directory; {_LOCAL_OPTIONS}")
-    return _resolve_hub(model)
+    return _resolve_hub(model, cache)
 
 
 # ───────────────────────────── local directories ─────────────────────────────
@@ -220,7 +220,7 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def _resolve_hub(repo_id: str) -> str:
+def _resolve_hub(repo_id: str, cache: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
@@ -237,4 +237,4 @@ def _resolve_hub(repo_id: str) -> str:
             f"model {repo_id!r} is not a local path and could not be fetched from the Hugging "
             f"Face hub ({why}). {_LOCAL_OPTIONS}."
         ) from e
-    return _resolve_dir(path, default_cache_dir())
+    return _resolve_dir(path, cache)

@@ -16,7 +16,6 @@ loop runs per request, and nothing reads a tensor value back to the host.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,8 +34,6 @@ from vx.gpu.layers import (
     default_weight_loader,
     silu_and_mul,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
 
