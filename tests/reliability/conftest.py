@@ -24,7 +24,10 @@ SIZES: dict[str, dict[str, dict[str, float]]] = {
     "G7": {"ci": {"streams": 8}, "stress": {"streams": 32}},
     "G8": {"ci": {"slow": 4, "healthy": 4}, "stress": {"slow": 16, "healthy": 16}},
     "G9": {"ci": {"poison": 12, "healthy": 8}, "stress": {"poison": 100, "healthy": 32}},
-    "G11": {"ci": {"messages": 20_000, "kills": 8}, "stress": {"messages": 1_000_000, "kills": 200}},
+    "G11": {
+        "ci": {"messages": 20_000, "kills": 8},
+        "stress": {"messages": 1_000_000, "kills": 200},
+    },
     "G12": {"ci": {"term": 2, "kill": 1}, "stress": {"term": 20, "kill": 5}},
 }
 
