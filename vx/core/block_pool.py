@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-__all__ = ["BlockPool", "BlockPoolStatistics", "FreeKVCacheBlockQueue", "KVCacheBlock"]
+__all__ = [
+    "BlockPool",
+    "BlockPoolStatistics",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "group_block_states",
+]
 
 
 class KVCacheBlock:
@@ -230,6 +236,14 @@ class BlockPool:
             usage=self.get_usage(),
         )
 
+    def block_states(self) -> bytes:
+        """One byte per block, by block id: b"u" in use, b"c" free but still holding a prefix
+        (evictable), b"." free. Read-only, O(num_blocks) (about 35 ns a block): the dashboard's
+        block map, fetched only while someone watches it."""
+        return bytes(
+            [117 if b.ref_cnt else 46 if b.block_hash is None else 99 for b in self.blocks]
+        )
+
     def check_invariants(self) -> list[str]:
         """Walk every structure (O(num_blocks)); return the problems found, [] when sound."""
         problems: list[str] = []
@@ -270,3 +284,25 @@ class BlockPool:
                 f"{num_cached_free} cached free blocks, counter says {self.num_cached_free_blocks}"
             )
         return problems
+
+
+def group_block_states(states: bytes, max_cells: int) -> tuple[int, str]:
+    """Fold `BlockPool.block_states()` into at most `max_cells` cells for a map view.
+
+    Returns (group_size, cells). With group_size 1, cells is the states as text, one character
+    per block. Otherwise each cell covers group_size consecutive blocks (the last one may cover
+    fewer) and is two hex digits: the cell's in-use share, then its cached-free share, in 15ths,
+    rounded up so that a single block never reads as none.
+    """
+    n = len(states)
+    if max_cells < 1 or n <= max_cells:
+        return 1, states.decode("ascii")
+    group_size = -(-n // max_cells)
+    digits = "0123456789abcdef"
+    parts = []
+    for start in range(0, n, group_size):
+        chunk = states[start : start + group_size]
+        size = len(chunk)
+        parts.append(digits[-(-15 * chunk.count(117) // size)])
+        parts.append(digits[-(-15 * chunk.count(99) // size)])
+    return group_size, "".join(parts)

@@ -27,6 +27,7 @@ import msgspec
 
 from vx import codec, messages
 from vx.config import EngineConfig
+from vx.core.block_pool import group_block_states
 from vx.core.executor import WorkerGroup
 from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
@@ -124,6 +125,20 @@ class EngineCore:
                 result["idle"] = idle
             elif msg.method == "get_stats":
                 result = msgspec.structs.asdict(self.scheduler.make_stats())
+            elif msg.method == "kv_block_map":
+                # The dashboard's pool view (vx/http/dashboard.py), polled only while watched.
+                t0 = time.perf_counter()
+                pool = self.scheduler.kv_cache_manager.block_pool
+                max_cells = msg.args.get("max_cells", 4096)
+                group_size, cells = group_block_states(
+                    pool.block_states(), max_cells if isinstance(max_cells, int) else 4096
+                )
+                result = {
+                    "num_blocks": pool.num_blocks,
+                    "group_size": group_size,
+                    "cells": cells,
+                    "cost_s": time.perf_counter() - t0,
+                }
             else:
                 return messages.UtilityResult(
                     call_id=msg.call_id, error=f"unknown method {msg.method!r}"

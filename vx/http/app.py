@@ -24,6 +24,7 @@ from starlette.types import ASGIApp
 
 import vx
 from vx.http import chat, completions
+from vx.http.dashboard import EngineEvents, StatsLogger, UIMiddleware, make_lifespan
 from vx.http.engine_client import EngineClient
 from vx.http.errors import APIError, error_response
 from vx.http.generation import ServerContext
@@ -231,6 +232,7 @@ def openapi_document() -> dict[str, Any]:
             "/version": get("Server version"),
             "/metrics": get("Prometheus metrics", "text/plain"),
             "/openapi.json": get("This document"),
+            "/v1/engine/events": get("Dashboard feed: engine snapshots", "text/event-stream"),
         },
         "components": {"schemas": components},
     }
@@ -304,6 +306,7 @@ def build_app(
         stall_timeout_s=stall_timeout_s,
     )
     ep = Endpoints(ctx, time.time())
+    events = EngineEvents(engine_client, metrics, model_name=names[0])
     routes = [
         Route("/v1/completions", ep.completions, methods=["POST"]),
         Route("/v1/chat/completions", ep.chat_completions, methods=["POST"]),
@@ -315,9 +318,12 @@ def build_app(
         Route("/detokenize", ep.detokenize, methods=["POST"]),
         Route("/metrics", ep.metrics, methods=["GET"]),
         Route("/openapi.json", ep.openapi, methods=["GET"]),
+        Route("/v1/engine/events", events.stream, methods=["GET"]),
         Route("/", ep.root, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=_error_handlers())
+    # The lifespan runs the dashboard's block-map poller and the periodic progress line.
+    lifespan = make_lifespan(events.poll_block_maps, StatsLogger(engine_client, metrics).run)
+    app = Starlette(routes=routes, exception_handlers=_error_handlers(), lifespan=lifespan)
     app.state.vx = ctx
 
     def on_reject(path: str, status: int) -> None:
@@ -343,6 +349,8 @@ def build_app(
                 },
             )
         )
+    # The static pages (chat, dashboard) are public; their API calls carry the key.
+    layers.append((UIMiddleware, {}))
     if api_keys:
         layers.append((AuthMiddleware, {"api_keys": api_keys, "on_reject": on_reject}))
     layers.append((BodyLimitMiddleware, {"max_body_bytes": max_body_bytes, "on_reject": on_reject}))
