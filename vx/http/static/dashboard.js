@@ -4,6 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const HISTORY = 300; // samples kept per series (30 s at 10 Hz)
+const STEP_BARS = 120; // sampled steps in the composition chart (12 s)
 const COLORS = {
   used: "#7c6cff", cached: "#2dd4bf", free: "#1d2535",
   prefill: "#f5a524", decode: "#7c6cff", grid: "#222b3d", text: "#5d6679",
@@ -169,7 +170,8 @@ function onSnapshot(s) {
   $("step-prefill").textContent = prefill;
   $("step-decode").textContent = decode;
   $("step-budget").textContent = budget;
-  $("step-detail").textContent = a.idle ? "idle" : `${fmt((100 * (prefill + decode)) / Math.max(budget, 1))}% of budget`;
+  const share = (100 * (prefill + decode)) / Math.max(budget, 1);
+  $("step-detail").textContent = a.idle ? "idle" : `${share > 0 && share < 0.1 ? "<0.1" : fmt(share)}% of budget`;
 
   push("tput", tput);
   push("step", a.idle ? null : 1000 * a.stepS);
@@ -359,20 +361,24 @@ function sparkline(canvas, lines, { max = null, unit = "" } = {}) {
 // Stacked bars: prefill under decode tokens per sampled step, scaled to the window's largest.
 function stepsChart(canvas) {
   const { ctx, w, h } = setup(canvas);
-  const n = series.prefill.length;
+  const prefill = series.prefill.slice(-STEP_BARS);
+  const decode = series.decode.slice(-STEP_BARS);
+  const n = prefill.length;
   let top = 8;
-  for (let i = 0; i < n; i++) top = Math.max(top, series.prefill[i] + series.decode[i]);
+  for (let i = 0; i < n; i++) top = Math.max(top, prefill[i] + decode[i]);
   top *= 1.1;
-  const bw = w / HISTORY;
-  const off = HISTORY - n;
+  const bw = w / STEP_BARS;
+  const off = STEP_BARS - n;
+  ctx.fillStyle = COLORS.grid;
+  ctx.fillRect(0, h - 1, w, 1);
   for (let i = 0; i < n; i++) {
-    const hp = ((h - 14) * series.prefill[i]) / top;
-    const hd = ((h - 14) * series.decode[i]) / top;
+    const hp = ((h - 14) * prefill[i]) / top;
+    const hd = ((h - 14) * decode[i]) / top;
     const x = (i + off) * bw;
     ctx.fillStyle = COLORS.prefill;
-    ctx.fillRect(x, h - hp, Math.max(bw - 0.5, 1), hp);
+    ctx.fillRect(x, h - hp, Math.max(bw - 1, 1), hp);
     ctx.fillStyle = COLORS.decode;
-    ctx.fillRect(x, h - hp - hd, Math.max(bw - 0.5, 1), hd);
+    ctx.fillRect(x, h - hp - hd, Math.max(bw - 1, 1), hd);
   }
   ctx.fillStyle = COLORS.text;
   ctx.font = "10px ui-monospace, monospace";
