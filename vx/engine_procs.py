@@ -25,6 +25,7 @@ import msgspec
 
 from vx.config import EngineConfig
 from vx.ring import RingOwner, RingReader, RingWriter
+from vx.ring_wait import sweep_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class EngineProcesses:
         from vx.core.engine_core import run_engine_core
         from vx.gpu.worker import run_worker
 
+        removed = sweep_stale_segments("vx")
+        if removed:
+            logger.warning("removed %d shm segments left by dead vx processes", len(removed))
         ctx = multiprocessing.get_context("spawn")
         cfg = self.config.encode()
         tp = self.config.parallel.tensor_parallel_size
