@@ -9,11 +9,16 @@ default, so every server sees the same lengths whatever its tokenizer's whims.
 Reports request and token throughput and p50/p90/p99 of TTFT (time to the first streamed
 choice), ITL (gap between streamed chunks, as vLLM's bench measures it), TPOT ((e2e - ttft) /
 (output tokens - 1)) and end-to-end latency, as a table and, with `--json FILE`, as JSON.
+
+`--concurrency 1,8,32` runs one benchmark per level, in order, and adds a comparison table;
+`--plot FILE.png` draws the TTFT and ITL distributions and throughput against concurrency
+(`vx.bench_plot`), from this run or, with `--from-json`, from earlier runs' JSON files.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -191,6 +196,8 @@ def summarize(
     tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     errors = sorted({r.error for r in results if not r.ok})
     ms = 1000.0
+    ttft = [r.ttft_s * ms for r in ok]
+    itl = [x * ms for r in ok for x in r.itl_s]
     return {
         "base_url": args.base_url,
         "model": args.model,
@@ -211,7 +218,54 @@ def summarize(
         "itl_ms": {k: v * ms for k, v in _percentiles([x for r in ok for x in r.itl_s]).items()},
         "tpot_ms": {k: v * ms for k, v in _percentiles(tpot).items()},
         "e2e_ms": {k: v * ms for k, v in _percentiles([r.e2e_s for r in ok]).items()},
+        # Quantiles of the raw latencies (ms), enough to redraw their distributions later.
+        "samples": {"ttft_ms": _quantile_sample(ttft), "itl_ms": _quantile_sample(itl)},
     }
+
+
+def _quantile_sample(values: list[float], k: int = 1000) -> list[float]:
+    """At most `k` evenly spaced order statistics of `values`: the same distribution, smaller."""
+    ordered = sorted(values)
+    if len(ordered) > k:
+        ordered = [ordered[round(i * (len(ordered) - 1) / (k - 1))] for i in range(k)]
+    return [round(v, 3) for v in ordered]
+
+
+def format_comparison(runs: list[dict[str, Any]]) -> str:
+    """One line per run: the figures that move with concurrency."""
+    lines = [
+        f"{'concurrency':>11}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}  (ms)"
+    ]
+    for s in runs:
+        lines.append(
+            f"{s['concurrency']:>11}{s['request_throughput']:>9.2f}{s['output_throughput']:>11.1f}"
+            f"{s['ttft_ms']['p50']:>10.1f}{s['ttft_ms']['p99']:>10.1f}{s['itl_ms']['p50']:>9.2f}"
+            f"{s['itl_ms']['p99']:>9.2f}{s['tpot_ms']['p50']:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def load_runs(path: str) -> list[dict[str, Any]]:
+    """The runs in a `--json` file: one run (a dict) or several (a list)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, list) else [data]
+
+
+class _ConcurrencyLevels(argparse.Action):
+    """`--concurrency 8` or `--concurrency 1,8,32`: `concurrency` gets the first level (what
+    `run` uses) and `concurrency_levels` all of them."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        try:
+            levels = [int(v) for v in str(values).split(",") if v.strip()]
+        except ValueError:
+            parser.error(f"--concurrency: expected integers like 8 or 1,8,32, got {values!r}")
+        if not levels:
+            parser.error("--concurrency: no level given")
+        namespace.concurrency = levels[0]
+        namespace.concurrency_levels = levels
 
 
 def format_table(s: dict[str, Any]) -> str:
@@ -247,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", action=_ConcurrencyLevels, default=8,
+                   help="clients in flight; several levels run in turn: 1,8,32")  # fmt: skip
+    p.set_defaults(concurrency_levels=None)
     p.add_argument("--num-prompts", type=int, default=None, help="default: 4 x concurrency")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -260,27 +316,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TTFT/ITL distributions and throughput vs concurrency")  # fmt: skip
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="no load: report (and --plot) the runs saved in these --json files")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_prompts is None:
-        args.num_prompts = 4 * args.concurrency
-    if min(args.concurrency, args.num_prompts, args.input_len, args.output_len) < 1:
-        sys.stderr.write("concurrency, num-prompts, input-len and output-len must be positive\n")
-        return 2
-    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
-    try:
-        summary = anyio.run(run, args)
-    except (httpx.HTTPError, RuntimeError, KeyError) as e:
-        sys.stderr.write(f"vx bench serve: {type(e).__name__}: {e}\n")
-        return 1
-    sys.stdout.write(format_table(summary) + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0 if summary["failed"] == 0 else 1
+    levels = args.concurrency_levels or [args.concurrency]
+    if args.from_json:
+        try:
+            runs = [run for path in args.from_json for run in load_runs(path)]
+        except (OSError, ValueError) as e:
+            sys.stderr.write(f"vx bench serve: {e}\n")
+            return 2
+    else:
+        runs = []
+        num_prompts = 1 if args.num_prompts is None else args.num_prompts
+        if min(*levels, num_prompts, args.input_len, args.output_len) < 1:
+            sys.stderr.write(
+                "concurrency, num-prompts, input-len and output-len must be positive\n"
+            )
+            return 2
+        args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+        for level in levels:
+            level_args = copy.copy(args)
+            level_args.concurrency = level
+            level_args.num_prompts = args.num_prompts or 4 * level
+            try:
+                summary = anyio.run(run, level_args)
+            except (httpx.HTTPError, RuntimeError, KeyError) as e:
+                sys.stderr.write(f"vx bench serve: {type(e).__name__}: {e}\n")
+                return 1
+            args.model = summary["model"]  # the later levels skip the discovery
+            sys.stdout.write(format_table(summary) + "\n")
+            runs.append(summary)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(runs[0] if len(runs) == 1 else runs, f, indent=1)
+    if len(runs) > 1:
+        sys.stdout.write(format_comparison(runs) + "\n")
+    if args.plot:
+        from vx.bench_plot import plot_runs
+
+        plot_runs(runs, args.plot)
+        sys.stdout.write(f"plot written to {args.plot}\n")
+    return 0 if all(s["failed"] == 0 for s in runs) else 1
 
 
 if __name__ == "__main__":
