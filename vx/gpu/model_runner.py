@@ -380,6 +380,10 @@ class ModelRunner:
             vocab_size=self._model.vocab_size,
             device=self.device,
         )
+        if md.is_argmax_only and logits.device.type == "cpu":
+            # NOTE: numpy's argmax over [64, 49152] fp32 takes ~0.6 ms on one thread where
+            # torch's takes ~7 ms (torch 2.13 CPU); both return the first maximum.
+            return np.argmax(logits.numpy(), axis=-1), None
         out = self.sampler(logits, md)
         sampled = out.sampled_token_ids.cpu().numpy()
         if out.logprobs is None:
