@@ -256,6 +256,10 @@ SMOLLM2_CHATS = [
     "Write a haiku about autumn leaves.",
 ]
 NEW_TOKENS = 64
+# The SmolLM2 tests take about 10 s each on an idle 2-core machine and several times that
+# when the cores are shared, so they get their own timeout; the download and conversion (once
+# per cache) add about 20 s to the first.
+SMOLLM2_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +294,9 @@ def hf_argmax_along(hf: torch.nn.Module, prompt: list[int], continuation: list[i
     return hf(torch.tensor([seq])).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.timeout(SMOLLM2_TIMEOUT_S)
 def test_smollm2_greedy_matches_hf_fp32(smollm2, smollm2_prompts) -> None:
     model = load_model(smollm2, dtype=torch.float32, progress=False)
     ours = PagedDriver(model, num_blocks=128).greedy(smollm2_prompts, NEW_TOKENS)
@@ -299,6 +306,9 @@ def test_smollm2_greedy_matches_hf_fp32(smollm2, smollm2_prompts) -> None:
         assert hf_argmax_along(hf, prompt, ours[req_id]) == ours[req_id], req_id
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.timeout(SMOLLM2_TIMEOUT_S)
 def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts) -> None:
     """vx bf16 vs HF bf16, teacher-forced on vx's own bf16 greedy continuation (512 positions),
     through three paths: one request per step (HF's shapes), 8 prefills in one flat step, and
