@@ -294,7 +294,6 @@ def hf_argmax_along(hf: torch.nn.Module, prompt: list[int], continuation: list[i
     return hf(torch.tensor([seq])).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.slow
 @pytest.mark.timeout(SMOLLM2_TIMEOUT_S)
 def test_smollm2_greedy_matches_hf_fp32(smollm2, smollm2_prompts) -> None:
@@ -306,7 +305,6 @@ def test_smollm2_greedy_matches_hf_fp32(smollm2, smollm2_prompts) -> None:
         assert hf_argmax_along(hf, prompt, ours[req_id]) == ours[req_id], req_id
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.slow
 @pytest.mark.timeout(SMOLLM2_TIMEOUT_S)
 def test_smollm2_bf16_top1_agreement(smollm2, smollm2_prompts) -> None:
