@@ -19,7 +19,7 @@ from tests.reliability.harness import Served, poll, settled
 SIZES: dict[str, dict[str, dict[str, float]]] = {
     "G1": {"ci": {"streams": 16, "seconds": 10}, "stress": {"streams": 64, "seconds": 60}},
     "G2": {"ci": {"streams": 48, "plain": 12}, "stress": {"streams": 200, "plain": 50}},
-    "G3": {"ci": {"fuzz": 700, "valid_streams": 4}, "stress": {"fuzz": 5000, "valid_streams": 32}},
+    "G3": {"ci": {"fuzz": 960, "valid_streams": 4}, "stress": {"fuzz": 5000, "valid_streams": 32}},
     "G4": {"ci": {"streams": 16}, "stress": {"streams": 32}},
     "G7": {"ci": {"streams": 8}, "stress": {"streams": 32}},
     "G8": {"ci": {"slow": 4, "healthy": 4}, "stress": {"slow": 16, "healthy": 16}},

@@ -23,6 +23,7 @@ from vx.http.protocol import (
     CompletionMessage,
     build_sampling_params,
     check_prompt_ids,
+    check_stream_options,
     fan_out,
     parse_body,
 )
@@ -180,6 +181,7 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    check_stream_options(req)
     tok = ctx.tokenizer
     text = render_chat(
         tok,
@@ -198,10 +200,17 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
     max_tokens = check_length(ctx, len(ids), requested, param)
     top = req.top_logprobs or 0
-    params = build_sampling_params(
-        req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
-        vocab_size=tok.vocab_size,
-    )  # fmt: skip
+    try:
+        params = build_sampling_params(
+            req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
+            vocab_size=tok.vocab_size,
+        )  # fmt: skip
+    except APIError as e:  # name the field the client sent, not the engine's
+        if e.param == "logprobs":
+            e.param = "top_logprobs"
+        elif e.param == "max_tokens" and req.max_completion_tokens is not None:
+            e.param = "max_completion_tokens"
+        raise
     response_id = new_request_id("chatcmpl")
     choices = [
         Choice(i, f"{response_id}-{i}", ids, p, TextState(tok, ids, p, tok.eos_token_ids))

@@ -23,6 +23,7 @@ from vx.http.protocol import (
     build_sampling_params,
     check_num_choices,
     check_prompt_ids,
+    check_stream_options,
     completion_prompts,
     fan_out,
     parse_body,
@@ -158,6 +159,7 @@ async def build_completion(ctx: ServerContext, req: CompletionRequest) -> Comple
     ctx.check_available()
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
+    check_stream_options(req)
     tok = ctx.tokenizer
     prompts: list[tuple[list[int], str | None]] = []
     raw_prompts = completion_prompts(req.prompt)

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: Routes answered without an API key (deny by default; see reliability.md §1.5).
 PUBLIC_PATHS = frozenset({"/health", "/"})
+#: Request headers (names + values) over this many bytes get 431 (CVE-2025-48956's class).
+MAX_HEADER_BYTES = 64 * 1024
 
 
 #: Called with (path, status) when a middleware refuses a request itself.
@@ -122,7 +124,16 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
+        headers = scope.get("headers", ())
+        if sum(len(name) + len(value) for name, value in headers) > MAX_HEADER_BYTES:
+            if self._on_reject is not None:
+                self._on_reject(scope["path"], 431)
+            await _send_error(
+                send,
+                APIError(431, f"The request headers are larger than {MAX_HEADER_BYTES} bytes."),
+            )
+            return
+        for name, value in headers:
             if name == b"content-length":
                 try:
                     declared = int(value)

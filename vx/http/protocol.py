@@ -136,6 +136,14 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def check_stream_options(req: Any) -> None:
+    """As OpenAI (and vLLM): stream_options only with stream=true."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
 def build_sampling_params(
     req: _SamplingFields,
     *,

@@ -85,6 +85,9 @@ def hypercorn_config(
     config.accesslog = None
     config.graceful_timeout = graceful_timeout_s
     config.backlog = 2048
+    # h11 refuses a header block over this by closing the connection (a reset for a client
+    # still sending): keep it well above MAX_HEADER_BYTES so vx answers 431 in the envelope.
+    config.h11_max_incomplete_size = 1024 * 1024
     if ssl_certfile or ssl_keyfile:
         if not (ssl_certfile and ssl_keyfile):
             raise ValueError("TLS needs both ssl_certfile and ssl_keyfile")
