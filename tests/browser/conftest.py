@@ -76,13 +76,17 @@ def artifacts() -> pathlib.Path:
     return ARTIFACTS
 
 
+API_KEY = "sk-browser"
+
+
 @pytest.fixture(scope="module")
 def tiny_server(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VxServer]:
-    """`vx serve` on a tiny random model whose context (8192) lets a reply run for seconds."""
+    """`vx serve --api-key` on a tiny random model whose context (8192) lets a reply run for
+    seconds. One server for the whole module: its start-up is most of the module's time."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=8192)
     with VxServer(
         model, "--served-model-name", "tiny", "--dtype", "float32",
-        "--num-gpu-blocks-override", "2048",
+        "--num-gpu-blocks-override", "2048", "--api-key", API_KEY,
     ) as srv:  # fmt: skip
         yield srv
 
@@ -92,8 +96,24 @@ class PageErrors(list[str]):
 
 
 @pytest.fixture
+def bare_context(browser: Any) -> Iterator[Any]:
+    """A fresh browser profile: nothing in local storage (no API key yet)."""
+    yield from _context(browser, with_key=False)
+
+
+@pytest.fixture
 def context(browser: Any) -> Iterator[Any]:
+    """A browser profile whose local storage already holds the server's API key."""
+    yield from _context(browser, with_key=True)
+
+
+def _context(browser: Any, *, with_key: bool) -> Iterator[Any]:
     ctx = browser.new_context(viewport={"width": 1360, "height": 860})
+    if with_key:
+        # Runs in every document, about:blank included (no storage there: hence the check).
+        ctx.add_init_script(
+            f"if (location.protocol.startsWith('http')) localStorage.setItem('vx.apiKey', '{API_KEY}')"
+        )
     errors = PageErrors()
     ctx.on("page", lambda page: page.on("pageerror", lambda e: errors.append(str(e))))
     ctx.errors = errors

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.browser.conftest import API_KEY
 from tests.e2e.server import VxServer
 
 # Generous timeout: the first test of a session may install chromium (see conftest.py).
@@ -23,7 +24,8 @@ WAIT_MS = 20_000
 
 
 def aborted_total(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    text = httpx.get(url + "/metrics", headers=auth, timeout=5).text
     m = re.search(r'^vx:request_aborted_total\{cause="client_disconnect".*\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -103,3 +105,25 @@ def test_stop_aborts_and_the_dashboard_follows(
     chat.screenshot(path=str(artifacts / "chat-stopped.png"))
     # The dashboard's feed must not hold the server's shutdown: close it before the server.
     dash.close()
+
+
+def test_api_key_typed_into_the_page(bare_context: Any, tiny_server: VxServer) -> None:
+    url = tiny_server.url
+    page = bare_context.new_page()
+    page.goto(url + "/")  # the page itself is public; the API is not
+    page.wait_for_function("document.getElementById('health-text').textContent.includes('key')")
+    page.fill("#api-key", API_KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_function("document.getElementById('model').textContent === 'tiny'")
+    page.fill("#max_tokens", "8")
+    page.check("#ignore_eos")
+    send(page, "hello")
+    done = page.wait_for_selector(".msg.assistant[data-state=done]", timeout=WAIT_MS)
+    assert done.get_attribute("data-finish") == "length"
+    # The dashboard reads the key the chat page stored, and its feed then goes live.
+    dash = bare_context.new_page()
+    dash.goto(url + "/dashboard")
+    dash.wait_for_function("document.getElementById('conn-text').textContent === 'live'")
+    dash.wait_for_selector("#kpi-running[data-value='0']", timeout=WAIT_MS)
+    dash.close()
+    assert httpx.get(url + "/v1/engine/events", timeout=5).status_code == 401

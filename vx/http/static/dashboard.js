@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 const HISTORY = 300; // samples kept per series (30 s at 10 Hz)
 const STEP_BARS = 120; // sampled steps in the composition chart (12 s)
 const COLORS = {
-  used: "#7c6cff", cached: "#2dd4bf", free: "#1d2535",
+  used: "#7c6cff", cached: "#2dd4bf", free: "#222c3f",
   prefill: "#f5a524", decode: "#7c6cff", grid: "#222b3d", text: "#5d6679",
   blue: "#60a5fa", violet: "#a78bfa", amber: "#f5a524", cyan: "#2dd4bf",
 };
