@@ -133,6 +133,7 @@ def run_schemathesis(url: str, per_operation: int, result: dict[str, object]) ->
     statuses: collections.Counter[int] = collections.Counter()
     failures: list[str] = []
     bodies: set[str] = set()
+
     def make_fuzz(op):  # type: ignore[no-untyped-def]
         strategy = op.as_strategy(generation_mode=GenerationMode.NEGATIVE)
 
