@@ -107,6 +107,11 @@ def test_input_batch_preempt_and_resume():
 
 
 def test_input_batch_limits():
+    full = InputBatch(max_num_reqs=1, max_model_len=4, max_num_blocks_per_req=1)
+    full.add(_new("f", [1, 2, 3, 4], [0]))
+    full.append_tokens(np.array([0]), np.array([5]))  # the token sampled at the last position
+    full.append_tokens(np.array([0]), np.array([6]))  # one async step too far: dropped
+    assert full.token_ids[0, :5].tolist() == [1, 2, 3, 4, 5] and full.num_tokens[0] == 5
     b = InputBatch(max_num_reqs=1, max_model_len=8, max_num_blocks_per_req=1)
     with pytest.raises(ValueError, match="max_model_len"):
         b.add(_new("x", list(range(9)), [0]))

@@ -168,12 +168,18 @@ class InputBatch:
     # ───────────────────────── after a step ─────────────────────────
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each of `rows` (vectorised)."""
+        """Append one sampled token to each of `rows` (vectorised).
+
+        A row already holding max_model_len + 1 tokens keeps its tokens: with async scheduling
+        the engine may run one step past a request's length limit before it stops it, and
+        that extra token is never used.
+        """
         if rows.size == 0:
             return
         cols = self.num_tokens[rows]
-        if np.any(cols > self.max_model_len):
-            raise ValueError("a request sampled past max_model_len")
+        room = cols <= self.max_model_len
+        if not room.all():
+            rows, cols, token_ids = rows[room], cols[room], np.asarray(token_ids)[room]
         self.token_ids[rows, cols] = token_ids
         self.num_tokens[rows] = cols + 1
 
