@@ -15,7 +15,7 @@ from tests.http.conftest import running_app
 from tests.http.test_http_disconnect import served
 from vx import messages
 from vx.errors import EngineDeadError
-from vx.http.dashboard import EngineEvents, StatsLogger, front_counters
+from vx.http.dashboard import EngineEvents, StatsLogger, front_counters, make_lifespan
 from vx.http.metrics import Metrics
 from vx.http.tokenizer import Tokenizer
 
@@ -191,3 +191,19 @@ async def test_stats_logger_logs_while_busy(caplog: pytest.LogCaptureFixture) ->
                 await anyio.sleep(0.01)
         tg.cancel_scope.cancel()
     assert "running 1" in caplog.records[0].getMessage()
+
+
+async def test_lifespan_task_failure_is_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    ran = anyio.Event()
+
+    async def broken() -> None:
+        raise KeyError("boom")
+
+    async def steady() -> None:
+        ran.set()
+        await anyio.sleep_forever()
+
+    async with make_lifespan(broken, steady)(None):
+        with anyio.fail_after(5):
+            await ran.wait()
+    assert "background task" in caplog.text and "boom" in caplog.text

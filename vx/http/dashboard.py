@@ -298,7 +298,16 @@ class StatsLogger:
 def make_lifespan(
     *tasks: Callable[[], Awaitable[None]],
 ) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
-    """A starlette lifespan running `tasks` in one task group while the app serves."""
+    """A starlette lifespan running `tasks` in one task group while the app serves.
+
+    A task that fails is logged and dropped: a dashboard or log line never stops the server.
+    """
+
+    async def guarded(task: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await task()
+        except Exception:
+            logger.exception("background task %s failed", getattr(task, "__qualname__", task))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -306,7 +315,7 @@ def make_lifespan(
         # same server task), not of an iterator, so no cancellation can leak into a consumer.
         async with anyio.create_task_group() as tg:
             for task in tasks:
-                tg.start_soon(task)
+                tg.start_soon(guarded, task)
             yield
             tg.cancel_scope.cancel()
 
