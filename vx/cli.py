@@ -17,7 +17,6 @@ from vx.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    default_max_num_batched_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,9 +46,10 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="concurrent sequences per step (default: 1024 on cuda, 256 on cpu)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: 8192 for the server)")
+                   help="token budget per step (default: 8192; 16384 on cuda devices of 160+ GiB)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")
@@ -60,6 +60,7 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on cuda")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", action="append", default=[], help="repeatable")
     p.add_argument("--ssl-keyfile", default=None)
@@ -81,7 +82,14 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
-    budget = args.max_num_batched_tokens or default_max_num_batched_tokens(None, offline=offline)
+    from vx.gpu.device import resolve_scheduler_defaults  # no torch import
+
+    max_num_seqs, budget = resolve_scheduler_defaults(
+        args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        offline=offline,
+    )
     config = EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -97,7 +105,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             num_blocks_override=args.num_blocks,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             async_scheduling=args.async_scheduling,
         ),
@@ -109,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         profile_steps=args.profile_steps,
         step_timeout_s=args.step_timeout,
         num_threads=args.num_threads,
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
     config.validate()
     return config

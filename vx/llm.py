@@ -25,7 +25,6 @@ from vx.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    default_max_num_batched_tokens,
 )
 from vx.engine_procs import EngineProcesses, resolve_engine_config
 from vx.errors import EngineDeadError, EngineStartupError
@@ -77,7 +76,7 @@ class LLM:
         *,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         kv_cache_memory: int | None = None,
         num_blocks: int | None = None,
@@ -88,8 +87,16 @@ class LLM:
         num_threads: int | None = None,
         seed: int = 0,
         device: str = "cpu",
+        enforce_eager: bool = False,
     ) -> None:
-        budget = max_num_batched_tokens or default_max_num_batched_tokens(None, offline=True)
+        from vx.gpu.device import resolve_scheduler_defaults  # no torch import
+
+        max_num_seqs, budget = resolve_scheduler_defaults(
+            device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            offline=True,
+        )
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(
@@ -107,6 +114,7 @@ class LLM:
             ),
             device=device,
             num_threads=num_threads,
+            enforce_eager=enforce_eager,
         )
         self.config = resolve_engine_config(config)
         from transformers import AutoTokenizer
