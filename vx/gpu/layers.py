@@ -94,6 +94,29 @@ def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _triton_ops(x: torch.Tensor):
+    """`vx.gpu.triton_attention` when `x` is on a CUDA device and triton is there, else None:
+    RMSNorm and rotary then run as its fused kernels (same rounding as the torch code)."""
+    if not x.is_cuda:
+        return None
+    from vx.gpu import triton_attention
+
+    return triton_attention if triton_attention.HAS_TRITON else None
+
+
+_ROW_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def _row_index(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n) on `device`, cached (never grown inside a CUDA graph capture)."""
+    idx = _ROW_INDEX.get(device)
+    if idx is None or idx.shape[0] < n:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, device=device)
+        idx = _ROW_INDEX[device] = torch.arange(max(n, 8192), device=device)
+    return idx[:n]
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
@@ -386,6 +409,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = _triton_ops(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if residual is None or residual.stride(-1) == 1:
+                return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -465,6 +492,16 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, head_dim] -> rotated copy. The same elementwise ops as HF's rotate_half form:
-    HF's x*cos + cat(-x2, x1)*sin has first half x1*c + (-x2)*s, bit for bit x1*c - x2*s."""
+    HF's x*cos + cat(-x2, x1)*sin has first half x1*c + (-x2)*s, bit for bit x1*c - x2*s.
+
+    On CUDA the Triton kernel rotates `x` IN PLACE (same rounding) and returns it.
+    """
+    ops = _triton_ops(x)
+    if ops is not None and x.stride(-1) == 1 and x.shape[0]:
+        t, h = x.shape[0], x.shape[1]
+        c, s = cos.reshape(t, -1), sin.reshape(t, -1)
+        # The kernel indexes cos/sin by position; these are already looked up: row i is i.
+        ops.rotary_embedding(_row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s)
+        return x
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -102,6 +102,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
+        self.cuda_graphs = None
         #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise.
         self._poison_seed = poison_seed("worker")
 
@@ -222,6 +224,9 @@ class ModelRunner:
             "KV cache: %d blocks (%d tokens, %.2f GiB)",
             num_blocks, num_blocks * BLOCK_SIZE, num_blocks * self._block_bytes() / 2**30,
         )  # fmt: skip
+        from vx.gpu.cuda_graphs import capture_cuda_graphs
+
+        self.cuda_graphs = capture_cuda_graphs(self)  # None on CPU or with enforce_eager
 
     @property
     def _model(self):
@@ -243,7 +248,8 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
         model = self._model
-        hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        forward = model if self.cuda_graphs is None else self.cuda_graphs.forward
+        hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
         num_reqs = len(inputs.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]

@@ -41,8 +41,9 @@ def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
     if tp > 1:
         import torch.distributed as dist
 
+        # CUDA tensors go over NCCL; the few CPU tensors (the pool-size agreement) over gloo.
         dist.init_process_group(
-            backend="nccl" if config.device == "cuda" else "gloo",
+            backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
             init_method=f"tcp://127.0.0.1:{dist_port}",
             rank=rank,
             world_size=tp,
