@@ -111,7 +111,7 @@ def _row_index(n: int, device: torch.device) -> torch.Tensor:
     """arange(n) on `device`, cached (never grown inside a CUDA graph capture)."""
     idx = _ROW_INDEX.get(device)
     if idx is None or idx.shape[0] < n:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.arange(n, device=device)
         idx = _ROW_INDEX[device] = torch.arange(max(n, 8192), device=device)
     return idx[:n]
