@@ -1,0 +1,171 @@
+"""G8 slow readers and G9 poison requests, on the shared server.
+
+G8: clients that stop reading mid-stream (a raw socket with a 4 KiB receive buffer, holding
+the connection open) next to healthy streams. The shared server runs `--stall-timeout 2`: each
+stalled stream is aborted (cause "stall") soon after, its blocks freed, the front's memory does
+not grow with the unread output (deltas merge in the mailbox), and the healthy streams finish.
+
+G9: requests that raise inside per-request code: the EngineCore's output update (seed
+ENGINE_POISON_SEED) and the Worker's sampler (WORKER_POISON_SEED), through `VX_TEST_POISON`.
+Each fails alone (non-streaming: 500 in the envelope; streaming: an error event then [DONE]),
+the healthy streams running beside them finish cleanly, and no process restarts (same pids).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+
+from tests.reliability.conftest import ENGINE_POISON_SEED, WORKER_POISON_SEED, figure, sized
+from tests.reliability.harness import MODEL_NAME, Served, accounting, delta, total
+from tests.reliability.streams import StreamRecord, client_for, record_stream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(300)]
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+
+async def _slow_reader(url_port: int, opened: list[float]) -> None:
+    """Asks for a large stream, reads the first event, then stops reading (socket kept)."""
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.setblocking(False)
+    try:
+        raw.connect(("127.0.0.1", url_port))
+    except BlockingIOError:
+        await anyio.wait_socket_writable(raw)
+    # Echo with 20 prompt logprobs per position, 16 choices: the first events alone are MBs,
+    # more than loopback's socket buffers (tcp_wmem up to 4 MiB) can absorb.
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello world " * 40, "max_tokens": 200,
+                       "ignore_eos": True, "stream": True, "logprobs": 20, "echo": True,
+                       "n": 16}).encode()  # fmt: skip
+    raw.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body) + body
+    )
+    buf = b""
+    while b"data: " not in buf:
+        await anyio.wait_socket_readable(raw)
+        buf += raw.recv(4096)
+        assert not buf.startswith(b"HTTP/1.1 4"), buf[:300]
+    opened.append(time.monotonic())
+    try:
+        # Hold the connection without reading until the server gives up on us (it closes).
+        await anyio.sleep(30)
+    finally:
+        raw.close()
+
+
+async def test_g8_slow_readers(shared: Served, size: str) -> None:
+    n_slow, n_ok = int(sized("G8", size)["slow"]), int(sized("G8", size)["healthy"])
+    before = shared.scrape()
+    rss0 = _rss_mib(shared.proc.pid)
+    opened: list[float] = []
+    healthy = [StreamRecord() for _ in range(n_ok)]
+    stalls = 0.0
+    started = time.monotonic()
+    async with client_for(shared.url, n_ok) as client, anyio.create_task_group() as tg:
+        for _ in range(n_slow):
+            tg.start_soon(_slow_reader, shared.port, opened)
+        for i, rec in enumerate(healthy):
+            tg.start_soon(record_stream, client, rec, 200, f"healthy {i}")
+        rss_peak = rss0
+        # Until every slow stream was aborted for stalling (the metric), or 30 s.
+        while time.monotonic() - started < 30:
+            rss_peak = max(rss_peak, _rss_mib(shared.proc.pid))
+            m = shared.scrape()
+            stalls = total(m, 'vx:request_aborted_total{cause="stall"}') - total(
+                before, 'vx:request_aborted_total{cause="stall"}'
+            )
+            if stalls >= n_slow and all(r.ended_at for r in healthy):
+                break
+            await anyio.sleep(0.2)
+        detected = time.monotonic() - max(opened, default=started)
+        tg.cancel_scope.cancel()
+    d = delta(accounting(shared.scrape()), accounting(before))
+    clean = sum(r.clean for r in healthy)
+    figure(
+        f"G8 slow readers [{size}]: load {n_slow} stalled + {n_ok} healthy streams | faults "
+        f"{stalls:.0f} stalls aborted (stall timeout 2 s) by {detected:.1f} s after the last "
+        f"stopped reading | bad 0 | lost 0 ({clean}/{n_ok} healthy clean; front RSS peak "
+        f"+{rss_peak - rss0:.1f} MiB; received {d['received']:.0f} = finished "
+        f"{d['finished']:.0f} + aborted {d['aborted']:.0f})"
+    )
+    assert stalls == n_slow
+    assert clean == n_ok, [(r.error, r.transport_error) for r in healthy]
+    assert rss_peak - rss0 < 200  # 16-choice echo+logprobs events are MBs of JSON each
+    assert d["received"] == n_slow + n_ok == d["finished"] + d["aborted"]
+
+
+async def test_g9_poison_requests(shared: Served, size: str) -> None:
+    n_poison, n_ok = int(sized("G9", size)["poison"]), int(sized("G9", size)["healthy"])
+    before = accounting(shared.scrape())
+    pids = list(shared.pids)
+    healthy = [StreamRecord() for _ in range(n_ok)]
+    outcomes: dict[str, int] = {"stream_error_event": 0, "plain_500": 0, "wrong": 0}
+    wrong: list[str] = []
+
+    async def poison(client: httpx.AsyncClient, i: int) -> None:
+        seed = ENGINE_POISON_SEED if i % 2 == 0 else WORKER_POISON_SEED
+        stream = i % 4 >= 2
+        body = {"model": MODEL_NAME, "prompt": f"poison {i}", "max_tokens": 32, "seed": seed,
+                "temperature": 1.0, "stream": stream}  # fmt: skip
+        if stream:
+            rec = StreamRecord()
+            await record_stream_with(client, rec, body)
+            if rec.status == 200 and rec.error and rec.done:
+                outcomes["stream_error_event"] += 1
+                return
+            wrong.append(f"stream seed {seed}: {rec}")
+        else:
+            r = await client.post("/v1/completions", json=body)
+            if r.status_code == 500 and r.json()["error"]["message"]:
+                outcomes["plain_500"] += 1
+                return
+            wrong.append(f"plain seed {seed}: {r.status_code} {r.text[:200]}")
+        outcomes["wrong"] += 1
+
+    async with client_for(shared.url, n_ok + n_poison) as client:
+        async with anyio.create_task_group() as tg:
+            for i, rec in enumerate(healthy):
+                tg.start_soon(record_stream, client, rec, 64, f"healthy {i}")
+            for i in range(n_poison):
+                tg.start_soon(poison, client, i)
+    d = delta(accounting(shared.scrape()), before)
+    clean = sum(r.clean for r in healthy)
+    figure(
+        f"G9 poison requests [{size}]: load {n_ok} healthy streams | faults {n_poison} poison "
+        f"requests (EngineCore update and Worker sampler) failed alone: "
+        f"{outcomes['plain_500']} x 500, {outcomes['stream_error_event']} x stream error event,"
+        f" {outcomes['wrong']} wrong; 0 restarts (pids unchanged) | bad 0 | lost 0 "
+        f"({clean}/{n_ok} healthy clean; aborted {d['aborted']:.0f} + finished "
+        f"{d['finished']:.0f} = received {d['received']:.0f})"
+    )
+    assert not wrong, wrong
+    assert clean == n_ok, [(r.error, r.transport_error) for r in healthy]
+    assert shared.survivors() == pids
+    assert d["received"] == n_ok + n_poison and d["aborted"] == n_poison
+
+
+async def record_stream_with(client: httpx.AsyncClient, rec: StreamRecord, body: dict) -> None:
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            rec.status = r.status_code
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    rec.done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        rec.error = event["error"]["message"]
+    except httpx.HTTPError as e:
+        rec.transport_error = repr(e)
