@@ -63,7 +63,9 @@ def _paged_setup(reqs, hkv, d, dtype, seed=0):
 
 
 @fresh
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)]
+)
 @pytest.mark.parametrize(("hkv", "g", "d"), [(2, 3, 32), (1, 2, 24)])
 def test_paged_attention_kernel(dtype, tol, hkv, g, d):
     reqs = [(0, 1), (37, 1), (16, 1), (0, 20), (17, 9), (32, 16)]
@@ -110,7 +112,7 @@ def test_write_kv_cache_kernel(dtype):
 
 
 @fresh
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel(dtype, with_residual):
     gen = torch.Generator().manual_seed(2)
@@ -132,7 +134,7 @@ def test_rms_norm_kernel(dtype, with_residual):
 
 
 @fresh
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_kernel(dtype):
     gen = torch.Generator().manual_seed(3)
     t, hq, hkv, d, max_pos = 7, 6, 2, 32, 64
