@@ -44,8 +44,10 @@ def _cdf(ax: Any, runs: list[dict[str, Any]], key: str, colors: list[Any]) -> No
         label = f"c={s['concurrency']}"
         if values:
             n = len(values)
-            ax.step(values, [(i + 1) / n for i in range(n)], where="post", color=color,
-                    linewidth=1.8, label=label)  # fmt: skip
+            # An ECDF: 0 up to the smallest value, then one step of 1/n per value.
+            ys = [0.0] + [(i + 1) / n for i in range(n)]
+            ax.step([values[0], *values], ys, where="post", color=color, linewidth=1.8,
+                    label=label)  # fmt: skip
             lo, hi = min(lo, values[0]), max(hi, values[-1])
         else:
             xs = [pct["p50"], pct["p90"], pct["p99"]]
@@ -59,7 +61,7 @@ def _cdf(ax: Any, runs: list[dict[str, Any]], key: str, colors: list[Any]) -> No
     ax.set_ylim(0, 1.02)
     ax.axhline(0.5, color="#d1d5db", linewidth=0.8, linestyle=":")
     ax.axhline(0.99, color="#d1d5db", linewidth=0.8, linestyle=":")
-    ax.legend(frameon=False, fontsize=8.5, loc="lower right", title="● p50  ◆ p99",
+    ax.legend(frameon=False, fontsize=8.5, loc="best", title="● p50  ◆ p99",
               title_fontsize=8)  # fmt: skip
 
 
