@@ -86,7 +86,7 @@ async def test_chat_validation_400(tokenizer: Tokenizer) -> None:
         ({"messages": [{"role": 1, "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('no') }}"}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),

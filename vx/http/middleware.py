@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vx.http.errors import APIError
@@ -173,8 +174,20 @@ class BodyLimitMiddleware:
             await _send_error(send, self._error())
 
 
+#: An early response (401, 404, 413...) drains at most this much unread request body so the
+#: connection stays usable; a larger or unknown remainder closes it (`connection: close`).
+DRAIN_BODY_BYTES = 64 * 1024
+DRAIN_BODY_S = 1.0
+
+
 class ResponseCounterMiddleware:
-    """Counts every HTTP response by route template and status (for /metrics)."""
+    """Counts every HTTP response by route template and status (for /metrics).
+
+    It also keeps HTTP/1.1 keep-alive honest: a response that starts before the request body
+    was read (auth, routing and limit errors) first drains a small remainder, or else says
+    `connection: close`. Without this, hypercorn drops such a connection after the response
+    and the client's next request on it fails with "server disconnected" (found by G10).
+    """
 
     def __init__(self, app: ASGIApp, record: Callable[[str, int], None], paths: set[str]) -> None:
         self.app = app
@@ -186,13 +199,38 @@ class ResponseCounterMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"] if scope["path"] in self._paths else "other"
+        body_done = False
+
+        async def tracking_receive() -> Message:
+            nonlocal body_done
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_done = True
+            return message
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self._record(path, int(message["status"]))
+                if not body_done and not await _drain(scope, tracking_receive, lambda: body_done):
+                    headers = [*message.get("headers", ()), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        await self.app(scope, tracking_receive, counting_send)
+
+
+async def _drain(scope: Scope, receive: Receive, done: Callable[[], bool]) -> bool:
+    """Read and drop a small unread request body; False when it is too big or too slow."""
+    headers = dict(scope.get("headers", ()))
+    declared = headers.get(b"content-length")
+    if declared is None and b"transfer-encoding" not in headers:
+        return True  # no body at all
+    if declared is None or not declared.isdigit() or int(declared) > DRAIN_BODY_BYTES:
+        return False
+    with anyio.move_on_after(DRAIN_BODY_S):
+        while not done():
+            await receive()
+    return done()
 
 
 def chain(app: ASGIApp, *layers: tuple[Any, dict[str, Any]]) -> ASGIApp:
