@@ -57,7 +57,9 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+# NOTE: module scope, not session: Playwright's sync API keeps an asyncio loop of its own in
+# this thread while it runs, and the anyio tests of later modules could not start theirs.
+@pytest.fixture(scope="module")
 def browser(chromium_path: str) -> Iterator[Any]:
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
