@@ -126,7 +126,9 @@ def allocate_kv_caches(
 #: One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
 #: Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
 #: bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
-#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's).
+#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
+#: batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
+#: more than it saves there.
 _DECODE_KERNEL_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -151,7 +153,7 @@ int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o
          const int32_t* bt, int64_t bt_s, const int32_t* lens, \
          int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) { \
     const int G = Hq / Hkv; int failed = 0; \
-    _Pragma("omp parallel") { \
+    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") { \
     float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1)); \
     float* qf = (float*)malloc(sizeof(float) * (size_t)G * D); \
     float* acc = (float*)malloc(sizeof(float) * (size_t)G * D); \
