@@ -97,8 +97,9 @@ class AbortRequests(_Msg):
 class UtilityRequest(_Msg):
     """A control call the EngineCore answers with `UtilityResult` of the same `call_id`.
 
-    Methods: "reset_prefix_cache", "kv_self_check", "get_stats", "set_events"
-    (args {"enabled": bool}: per-step dashboard events on or off), "profile_steps".
+    Methods: "reset_prefix_cache", "kv_self_check", "get_stats", and "kv_block_map" (args
+    {"max_cells": int}; result {num_blocks, group_size, cells, cost_s}: the dashboard's map of
+    the block pool, polled only while someone watches).
     """
 
     call_id: int

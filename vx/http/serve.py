@@ -179,6 +179,7 @@ def startup_banner(
         )
     lines.append(
         "  routes: POST /v1/completions /v1/chat/completions /tokenize /detokenize; "
-        "GET /v1/models /health /version /metrics /openapi.json"
+        "GET /v1/models /health /version /metrics /openapi.json; "
+        "in a browser: / (chat), /dashboard (live engine, fed by /v1/engine/events)"
     )
     return "\n".join(lines)
