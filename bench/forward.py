@@ -23,6 +23,10 @@ import sys
 import tempfile
 import time
 
+# The OpenMP wait policy is read when torch loads libgomp, so this flag is looked at first.
+if "--omp-passive" in sys.argv:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,6 +170,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    ap.add_argument(
+        "--omp-passive",
+        action="store_true",
+        help="OMP_WAIT_POLICY=PASSIVE (both sides): on a machine whose cores are shared, "
+        "spinning OpenMP threads slow 2-thread steps down by up to 10x",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -203,7 +213,9 @@ def main() -> int:
             rows.append((f"prefill {n}", *bench_prefill(driver, hf, n, args.repeats)))
 
     print(
-        f"\nSmolLM2-135M bf16, {args.threads} threads, median of {args.repeats} ({'random' if args.random else path})"
+        f"\nSmolLM2-135M bf16, {args.threads} threads"
+        f"{', passive OpenMP' if args.omp_passive else ''}, median of {args.repeats}, "
+        f"load {os.getloadavg()[0]:.1f} ({'random' if args.random else path})"
     )
     print(f"{'case':<22} {'HF ms':>9} {'vx ms':>9} {'vx/HF':>7}  goal <= 0.50")
     for name, vx_t, hf_t in rows:
