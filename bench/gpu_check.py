@@ -6,6 +6,7 @@ and `table` prints them as one table. bench/gpu_check.sh runs the sections in or
     python bench/gpu_check.py parity   --results R.jsonl [--model DIR]
     python bench/gpu_check.py decode   --results R.jsonl [--steps 20]
     python bench/gpu_check.py make-model DIR        (random SmolLM2-shaped model + tokenizer)
+    python bench/gpu_check.py serve-row --results R.jsonl --json SERVE.json [--label TEXT]
     python bench/gpu_check.py table    --results R.jsonl
 
 Sections:
@@ -449,6 +450,19 @@ def cmd_decode(args) -> None:
         )  # fmt: skip
 
 
+def cmd_serve_row(args) -> None:
+    """One row from a `vx bench serve --json` file."""
+    with open(args.json) as f:
+        s = json.load(f)
+    s = s[0] if isinstance(s, list) else s
+    record(
+        args.results, "serve", f"vx bench serve c={s['concurrency']} {args.label}",
+        f"{s['completed']}/{s['num_prompts']} ok, {s['output_throughput']:,.0f} out tok/s, "
+        f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms",
+        "ok" if s["failed"] == 0 else "FAIL",
+    )  # fmt: skip
+
+
 def cmd_table(args) -> None:
     rows = []
     if os.path.exists(args.results):
@@ -475,12 +489,16 @@ def main() -> int:
             p.add_argument("--model", default=None)
         if name == "decode":
             p.add_argument("--steps", type=int, default=20)
+    p = sub.add_parser("serve-row")
+    p.add_argument("--results", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--label", default="")
     p = sub.add_parser("make-model")
     p.add_argument("dir")
     args = ap.parse_args()
     {
         "env": cmd_env, "triton": cmd_triton, "parity": cmd_parity, "decode": cmd_decode,
-        "table": cmd_table, "make-model": cmd_make_model,
+        "table": cmd_table, "make-model": cmd_make_model, "serve-row": cmd_serve_row,
     }[args.cmd](args)  # fmt: skip
     return 0
 
