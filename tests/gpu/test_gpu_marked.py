@@ -145,11 +145,11 @@ def test_model_cuda_path_calls_triton_and_matches_cpu(tiny_llama, monkeypatch):
     torch.testing.assert_close(model.compute_logits(hidden).cpu(), want, atol=2e-2, rtol=2e-2)
 
 
-def _one_prefill(model, n):
+def _one_prefill(model, n, device="cuda"):
     from vx.gpu.kv_cache import allocate_kv_caches
 
     caches = allocate_kv_caches(
-        model.num_layers, 8, model.num_kv_heads, model.head_dim, dtype=model.dtype, device="cuda"
+        model.num_layers, 8, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=device
     )
     md = build_attention_metadata(
         query_lens=np.array([n]),
@@ -157,7 +157,7 @@ def _one_prefill(model, n):
         block_table=np.array([[3, 5]], np.int32),
         slot_mapping=3 * BS + np.arange(n),
         num_decodes=0,
-        device="cuda",
+        device=device,
     )
     return md, caches
 
@@ -238,3 +238,59 @@ def test_profiled_kv_sizing_on_device(tiny_llama):
     total = torch.cuda.get_device_properties(0).total_memory
     assert 0 < kv_bytes <= 0.5 * total
     assert num == kv_bytes // runner._block_bytes()
+
+
+_TP_RANK = """
+import sys, torch
+from safetensors.torch import save_file
+from tests.gpu.test_gpu_marked import _one_prefill
+from vx.config import EngineConfig, ParallelConfig
+from vx.gpu.loader import load_model
+from vx.gpu.worker import _init_torch, _min_across_ranks
+rank, port, out, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+config = EngineConfig(device="cuda", parallel=ParallelConfig(tensor_parallel_size=2))
+device = _init_torch(config, rank, port)  # NCCL for CUDA tensors, gloo for CPU ones
+assert _min_across_ranks(100 + rank, 2) == 100  # a CPU tensor: over gloo
+model = load_model(path, dtype=torch.float32, device=device, tp_rank=rank, tp_size=2,
+                   progress=False)
+ids = torch.tensor([3, 5, 7, 9, 11, 13, 17], device=device)
+md, caches = _one_prefill(model, len(ids), device)
+logits = model.compute_logits(model(ids, torch.arange(7, device=device), caches, md))
+if rank == 0:
+    save_file({"logits": logits.cpu()}, f"{out}/tp.safetensors")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_2_over_nccl(tiny_llama, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from vx.gpu.loader import load_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP_RANK, str(r), port, str(tmp_path), tiny_llama], env=env
+        )
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=100) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    model = load_model(tiny_llama, dtype=torch.float32, device="cuda", progress=False)
+    ids = torch.tensor([3, 5, 7, 9, 11, 13, 17], device="cuda")
+    md, caches = _one_prefill(model, len(ids))
+    want = model.compute_logits(model(ids, torch.arange(7, device="cuda"), caches, md)).cpu()
+    got = load_file(str(tmp_path / "tp.safetensors"))["logits"]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
