@@ -88,6 +88,7 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.92,
     ) -> None:
         from vx.gpu.device import resolve_scheduler_defaults  # no torch import
 
@@ -101,6 +102,7 @@ class LLM:
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(
                 kv_cache_memory_bytes=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 num_blocks_override=num_blocks,
             ),
