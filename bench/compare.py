@@ -146,10 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--vx-args", default="", help="extra flags for vx serve")
     p.add_argument("--json", default=None, help="write all figures here")
+    p.add_argument("--from-json", default=None, help="no load: report and plot a saved run")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="throughput, TTFT and ITL against concurrency, one line per server")
     args = p.parse_args(argv)
     concs = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, dict[int, list[dict]]] = {}
-    for server in servers(args):
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = {k: {int(c): v for c, v in d.items()} for k, d in json.load(f).items()}
+        concs = sorted({c for d in results.values() for c in d})
+    for server in [] if args.from_json else servers(args):
         with server:
             model = server.model or served_model(server.url)
             run_load(server.url, model, 1, args)  # warm-up (compiles, caches)
@@ -164,7 +171,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.plot:
+        plot_comparison(results, concs, args.plot)
     return 0
+
+
+def plot_comparison(results: dict[str, dict[int, list[dict]]], concs: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("output_throughput", None, "output tok/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
+              ("itl_ms", "p50", "ITL p50 (ms)")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    for ax, (key, sub, label) in zip(axes, panels, strict=True):
+        for name, by_conc in results.items():
+            xs = [c for c in concs if by_conc.get(c)]
+            ys = [_median(by_conc[c], key, sub) for c in xs]
+            ax.plot(xs, ys, marker="o", linewidth=2, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.set_xlabel("concurrency")
+        ax.set_title(label, loc="left", fontweight="bold")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(frameon=False)
+    fig.suptitle("SmolLM2-135M bf16, 128-token prompts, 128 output tokens, streaming, 2 CPU cores",
+                 fontsize=10)
+    fig.savefig(path, dpi=110)
 
 
 def _median(rows: list[dict], key: str, sub: str | None = None) -> float:
