@@ -14,9 +14,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vx.http.completions import check_length, read_body
+from vx.http.completions import check_length, serve_generation
 from vx.http.detokenizer import TextState
-from vx.http.errors import APIError, error_response
+from vx.http.errors import APIError
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
 from vx.http.protocol import (
     ChatCompletionRequest,
@@ -25,7 +25,6 @@ from vx.http.protocol import (
     check_prompt_ids,
     check_stream_options,
     fan_out,
-    parse_body,
 )
 from vx.http.tokenizer import ChatTemplateError, Tokenizer
 
@@ -222,22 +221,4 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
-    ctx.metrics.received.inc()
-    try:
-        req = parse_body(await read_body(request), ChatCompletionRequest)
-        gen = await build_chat(ctx, req)
-        gen.submit()
-    except APIError as e:
-        ctx.metrics.rejected(e.status)
-        return e.response()
-    except Exception:  # a bug in validation: still counted, still the envelope
-        logger.exception("request refused by an unexpected error")
-        ctx.metrics.rejected(500)
-        return error_response(500, "Internal server error.", code="internal_error")
-    gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
-    if req.stream:
-        return gen.streaming_response()  # type: ignore[return-value]
-    try:
-        return await gen.complete(request.receive)
-    except APIError as e:
-        return e.response()
+    return await serve_generation(ctx, request, ChatCompletionRequest, build_chat)

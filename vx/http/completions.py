@@ -193,11 +193,15 @@ async def build_completion(ctx: ServerContext, req: CompletionRequest) -> Comple
     return gen
 
 
-async def create_completion(ctx: ServerContext, request: Request) -> Response:
+async def serve_generation(
+    ctx: ServerContext, request: Request, schema: type[Any], build: Any
+) -> Response:
+    """The shared life of a generation request: count it, parse and validate the body, submit
+    it, then stream it or wait for it (both endpoints differ only in `schema` and `build`)."""
     ctx.metrics.received.inc()
     try:
-        req = parse_body(await read_body(request), CompletionRequest)
-        gen = await build_completion(ctx, req)
+        req = parse_body(await read_body(request), schema)
+        gen = await build(ctx, req)
         gen.submit()
     except APIError as e:
         ctx.metrics.rejected(e.status)
@@ -208,8 +212,12 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
         return error_response(500, "Internal server error.", code="internal_error")
     gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
     if req.stream:
-        return gen.streaming_response()  # type: ignore[return-value]
+        return gen.streaming_response()  # type: ignore[no-any-return]
     try:
-        return await gen.complete(request.receive)
+        return await gen.complete(request.receive)  # type: ignore[no-any-return]
     except APIError as e:
         return e.response()
+
+
+async def create_completion(ctx: ServerContext, request: Request) -> Response:
+    return await serve_generation(ctx, request, CompletionRequest, build_completion)
