@@ -187,7 +187,7 @@ def _two_steps(model: torch.nn.Module) -> torch.Tensor:
 
 
 _TP_RANK = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from safetensors.torch import save_file
 from tests.gpu.test_model_parity import _two_steps
 from vx.gpu.loader import load_model
@@ -199,7 +199,10 @@ for i, path in enumerate(paths):
     logits = _two_steps(model)
     if rank == 0:
         save_file({"logits": logits}, f"{out}/{i}.safetensors")
-dist.destroy_process_group()
+# gloo's teardown can abort ("terminate called without an active exception") when the peer
+# closes its sockets first; meet at a barrier, then leave without tearing the group down.
+dist.barrier()
+os._exit(0)
 """
 
 
