@@ -66,7 +66,12 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.models import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("reliability-tiny"), arch="llama"))
+    # 1024 positions: G8's stalled streams need more output than loopback's socket buffers hold.
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("reliability-tiny"), arch="llama", max_position_embeddings=1024
+        )
+    )
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +84,7 @@ def shared_server(tiny_model: str, logs: str) -> Iterator[Served]:
     """One server for the goals that do not kill anything (G1, G3, G8, G9, G13)."""
     server = Served(
         tiny_model,
-        ("--stall-timeout", "2", "--max-model-len", "512"),
+        ("--stall-timeout", "2", "--max-model-len", "1024"),
         env={"VX_TEST_POISON": f"engine:{ENGINE_POISON_SEED},worker:{WORKER_POISON_SEED}"},
         log_dir=logs,
     )

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(900)]
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
-LONG = "hello world " * 400  # over the shared server's 512-token context
+LONG = "hello world " * 800  # over the shared server's 1024-token context
 
 #: (path, body: dict for JSON or bytes as sent, expected status, expected param or None)
 CORPUS: list[tuple[str, object, int, str | None]] = [

@@ -43,9 +43,10 @@ async def _slow_reader(url_port: int, opened: list[float]) -> None:
         raw.connect(("127.0.0.1", url_port))
     except BlockingIOError:
         await anyio.wait_socket_writable(raw)
-    # Echo with 20 prompt logprobs per position, 16 choices: the first events alone are MBs,
-    # more than loopback's socket buffers (tcp_wmem up to 4 MiB) can absorb.
-    body = json.dumps({"model": MODEL_NAME, "prompt": "hello world " * 40, "max_tokens": 200,
+    # 16 choices with 20 logprobs per token: ~10 MB of events over the request, well over what
+    # loopback's socket buffers absorb (tcp_wmem up to 4 MiB), so the writes must block. (With
+    # ~3 MB, some stalled streams finished into the kernel's buffers.)
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello world " * 10, "max_tokens": 940,
                        "ignore_eos": True, "stream": True, "logprobs": 20, "echo": True,
                        "n": 16}).encode()  # fmt: skip
     raw.sendall(
@@ -65,13 +66,6 @@ async def _slow_reader(url_port: int, opened: list[float]) -> None:
         raw.close()
 
 
-# NOTE: a known open fault, not a flaky test. Over HTTP/1.1 hypercorn accepts writes without
-# backpressure, so a stalled reader's output can drain into the server's buffers: the request
-# then finishes instead of stalling, and the front's memory grows with the unread output. The
-# HTTP/2 path has backpressure (vx.http.serve patches hypercorn) and its stall test passes.
-@pytest.mark.xfail(
-    strict=False, reason="HTTP/1.1 writes have no backpressure in hypercorn (open fault, issue 8)"
-)
 async def test_g8_slow_readers(shared: Served, size: str) -> None:
     n_slow, n_ok = int(sized("G8", size)["slow"]), int(sized("G8", size)["healthy"])
     before = shared.scrape()

@@ -158,8 +158,10 @@ class SSEResponse:
         try:
             with anyio.fail_after(self._stall_timeout_s):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except (OSError, TimeoutError):
+        except OSError:
             return "client_disconnect"
+        except TimeoutError:
+            return "stall"
         return None
 
 
