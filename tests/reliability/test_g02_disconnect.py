@@ -81,7 +81,16 @@ class Client:
         if self.stream and self.leave:
             events_needed = 0 if self.leave == "queued" else self.k
             while True:
-                chunk = await sock.receive()
+                try:
+                    chunk = await sock.receive()
+                except anyio.EndOfStream:
+                    # Under load the front merges deltas, so a whole stream can arrive in fewer
+                    # than k events: it finished before this client could leave.
+                    await sock.aclose()
+                    done = buf.rfind(b"data: [DONE]")
+                    whole = buf.count(b"data: [DONE]") == 1 and buf.rfind(b"data: ") == done
+                    self.outcome = "finished" if whole else "broken"
+                    return
                 buf += chunk
                 head_done = b"\r\n\r\n" in buf
                 if head_done and buf.count(b"data: ") >= events_needed:
