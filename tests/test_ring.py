@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from vx import ring_wait as rw
+from vx import ring_segment as rw
 from vx.ring import RingHandle, RingOwner, RingReader, RingWriter
 from vx.ring_wait import sweep_stale_segments
 
@@ -273,25 +273,33 @@ def test_sweep_removes_segments_of_dead_creators() -> None:
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 300)), max_size=60))
 def test_ring_matches_a_deque_model(ops) -> None:
     """send_nowait/recv_nowait against a deque: same messages, same order, same WouldBlock
-    (the ring is full exactly when the framed bytes would exceed its capacity)."""
-    model: collections.deque[bytes] = collections.deque()
-    with RingWriter.create(capacity=512, name_prefix=PREFIX, initial_position=(1 << 32) - 256) as w:
+    (the ring is full exactly when the framed bytes would exceed its capacity; a frame that
+    would wrap goes to offset 0 after a PAD frame when that fits, which the model tracks)."""
+    cap, start = 512, (1 << 32) - 256
+    model: collections.deque[tuple[bytes, int]] = collections.deque()  # (message, end position)
+    wpos = rpos = start
+    with RingWriter.create(capacity=cap, name_prefix=PREFIX, initial_position=start) as w:
         with RingReader.attach(w.handle) as r:
             for i, (is_send, n) in enumerate(ops):
                 if is_send:
-                    data = bytes([i % 256]) * n
-                    framed = sum(8 + (len(m) + 7) // 8 * 8 for m in model)
-                    fits = framed + 8 + (n + 7) // 8 * 8 <= 512
-                    if n > 504:
+                    if n > cap - 8:
                         continue
-                    if fits:
-                        w.send_nowait(data)
-                        model.append(data)
-                    else:
+                    data = bytes([i % 256]) * n
+                    size, off = 8 + (n + 7) // 8 * 8, wpos % cap
+                    pad = cap - off if off + 8 < cap < off + size and size <= off else 0
+                    if pad and wpos + pad + size - cap <= rpos:
+                        wpos += pad
+                    elif wpos + size - cap > rpos:
                         with pytest.raises(anyio.WouldBlock):
                             w.send_nowait(data)
+                        continue
+                    w.send_nowait(data)
+                    wpos += size
+                    model.append((data, wpos))
+                    assert w.statistics().position == wpos
                 elif model:
-                    assert r.recv_nowait() == model.popleft()
+                    data, rpos = model.popleft()
+                    assert r.recv_nowait() == data
                 else:
                     with pytest.raises(anyio.WouldBlock):
                         r.recv_nowait()

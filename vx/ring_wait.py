@@ -1,5 +1,5 @@
-"""The OS side of `vx.ring`: shm segments, fences, spinning, wake-ups, peer liveness, and
-`RingEnd`, the part both ring ends share.
+"""The OS side of `vx.ring`: fences, spinning, wake-ups, peer liveness, and `RingEnd`, the
+part both ring ends share (the segment itself is `vx.ring_segment`).
 
 Runs in: every process that holds a ring end (ApiServer, EngineCore, Workers).
 
@@ -19,22 +19,18 @@ correctness. The payload itself lives in an owner-only (0600) segment.
 
 from __future__ import annotations
 
-import _posixshmem
 import errno
-import mmap
 import os
 import platform
-import secrets
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
-if TYPE_CHECKING:
-    from vx.ring import RingHandle
+# NOTE: re-exported: `vx.engine_procs` imports `sweep_stale_segments` from here.
+from vx.ring_segment import RingHandle, ShmSegment, pid_alive, sweep_stale_segments
 
 __all__ = [
     "FENCE_IS_FULL",
@@ -56,13 +52,6 @@ __all__ = [
 #: load-acquire is ordered too (RCsc), but that is untested on such hardware here; the bounded
 #: re-check interval caps the cost of any missed wake-up at RECHECK_S of latency (never a hang).
 FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-# The header of a ring segment, as u64 slot indices (the layout is drawn in `vx.ring`).
-MAGIC, VERSION = 0x7672696E67763031, 1  # "vringv01"
-CAPACITY, NUM_READERS, DATA_OFFSET = 2, 3, 4
-WRITE_POS, WRITER_PID, WRITER_PARKED, WRITER_CLOSED = 8, 9, 10, 11
-READERS = 16  # reader i's line starts at READERS + 8 * i; its slots are relative to that:
-READ_POS, READER_PID, READER_PARKED, READER_CLOSED = 0, 1, 2, 3
 
 #: How long an empty reader (or a writer facing a full ring) polls before it parks.
 SPIN_S = 50e-6
@@ -156,18 +145,6 @@ class WakeSender:
         self._sock.close()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` names a live process (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    # The state letter follows the last ')' (the command name may itself contain ')').
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X", b"x")
-
-
 class PeerWatch:
     """Watches a changing set of peer pids for death, through pidfds where the kernel has them.
 
@@ -248,106 +225,12 @@ class PeerWatch:
         self._fds.clear()
 
 
-class ShmSegment:
-    """One mapped POSIX shm segment (mode 0600); `q` views it as native u64 slots.
-
-    The creator owns the name: it registers it with its resource tracker (which unlinks it if
-    the creator is killed -9) and unlinks it in `close()`. Attaching processes open it with
-    `shm_open` directly and never register. NOTE: on Python 3.11 `SharedMemory(create=False)`
-    always registers; the tracker's set is shared with spawned children, so unregistering after
-    such an attach would also drop the creator's entry.
-    """
-
-    __slots__ = ("mm", "name", "owner", "q")
-
-    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
-        self.name = name
-        self.owner = owner
-        self.mm = mmap.mmap(fd, size)
-        self.q = memoryview(self.mm).cast("Q")
-
-    @classmethod
-    def create(cls, name: str, size: int) -> ShmSegment:
-        path = "/" + name
-        fd = _posixshmem.shm_open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        resource_tracker.register(path, "shared_memory")
-        try:
-            os.ftruncate(fd, size)
-            try:
-                # Reserve the tmpfs pages now: a full /dev/shm then fails here with ENOSPC
-                # instead of killing a process with SIGBUS on some later write.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-            return cls(name, fd, size, owner=True)
-        except BaseException:
-            _posixshmem.shm_unlink(path)
-            resource_tracker.unregister(path, "shared_memory")
-            raise
-        finally:
-            os.close(fd)
-
-    @classmethod
-    def attach(cls, name: str) -> ShmSegment:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        try:
-            return cls(name, fd, os.fstat(fd).st_size, owner=False)
-        finally:
-            os.close(fd)
-
-    @classmethod
-    def create_ring(cls, prefix: str, num_readers: int, capacity: int, position: int) -> ShmSegment:
-        """A new ring segment with its header written (every position at `position`)."""
-        if not 64 <= capacity <= 1 << 31:
-            raise ValueError(f"capacity must be in [64, 2**31], got {capacity}")
-        if len(prefix) > 48:  # the wake-up socket names must stay under 108 bytes
-            raise ValueError(f"name_prefix is too long: {prefix!r}")
-        if not 1 <= num_readers <= 1024:
-            raise ValueError(f"num_readers must be in [1, 1024], got {num_readers}")
-        if position < 0 or position % 8:
-            raise ValueError(f"initial_position must be a non-negative multiple of 8: {position}")
-        capacity = (capacity + 7) & -8
-        data_offset = (READERS + 8 * num_readers) * 8
-        seg = cls.create(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", data_offset + capacity)
-        q = seg.q
-        q[CAPACITY], q[NUM_READERS], q[DATA_OFFSET] = capacity, num_readers, data_offset
-        for i in [WRITE_POS] + [READERS + 8 * i + READ_POS for i in range(num_readers)]:
-            q[i] = position
-        q[1] = VERSION
-        q[0] = MAGIC  # last: marks the header complete
-        return seg
-
-    @classmethod
-    def attach_ring(cls, name: str, capacity: int, num_readers: int) -> ShmSegment:
-        """Maps an existing ring segment; ValueError unless its header matches."""
-        seg = cls.attach(name)
-        q = seg.q
-        ok = (q[0], q[1], q[CAPACITY], q[NUM_READERS]) == (MAGIC, VERSION, capacity, num_readers)
-        if not ok or len(seg.mm) < q[DATA_OFFSET] + capacity:  # NOTE: >=, may be rounded up
-            seg.close()
-            raise ValueError(f"shm segment {name!r} does not match its handle")
-        return seg
-
-    def close(self) -> None:
-        self.q.release()
-        self.mm.close()
-        if self.owner:
-            try:
-                _posixshmem.shm_unlink("/" + self.name)
-            except FileNotFoundError:
-                pass
-            resource_tracker.unregister("/" + self.name, "shared_memory")
-
-
 class RingEnd:
     """What both ends of a `vx.ring` ring share: the mapping, a fence, the wake-up sockets and
-    the liveness watch. Subclasses add the layout (`_handle`, `_cap`, `_base`).
+    the liveness watch, and the layout (`_handle`, `_cap`: data bytes, `_base`: data offset).
 
     Takes ownership of `seg`: closes it (and unlinks it, if owned) when opening fails.
     """
-
-    _handle: RingHandle
 
     def __init__(self, seg: ShmSegment, wake_name: str) -> None:
         try:
@@ -356,7 +239,8 @@ class RingEnd:
         except BaseException:
             seg.close()
             raise
-        self._seg, self._q, self._mm = seg, seg.q, seg.mm
+        self._seg, self._q, self._mm, self._buf = seg, seg.q, seg.mm, seg.buf
+        self._handle, self._cap, self._base = seg.layout()
         self._fence_release, self._fence_acquire = make_fence()
         self._sender = WakeSender()
         self._watch = PeerWatch(self._waker)
@@ -392,29 +276,3 @@ class RingEnd:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def sweep_stale_segments(prefix: str = "vx") -> list[str]:
-    """Unlinks `/dev/shm/<prefix>-<pid>-<random>` segments whose creator pid is dead.
-
-    For a supervisor at start-up: the resource tracker normally unlinks a killed creator's
-    segments, but it is itself gone after e.g. an OOM kill of the whole process tree.
-    Returns the names it removed.
-    """
-    removed: list[str] = []
-    try:
-        entries = os.listdir("/dev/shm")
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        parts = entry.rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != prefix or not parts[1].isdigit():
-            continue
-        if pid_alive(int(parts[1])):
-            continue
-        try:
-            os.unlink(os.path.join("/dev/shm", entry))
-            removed.append(entry)
-        except FileNotFoundError:
-            pass
-    return removed
