@@ -15,9 +15,10 @@ Two ways to take a message:
   instead; their views hold no ring space.
 
 Views may be released in any order; the reader's `read_pos` (which frees space for the writer)
-advances to the start of the oldest view still held. Never keep a slice of `data` past
-`release()`: it would outlive the guarantee (and `release()` raises BufferError while anything
-still exports `data`, e.g. a numpy array made from it).
+advances to the start of the oldest view still held. Keep nothing that refers to `data`'s
+memory (a slice, a numpy array, a `msgspec.Raw`) past `release()`: the writer will overwrite
+those bytes. `release()` raises BufferError (and keeps the space) while something holds a
+buffer export of `data` itself, but slices and some arrays do not count as exports.
 """
 
 from __future__ import annotations
