@@ -159,6 +159,7 @@ if HAS_TRITON:
         scale,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         h = tl.program_id(1)
@@ -198,7 +199,12 @@ if HAS_TRITON:
             if DOT_FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            # fp32 caches: tl.dot would round to TF32 on Ampere and later; fp32 models ask
+            # for fp32 results (the parity tests compare them with HF's fp32).
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
             key_pos = b * BLOCK_SIZE + offs_s
             ok = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)
             scores = tl.where(ok, scores, float("-inf"))
@@ -208,7 +214,10 @@ if HAS_TRITON:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -306,7 +315,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) ->
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_table.stride(0),
         scale,
         GROUP=hq // hkv, D=d, BLOCK_SIZE=bs, BLOCK_M=md.tile_block_m, BLOCK_D=max(_np2(d), 16),
-        DOT_FP32=_interpreting(),
+        DOT_FP32=_interpreting(), IEEE=_interpreting() or q.dtype == torch.float32,
     )  # fmt: skip
     return out
 
