@@ -3,6 +3,7 @@
 Usage (always under the shared benchmark lock):
 
     flock /tmp/vx-bench.lock .venv/bin/python bench/forward.py [--threads 2] [--repeats 3]
+        [--quantization int8|int4]
 
 Model: SmolLM2-135M (`vx.gpu.resolve.resolve_model("smollm2-135m")`) in bf16, or with
 `--random` a random model of the same shapes (timings do not depend on the weights).
@@ -10,7 +11,8 @@ Cases: decode steps at batch 1, 16 and 64 with 256 tokens of KV per request, and
 128 and 2,048 tokens (one request). HF runs with its own DynamicCache and SDPA attention; its
 prefill asks for the last position's logits only (`logits_to_keep=1`, as `generate` does), so
 both sides skip the LM head over the prompt. Each case: one warm-up, then `--repeats` timed
-steps per side, interleaved; the table shows medians and vx / HF.
+steps per side, interleaved; the table shows medians and vx / HF. `--quantization` runs vx
+with weight-only int8/int4 linears (vx.gpu.quantization) against HF in bf16.
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    ap.add_argument("--quantization", choices=("int8", "int4"), default=None, help="vx side only")
     ap.add_argument(
         "--omp-passive",
         action="store_true",
@@ -193,7 +196,9 @@ def main() -> int:
     num_blocks = max(DECODE_BATCHES) * math.ceil((KV_LEN + args.repeats + 2) / BLOCK_SIZE) + 8
     num_blocks = max(num_blocks, math.ceil((max(PREFILLS) + 1) / BLOCK_SIZE) + 8)
     config = EngineConfig(
-        model=ModelConfig(path=path, dtype="bfloat16", max_model_len=4096),
+        model=ModelConfig(
+            path=path, dtype="bfloat16", max_model_len=4096, quantization=args.quantization
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max(DECODE_BATCHES), max_num_batched_tokens=2048),
         cache=CacheConfig(num_blocks_override=num_blocks),
         num_threads=args.threads,
@@ -213,7 +218,8 @@ def main() -> int:
             rows.append((f"prefill {n}", *bench_prefill(driver, hf, n, args.repeats)))
 
     print(
-        f"\nSmolLM2-135M bf16, {args.threads} threads"
+        f"\nSmolLM2-135M bf16{' (vx: ' + args.quantization + ')' if args.quantization else ''}, "
+        f"{args.threads} threads"
         f"{', passive OpenMP' if args.omp_passive else ''}, median of {args.repeats}, "
         f"load {os.getloadavg()[0]:.1f} ({'random' if args.random else path})"
     )

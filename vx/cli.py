@@ -59,6 +59,8 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="CPU weight-only quantized linears and LM head for small decode batches")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on cuda")
     p.add_argument("--served-model-name", default=None)
@@ -97,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             kv_cache_memory_bytes=args.kv_cache_memory,

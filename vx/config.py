@@ -28,6 +28,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
+    #: None | "int8" | "int4": weight-only quantized linears on CPU (vx.gpu.quantization).
     quantization: str | None = None
 
 
@@ -89,6 +90,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"unknown dtype {self.model.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
+        if self.model.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.model.quantization!r}")
+        if self.model.quantization is not None and self.device != "cpu":
+            raise ValueError("quantization is implemented for CPU only")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

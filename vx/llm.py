@@ -75,6 +75,7 @@ class LLM:
         model: str = "smollm2-135m",
         *,
         dtype: str = "auto",
+        quantization: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -99,7 +100,13 @@ class LLM:
             offline=True,
         )
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                quantization=quantization,
+            ),
             cache=CacheConfig(
                 kv_cache_memory_bytes=kv_cache_memory,
                 gpu_memory_utilization=gpu_memory_utilization,

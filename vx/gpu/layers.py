@@ -17,12 +17,18 @@ for token in fp32.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vx.gpu.quantization import (
+    QuantizedWeight,
+    cpu_prepack_enabled,
+    linear as _linear,
+    prepack as _prepack,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -45,38 +51,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
     param.data.copy_(loaded)
-
-
-#: oneDNN picks the packed layout for this many rows; decode batches are small.
-_PREPACK_BATCH_HINT = 1
-
-
-def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
-    """Whether a bf16 CPU weight should be reordered into oneDNN's blocked layout.
-
-    NOTE: at M <= 64 rows a prepacked bf16 GEMM is about 1.5-2.4x faster than `F.linear` on the
-    same weight (which reorders on every call), with bit-identical results at decode sizes.
-    `VX_CPU_PREPACK=0` turns it off (e.g. to trace the model with torch.compile).
-    """
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and os.environ.get("VX_CPU_PREPACK", "1") != "0"
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-def _prepack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PREPACK_BATCH_HINT)
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool
-) -> torch.Tensor:
-    if packed:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +97,15 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _process_linear(layer: nn.Module) -> None:
+    """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
+    if layer.quantization is not None:
+        layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
+    if cpu_prepack_enabled(layer.weight):
+        layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)
+        layer.packed = True
+
+
 # ───────────────────────────── linears ─────────────────────────────
 
 
@@ -145,6 +128,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -152,6 +136,8 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.output_sizes_per_rank = self._sizes_per_rank()
         self.packed = False  # weight in oneDNN's blocked layout (see cpu_prepack_enabled)
+        self.quantization = quantization
+        self.quant: QuantizedWeight | None = None  # built after loading when quantization
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.
         self.weight = nn.Parameter(
@@ -171,9 +157,7 @@ class ColumnParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Called once by the loader after every weight is in place."""
-        if cpu_prepack_enabled(self.weight):
-            self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
-            self.packed = True
+        _process_linear(self)
 
     def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
         """This rank's rows of logical matrix `shard_id` (a full HF tensor)."""
@@ -197,7 +181,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The output stays sharded: the next RowParallelLinear consumes it as is.
-        return _linear(x, self.weight, self.bias, self.packed)
+        return _linear(x, self.weight, self.bias, self.packed, self.quant)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -223,6 +207,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
@@ -241,6 +226,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             device=device,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            quantization=quantization,
         )
 
     def _sizes_per_rank(self) -> list[int]:
@@ -271,11 +257,14 @@ class RowParallelLinear(nn.Module):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size_per_rank = _divide(input_size, tp_size, "input features")
         self.packed = False
+        self.quantization = quantization
+        self.quant: QuantizedWeight | None = None
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
             requires_grad=False,
@@ -294,14 +283,12 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def process_weights_after_loading(self) -> None:
-        if cpu_prepack_enabled(self.weight):
-            self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
-            self.packed = True
+        _process_linear(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(x, self.weight, self.bias, self.packed)
-        out = _all_reduce(_linear(x, self.weight, None, self.packed))
+            return _linear(x, self.weight, self.bias, self.packed, self.quant)
+        out = _all_reduce(_linear(x, self.weight, None, self.packed, self.quant))
         return out + self.bias if self.bias is not None else out
 
 
@@ -358,12 +345,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     tied = False
     packed = False  # `weight` itself is oneDNN-packed (an untied head)
     packed_copy: torch.Tensor | None = None  # a packed copy of a tied weight
+    quantization: str | None = None
+    quant: QuantizedWeight | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
+        if self.quantization is not None:
+            self.quant = QuantizedWeight(self.weight.data, self.quantization)
         if not cpu_prepack_enabled(self.weight):
             return
         if self.tied:  # a copy: the tied weight is also the embedding's lookup table
@@ -374,7 +365,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
-        if self.packed:
+        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+            logits = self.quant.apply(hidden, None)
+        elif self.packed:
             logits = _linear(hidden, self.weight, None, True)
         elif self.packed_copy is not None:
             logits = _linear(hidden, self.packed_copy, None, True)

@@ -147,9 +147,16 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
-    """Build the model named by `path`/config.json and fill it from its safetensors files."""
+    """Build the model named by `path`/config.json and fill it from its safetensors files.
+
+    `quantization` ("int8" / "int4", CPU only) adds weight-only quantized copies of the linears
+    and the LM head after loading (vx.gpu.quantization); None leaves the model as it was.
+    """
     from transformers import AutoConfig
+
+    from vx.gpu.quantization import validate_quantization
 
     hf_config = AutoConfig.from_pretrained(path)
     architectures = getattr(hf_config, "architectures", None) or []
@@ -157,18 +164,23 @@ def load_model(
         raise ValueError(f"{path}/config.json names no architecture")
     cls = get_model_class(architectures[0])
     device = torch.device(device)
+    validate_quantization(quantization, device)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     logger.info(
-        "loading %s (%s) as %s on %s, tp %d/%d",
+        "loading %s (%s) as %s%s on %s, tp %d/%d",
         os.path.basename(os.path.normpath(path)),
         architectures[0],
         str(torch_dtype).removeprefix("torch."),
+        f" + weight-only {quantization}" if quantization else "",
         device,
         tp_rank,
         tp_size,
     )
     with torch.no_grad():
-        model = cls(hf_config, dtype=torch_dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
+        qkw = {"quantization": quantization} if quantization else {}
+        model = cls(
+            hf_config, dtype=torch_dtype, device=device, tp_rank=tp_rank, tp_size=tp_size, **qkw
+        )
         model.load_weights(iterate_weights(path, progress=progress))
         for module in model.modules():
             if hasattr(module, "process_weights_after_loading"):

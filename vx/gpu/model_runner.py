@@ -122,6 +122,7 @@ class ModelRunner:
             tp_rank=self.rank,
             tp_size=self.config.parallel.tensor_parallel_size,
             progress=False,
+            quantization=m.quantization,
         )
         self.dtype = next(self.model.parameters()).dtype
         limit = int(getattr(self.model, "max_position", 0) or 0)

@@ -188,7 +188,9 @@ class LlamaModel(nn.Module):
     def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **kw)
+        # The lookup table is never quantized (only the linears and the LM head are).
+        ekw = {k: v for k, v in kw.items() if k != "quantization"}
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
@@ -227,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         # Imported here, not at module level: tests may install their own attention module.
@@ -236,8 +239,12 @@ class LlamaForCausalLM(nn.Module):
         self.args = a
         self.dtype, self.device = dtype, torch.device(device)
         kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
-        self.model = LlamaModel(a, paged_attention, **kw)
+        #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
+        #: (vx.gpu.quantization), applied by `process_weights_after_loading`.
+        self.quantization = quantization
+        self.model = LlamaModel(a, paged_attention, quantization=quantization, **kw)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
+        self.lm_head.quantization = quantization
         if a.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
         attn = self.model.layers[0].self_attn

@@ -1,0 +1,134 @@
+"""Weight-only int8 / int4 linears (`vx.gpu.quantization`, `--quantization`).
+
+Runs in: the test process (the `vx.LLM` test also starts the engine processes).
+
+The kernels must compute x @ W_q.T for the dequantized W_q; a quantized model must load, keep
+bf16 numerics past `max_rows` rows (prefill is bit-identical to the unquantized model), stay
+close to it on the quantized path, and generate through `vx.LLM`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.conftest import PagedDriver
+from vx.gpu.loader import load_model
+from vx.gpu.quantization import (
+    QuantizedWeight,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    validate_quantization,
+)
+
+SHAPES = [(96, 64), (192, 128), (64, 576)]
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_matches_dequantized_reference(n: int, k: int, rows: int) -> None:
+    w = _weight(n, k)
+    qw = QuantizedWeight(w, "int8")
+    q, s = quantize_int8(w)
+    assert q.dtype is torch.int8 and s.dtype is torch.bfloat16
+    ref_w = q.float() * s.float()[:, None]
+    # the quantization error is at most half a step per element
+    assert ((ref_w - w.float()).abs() <= s.float()[:, None] * 0.5 + 1e-6).all()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    got = qw.apply(x, bias).float()
+    want = x.float() @ ref_w.T + bias.float()
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int4_matches_dequantized_reference(n: int, k: int, rows: int) -> None:
+    w = _weight(n, k, seed=2)
+    qw = QuantizedWeight(w, "int4")
+    q, scales, zeros = quantize_int4(w)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    ref_w = dequantize_int4(q, scales, zeros)
+    step = scales.float().repeat_interleave(32, dim=1)
+    assert ((ref_w - w.float()).abs() <= step * 0.5 + 1e-3).all()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = qw.apply(x, None).float()
+    want = x.float() @ ref_w.T
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
+
+
+def test_validate_quantization() -> None:
+    validate_quantization(None, "cuda")
+    validate_quantization("int8", "cpu")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        validate_quantization("fp8", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        validate_quantization("int4", "cuda")
+    with pytest.raises(ValueError, match="not a multiple"):
+        quantize_int4(torch.zeros(4, 40, dtype=torch.bfloat16))
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "quant")]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_prefill_is_bf16_decode_is_close(
+    tiny_models: dict[str, str], method: str, monkeypatch
+) -> None:
+    """Past max_rows rows the quantized model is the bf16 model bit for bit; at decode (one row
+    per step) it goes through the quantized kernels and stays close."""
+    path = tiny_models["qwen2"]  # qkv bias goes through the quantized path too
+    dense = load_model(path, dtype=torch.bfloat16, progress=False)
+    assert all(m.quant is None for m in _linears(dense))
+    quant = load_model(path, dtype=torch.bfloat16, progress=False, quantization=method)
+    layers = _linears(quant)
+    assert len(layers) == 2 * 4 + 1 and all(m.quant is not None for m in layers)
+    assert all(m.quant.method == method for m in layers)
+    prompt = {"a": list(range(3, 40))}  # 37 rows: the bf16 path
+    a, b = PagedDriver(dense), PagedDriver(quant)
+    torch.testing.assert_close(a.step_all(prompt)["a"], b.step_all(prompt)["a"], rtol=0, atol=0)
+    # A random model's Gaussian weights are the worst case for 16-level groups.
+    tol, min_agree = {"int8": (0.15, 14), "int4": (0.6, 4)}[method]
+    agree = 0
+    tok = 5
+    for _ in range(16):  # one row per step: the quantized path
+        la, lb = a.step({"a": [tok]})["a"], b.step({"a": [tok]})["a"]
+        assert not torch.equal(la, lb)  # it really is a different kernel
+        assert (la - lb).norm() < tol * la.norm(), float((la - lb).norm() / la.norm())
+        agree += int(la.argmax() == lb.argmax())
+        tok = int(la.argmax())
+    assert agree >= min_agree, agree
+
+
+def test_forced_quantized_path_everywhere(tiny_models: dict[str, str], monkeypatch) -> None:
+    """VX_QUANT_MAX_ROWS forces the kernels for every row count (the accuracy measurement)."""
+    monkeypatch.setenv("VX_QUANT_MAX_ROWS", "100000")
+    model = load_model(
+        tiny_models["llama"], dtype=torch.bfloat16, progress=False, quantization="int8"
+    )
+    assert all(m.quant.max_rows == 100000 for m in _linears(model))
+    out = PagedDriver(model).greedy({"a": [1, 5, 9, 13], "b": list(range(3, 30))}, 6)
+    assert all(len(v) == 6 for v in out.values())
+
+
+@pytest.mark.timeout(300)
+def test_llm_generates_with_quantization(tiny_models: dict[str, str]) -> None:
+    from vx import LLM, SamplingParams
+
+    prompts = [[1, 5, 9, 13, 2, 7], list(range(3, 40))]
+    sp = SamplingParams.create(max_tokens=8, ignore_eos=True, temperature=0.0)
+    with LLM(
+        tiny_models["llama"], dtype="bfloat16", quantization="int8", num_threads=1,
+        max_num_batched_tokens=64,
+    ) as llm:  # fmt: skip
+        assert llm.config.model.quantization == "int8"
+        outs = [r.outputs[0].token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
+    assert [len(o) for o in outs] == [8, 8]
+    assert all(0 <= t < 384 for o in outs for t in o)

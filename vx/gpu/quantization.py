@@ -1,0 +1,179 @@
+"""How a linear's weight is stored and multiplied on CPU: oneDNN prepacking, and the opt-in
+weight-only int8 / int4 modes (`--quantization`).
+
+Runs in: each Worker process.
+
+bf16 (default): a CPU bf16 weight is reordered once into oneDNN's blocked layout and every
+call goes through `mkldnn::_linear_pointwise` (see `cpu_prepack_enabled`).
+
+Weight-only quantization (`QuantizedWeight`): the weight is also quantized with torch's own CPU
+kernels, int8 per output channel (symmetric, `aten._weight_int8pack_mm`) or int4 in groups of
+`INT4_GROUP_SIZE` input features (asymmetric min/max, `aten._weight_int4pack_mm_for_cpu`).
+These kernels read half / a quarter of the bytes of a bf16 GEMV, but they dequantize in fp32
+vector code, so past a few rows they are 4-10x slower than the AMX bf16 GEMM. A quantized layer
+therefore keeps its (prepacked) model-dtype weight as well and takes the quantized path only
+for `x` of at most `max_rows` rows (decode at small batch, where the step is weight-streaming
+bound); prefill and larger decode batches keep bf16 numerics. This trades memory (weights +
+int8 copy) for speed: the point of the mode on CPU is the decode step time, not the footprint.
+`VX_QUANT_MAX_ROWS` overrides `max_rows` (a large value forces the quantized path everywhere,
+e.g. to measure the accuracy of the pure quantized model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "INT4_GROUP_SIZE",
+    "QUANTIZATIONS",
+    "QuantizedWeight",
+    "cpu_prepack_enabled",
+    "linear",
+    "prepack",
+    "quantize_int4",
+    "quantize_int8",
+    "validate_quantization",
+]
+
+#: The values `--quantization` accepts (None: the model dtype, no quantization).
+QUANTIZATIONS = ("int8", "int4")
+#: Input features per int4 scale/zero pair (SmolLM2's GGUF source is q4_1, also groups of 32).
+INT4_GROUP_SIZE = 32
+#: Rows up to which the quantized kernels beat the prepacked bf16 GEMM on a 2-core Sapphire
+#: Rapids (measured per SmolLM2 shape: int8 wins clearly at 1 row, roughly ties at 2-4, and is
+#: 2x slower at 8 and 8x slower at 64).
+DEFAULT_QUANT_MAX_ROWS = 4
+
+#: oneDNN picks the packed layout for this many rows; decode batches are small.
+_PREPACK_BATCH_HINT = 1
+
+
+def validate_quantization(quantization: str | None, device: torch.device | str) -> None:
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; vx supports {QUANTIZATIONS}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization} is implemented for CPU only")
+
+
+def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
+    """Whether a bf16 CPU weight should be reordered into oneDNN's blocked layout.
+
+    NOTE: at M <= 64 rows a prepacked bf16 GEMM is about 1.5-2.4x faster than `F.linear` on the
+    same weight (which reorders on every call), with bit-identical results at decode sizes.
+    `VX_CPU_PREPACK=0` turns it off (e.g. to trace the model with torch.compile).
+    """
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and os.environ.get("VX_CPU_PREPACK", "1") != "0"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PREPACK_BATCH_HINT)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], scales [N] in weight's dtype), symmetric per output channel.
+
+    The values are rounded against the scale as stored (in the model dtype), so that
+    `q * scales[:, None]` is exactly the weight the kernel multiplies by.
+    """
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(weight.dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q int32 [N, K] in 0..15, scales, zeros [N, K // group_size] in weight's dtype).
+
+    Asymmetric per group: w ~ (q - 8) * scale + zero (the convention of torch's int4 kernel),
+    with scale = (max - min) / 15 and zero = min + 8 * scale, both rounded to the model dtype
+    before the values are rounded against them.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4: {k} input features are not a multiple of {group_size}")
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-10).to(weight.dtype)
+    zeros = (lo + 8.0 * scales.float()).to(weight.dtype)
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    q = torch.round((w - z) / s + 8.0).clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scales, zeros
+
+
+def dequantize_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> torch.Tensor:
+    """The fp32 weight `quantize_int4`'s output stands for (the tests' reference)."""
+    n, k = q.shape
+    g = q.view(n, k // group_size, group_size).float() - 8.0
+    return (g * scales.float()[..., None] + zeros.float()[..., None]).view(n, k)
+
+
+class QuantizedWeight:
+    """A weight-only quantized copy of one [N, K] weight and its matmul.
+
+    Invariants: `apply(x)` is x @ W_q.T (+ bias) for the dequantized W_q, in x's dtype;
+    `max_rows` bounds the rows the caller should send here (more go to the dense weight).
+    """
+
+    def __init__(self, weight: torch.Tensor, method: str) -> None:
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        env = os.environ.get("VX_QUANT_MAX_ROWS")
+        self.max_rows = int(env) if env else DEFAULT_QUANT_MAX_ROWS
+        if method == "int8":
+            self.qweight, self.scales = quantize_int8(weight)
+        elif method == "int4":
+            q, scales, zeros = quantize_int4(weight)
+            # [K / group, N, 2] (scale, zero) pairs, the layout the CPU kernel reads.
+            self.scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:
+            raise ValueError(f"unknown quantization {method!r}")
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dtype != self.scales.dtype:
+            raise TypeError(f"quantized linear: input {x.dtype}, weight {self.scales.dtype}")
+        if self.method == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.qweight, INT4_GROUP_SIZE, self.scales
+            )
+        return out if bias is None else out + bias
+
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: bool,
+    quant: QuantizedWeight | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T + b through the quantized copy (small x), the packed weight, or F.linear."""
+    if quant is not None and x.shape[0] <= quant.max_rows:
+        return quant.apply(x, bias)
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
