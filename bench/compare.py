@@ -1,7 +1,8 @@
 """Serve the same model with vx and its peers, one after the other, under the same load.
 
 Usage:
-    python bench/compare.py [--peers vllm,llamacpp] [--concurrency 1,8,32,64] [--repeats 1]
+    python bench/compare.py [--peers vllm,llamacpp[,llamacpp-q4_1]] [--concurrency 1,8,32,64]
+        [--repeats 1] [--vx-variant 'int8=--quantization int8']
 
 For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
 random token-id prompts of --input-len tokens, --output-len tokens with ignore_eos, greedy) at
@@ -106,9 +107,13 @@ class Server:
 def servers(args: argparse.Namespace) -> list[Server]:
     vx_port, vllm_port, llama_port = 8100, 8101, 8102
     vx_cmd = [sys.executable, "-m", "vx", "serve", args.model, "--port", str(vx_port),
-              "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64",
-              *args.vx_args.split()]
-    out = [Server("vx", f"http://127.0.0.1:{vx_port}", "smollm2-135m", vx_cmd, None)]
+              "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64"]
+    out = [Server("vx", f"http://127.0.0.1:{vx_port}", "smollm2-135m",
+                  vx_cmd + args.vx_args.split(), None)]
+    for variant in args.vx_variant:
+        name, _, extra = variant.partition("=")
+        out.append(Server(f"vx {name}", f"http://127.0.0.1:{vx_port}", "smollm2-135m",
+                          vx_cmd + extra.split(), None))
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:
         if (PEER_DIR / "vllmcpu/bin/python").exists():
@@ -121,9 +126,10 @@ def servers(args: argparse.Namespace) -> list[Server]:
     if "llamacpp" in peers:
         if (PEER_DIR / "llamabin/bin/python").exists():
             env = {"PORT": str(llama_port)}
-            out.append(Server("llama.cpp bf16", f"http://127.0.0.1:{llama_port}", "",
-                              ["bash", str(PEERS_SH), "start", "bf16"],
-                              ["bash", str(PEERS_SH), "stop"], env))
+            for variant in ("bf16", "q4_1") if "llamacpp-q4_1" in peers else ("bf16",):
+                out.append(Server(f"llama.cpp {variant}", f"http://127.0.0.1:{llama_port}", "",
+                                  ["bash", str(PEERS_SH), "start", variant],
+                                  ["bash", str(PEERS_SH), "stop"], env))
         else:
             print("llama.cpp peer not built (peers.sh setup); skipping", file=sys.stderr)
     return out
@@ -145,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--vx-args", default="", help="extra flags for vx serve")
+    p.add_argument("--vx-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run vx with these extra flags, as 'vx NAME' (repeatable), "
+                        "e.g. 'int8=--quantization int8'")
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--from-json", default=None, help="no load: report and plot a saved run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -222,18 +231,19 @@ def print_table(results: dict[str, dict[int, list[dict]]], concs: list[int]) -> 
                 f"({_median(rows, 'ttft_ms', 'p50'):.0f} / {_median(rows, 'itl_ms', 'p50'):.1f} ms)"
             )
         print(f"| {name} | " + " | ".join(cells) + " |")
-    base = results.get("vx", {})
-    for name in names[1:]:
-        cells = []
-        for c in concs:
-            a, b = base.get(c), results[name].get(c)
-            if not a or not b:
-                cells.append("—")
-                continue
-            tput = _median(a, "output_throughput") / _median(b, "output_throughput")
-            ttft = _median(a, "ttft_ms", "p50") / _median(b, "ttft_ms", "p50")
-            cells.append(f"{tput:.2f}× tok/s, TTFT {ttft:.2f}×")
-        print(f"| vx / {name} | " + " | ".join(cells) + " |")
+    ours = [n for n in names if n == "vx" or n.startswith("vx ")]
+    for mine in ours:
+        for name in (n for n in names if n not in ours):
+            cells = []
+            for c in concs:
+                a, b = results[mine].get(c), results[name].get(c)
+                if not a or not b:
+                    cells.append("—")
+                    continue
+                tput = _median(a, "output_throughput") / _median(b, "output_throughput")
+                ttft = _median(a, "ttft_ms", "p50") / _median(b, "ttft_ms", "p50")
+                cells.append(f"{tput:.2f}× tok/s, TTFT {ttft:.2f}×")
+            print(f"| {mine} / {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
