@@ -7,6 +7,13 @@ speed drifts. Hold the shared lock: `flock /tmp/vx-bench.lock .venv/bin/python b
 Round trip: the parent sends `size` bytes, the child sends the same bytes back; median and p99.
 Throughput: the parent streams messages one way, the child acknowledges the last one.
 pyzmq is optional (it is not a vx dependency): without it the ZMQ rows are skipped.
+
+Each transport receives through its fastest API, on both sides (`--copy` uses the plain copying
+one everywhere instead): the ring reads in place (`RingReader.recv_view`: the echo child sends
+straight from the view, then releases it; the parent releases its view as a decoder would after
+reading it), ZMQ uses `copy=False` frames (the child echoes the frame itself), mp.Pipe
+`recv_bytes_into` a reused buffer, mp.Queue has only `get`. Senders always start from `bytes`,
+as an encoder produces them.
 """
 
 from __future__ import annotations
@@ -31,13 +38,16 @@ _ACK = b"A"
 
 
 def _serve(recv, send) -> None:
-    """The child's loop: echo, or swallow a stream and acknowledge it; ends on b"Q"."""
+    """The child's loop: echo, or swallow a stream and acknowledge it; ends on b"Q".
+
+    `recv` may return any buffer (compared by value); `send` gets it back to echo.
+    """
     while True:
         msg = recv()
         if msg == b"Q":
             return
         if msg == _STREAM:
-            count = int(recv())
+            count = int(bytes(recv()))
             for _ in range(count):
                 recv()
             send(_ACK)
@@ -45,21 +55,54 @@ def _serve(recv, send) -> None:
             send(msg)
 
 
-def ring_child(ping: RingHandle, pong: RingHandle) -> None:
+def ring_child(ping: RingHandle, pong: RingHandle, copy: bool) -> None:
+    """Zero-copy echo: a message goes back straight from the ping ring's memory (one copy,
+    into the pong ring), and its view is released right after."""
     reader, writer = RingReader.attach(ping), RingWriter.attach(pong)
     try:
-        _serve(reader.recv, writer.send)
+        if copy:
+            _serve(reader.recv, writer.send)
+            return
+        while True:
+            with reader.recv_view() as msg:
+                if msg == b"Q":
+                    return
+                if msg == _STREAM:
+                    count = int(reader.recv())
+                    for _ in range(count):
+                        reader.recv_view().release()
+                    writer.send(_ACK)
+                else:
+                    writer.send(msg)
     finally:
         reader.close()
         writer.close()
 
 
-def zmq_child(endpoint: str) -> None:
+def zmq_child(endpoint: str, copy: bool) -> None:
+    """With copy=False, echoes the received frame itself (zmq's zero-copy path)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(endpoint)
+
+    class _Frame:  # compares by value, sends as the frame
+        def __init__(self, frame) -> None:
+            self.frame = frame
+
+        def __eq__(self, other: object) -> bool:
+            return self.frame.buffer == other
+
+        def __bytes__(self) -> bytes:
+            return self.frame.bytes
+
+    def send(msg) -> None:
+        sock.send(msg.frame if isinstance(msg, _Frame) else msg, copy=False)
+
     try:
-        _serve(sock.recv, sock.send)
+        if copy:
+            _serve(sock.recv, sock.send)
+        else:
+            _serve(lambda: _Frame(sock.recv(copy=False)), send)
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -69,15 +112,26 @@ def queue_child(q_in, q_out) -> None:
     _serve(q_in.get, q_out.put)
 
 
-def pipe_child(conn) -> None:
-    _serve(conn.recv_bytes, conn.send_bytes)
+def pipe_child(conn, max_size: int, copy: bool) -> None:
+    if copy:
+        _serve(conn.recv_bytes, conn.send_bytes)
+        return
+    buf = bytearray(max_size)
+    view = memoryview(buf)
+
+    def recv() -> memoryview:
+        return view[: conn.recv_bytes_into(buf)]
+
+    _serve(recv, conn.send_bytes)
 
 
 class _Transport:
-    """The parent's side of one transport plus its echo child."""
+    """The parent's side of one transport plus its echo child; `receive` takes one reply the
+    fast way and drops it, `recv` returns one as bytes."""
 
-    def __init__(self, name, send, recv, proc, cleanup) -> None:
-        self.name, self.send, self.recv, self._proc, self._cleanup = name, send, recv, proc, cleanup
+    def __init__(self, name, send, recv, receive, proc, cleanup) -> None:
+        self.name, self.send, self.recv, self.receive = name, send, recv, receive
+        self._proc, self._cleanup = proc, cleanup
 
     def close(self) -> None:
         self.send(b"Q")
@@ -94,56 +148,60 @@ def _start(ctx, target, args):
     return proc
 
 
-def open_ring(ctx) -> _Transport:
+def open_ring(ctx, copy: bool) -> _Transport:
     # 4 MiB default rings; 1 MiB messages fit without chunking, as in vx.
     ping = RingWriter.create(name_prefix="vxbench")
     pong = RingReader.create(name_prefix="vxbench")
-    proc = _start(ctx, ring_child, (ping.handle, pong.handle))
+    proc = _start(ctx, ring_child, (ping.handle, pong.handle, copy))
 
     def cleanup() -> None:
         ping.close()
         pong.close()
 
-    return _Transport("vx ring", ping.send, pong.recv, proc, cleanup)
+    receive = pong.recv if copy else lambda: pong.recv_view().release()
+    return _Transport("vx ring", ping.send, pong.recv, receive, proc, cleanup)
 
 
-def open_zmq(ctx, tmpdir: str) -> _Transport:
+def open_zmq(ctx, tmpdir: str, copy: bool) -> _Transport:
     zctx = zmq.Context()
     sock = zctx.socket(zmq.PAIR)
     endpoint = f"ipc://{tmpdir}/bench.sock"
     sock.bind(endpoint)
-    proc = _start(ctx, zmq_child, (endpoint,))
+    proc = _start(ctx, zmq_child, (endpoint, copy))
 
     def cleanup() -> None:
         sock.close(linger=0)
         zctx.term()
 
-    return _Transport("zmq ipc", sock.send, sock.recv, proc, cleanup)
+    receive = sock.recv if copy else lambda: sock.recv(copy=False)
+    return _Transport("zmq ipc", sock.send, sock.recv, receive, proc, cleanup)
 
 
 def open_queue(ctx) -> _Transport:
     q_in, q_out = ctx.Queue(), ctx.Queue()
     proc = _start(ctx, queue_child, (q_in, q_out))
-    return _Transport("mp.Queue", q_in.put, q_out.get, proc, lambda: None)
+    return _Transport("mp.Queue", q_in.put, q_out.get, q_out.get, proc, lambda: None)
 
 
-def open_pipe(ctx) -> _Transport:
+def open_pipe(ctx, max_size: int, copy: bool) -> _Transport:
     parent, child = ctx.Pipe()
-    proc = _start(ctx, pipe_child, (child,))
-    return _Transport("mp.Pipe", parent.send_bytes, parent.recv_bytes, proc, parent.close)
+    proc = _start(ctx, pipe_child, (child, max_size, copy))
+    buf = bytearray(max_size)
+    receive = parent.recv_bytes if copy else lambda: parent.recv_bytes_into(buf)
+    return _Transport("mp.Pipe", parent.send_bytes, parent.recv_bytes, receive, proc, parent.close)
 
 
 def round_trips(t: _Transport, size: int, budget_s: float) -> list[float]:
     msg = os.urandom(size)
     for _ in range(20):  # warm-up: caches, page faults, the child's first spin
         t.send(msg)
-        t.recv()
+        t.receive()
     samples: list[float] = []
     end = time.perf_counter() + budget_s
     while len(samples) < 20000 and (len(samples) < 50 or time.perf_counter() < end):
         t0 = time.perf_counter()
         t.send(msg)
-        t.recv()
+        t.receive()
         samples.append(time.perf_counter() - t0)
     return samples
 
@@ -170,10 +228,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=0.4, help="seconds per measurement")
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES)
+    parser.add_argument(
+        "--copy", action="store_true", help="receive by copying everywhere (no zero-copy APIs)"
+    )
+    parser.add_argument(
+        "--transports", nargs="*", default=None, help="subset of: ring zmq pipe queue"
+    )
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
     names = ["vx ring", "zmq ipc", "mp.Pipe", "mp.Queue"]
+    if args.transports:
+        names = [n for n in names if any(t in n.lower() for t in args.transports)]
+    max_size = max(args.sizes)
     if zmq is None:
         print("pyzmq is not installed: skipping the ZMQ rows (pip install pyzmq)")
         names.remove("zmq ipc")
@@ -185,9 +252,9 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 t = {
-                    "vx ring": lambda: open_ring(ctx),
-                    "zmq ipc": lambda: open_zmq(ctx, tmpdir),
-                    "mp.Pipe": lambda: open_pipe(ctx),
+                    "vx ring": lambda: open_ring(ctx, args.copy),
+                    "zmq ipc": lambda: open_zmq(ctx, tmpdir, args.copy),
+                    "mp.Pipe": lambda: open_pipe(ctx, max_size, args.copy),
                     "mp.Queue": lambda: open_queue(ctx),
                 }[name]()
                 try:
@@ -202,7 +269,8 @@ def main() -> None:
     def med(name: str, size: int, k: int) -> float:
         return statistics.median(r[k] for r in results[name][size])
 
-    print(f"\nIPC between two spawned processes, median of {args.repeats} repeats")
+    mode = "copying receive" if args.copy else "zero-copy receive where offered"
+    print(f"\nIPC between two spawned processes, median of {args.repeats} repeats, {mode}")
     print("round trip µs (median / p99), one-way throughput MB/s, ratio = RT median / ZMQ's")
     header = f"{'transport':<10} {'size':>8} {'RT med':>9} {'RT p99':>9} {'MB/s':>9} {'vs zmq':>7}"
     print(header)
@@ -210,7 +278,7 @@ def main() -> None:
     for name in names:
         for size in args.sizes:
             rt, p99, bw = med(name, size, 0), med(name, size, 1), med(name, size, 2)
-            ratio = f"{rt / med('zmq ipc', size, 0):.2f}" if zmq is not None else "-"
+            ratio = f"{rt / med('zmq ipc', size, 0):.2f}" if "zmq ipc" in names else "-"
             print(
                 f"{name:<10} {_fmt_size(size):>8} {rt * 1e6:>9.1f} {p99 * 1e6:>9.1f} "
                 f"{bw / 1e6:>9.0f} {ratio:>7}"

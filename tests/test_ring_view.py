@@ -19,7 +19,7 @@ import anyio
 import msgspec
 import pytest
 
-from vx.ring import RingHandle, RingReader, RingView, RingWriter
+from vx.ring import REWIND_MIN, RingHandle, RingReader, RingView, RingWriter
 
 PREFIX = "vxringviewtest"
 CTX = multiprocessing.get_context("spawn")
@@ -308,3 +308,30 @@ def test_stream_to_spawned_view_readers_is_exact(num_readers: int) -> None:
         for p in procs:
             p.join(60)
         assert [p.exitcode for p in procs] == [0] * num_readers
+
+
+def test_large_messages_go_back_to_offset_0_when_it_is_free() -> None:
+    """From REWIND_MIN bytes on, a message starts at offset 0 whenever that space is already
+    consumed (cache-hot reuse), and never waits for it."""
+    cap = 64 << 10
+    n = REWIND_MIN
+    size = 8 + n
+    with RingWriter.create(capacity=cap, name_prefix=PREFIX) as w, RingReader.attach(w.handle) as r:
+        w.send(b"s" * (12 << 10))  # from offset 0: nowhere to go back to
+        assert r.recv() == b"s" * (12 << 10)
+        w.send(b"t" * 8)  # a small message never rewinds
+        assert r.recv() == b"t" * 8
+        assert w.statistics().position == (12 << 10) + 8 + 16
+        msg = os.urandom(n)
+        for lap in range(1, 4):
+            w.send(msg)
+            assert w.statistics().position == lap * cap + size  # after a PAD to the end
+            with r.recv_view() as data:
+                assert data == msg and isinstance(data.obj, mmap.mmap)
+        w.send(msg)  # [0, size) is free: rewinds again
+        held = r.recv_view()
+        w.send(msg)  # [0, size) is held: goes on after it instead of waiting
+        assert w.statistics().position == 4 * cap + 2 * size
+        held.release()
+        with r.recv_view() as data:
+            assert data == msg

@@ -15,8 +15,10 @@ centuries at 1 GB/s); [min(read_pos), write_pos) is published and unconsumed. A 
 header (`length | flags << 32`) and the payload padded to 8 bytes; frames are 8-aligned, so a
 header never straddles the end of the data area (a payload may: the reader then copies both
 pieces). A message is one START|END frame, or START, middles, END. A single frame that would
-wrap but fits before its own offset is written at offset 0 instead, after a PAD frame that fills
-the end: so any message up to capacity/2 lies in one piece and readers can view it in place.
+wrap, or one of at least `REWIND_MIN` bytes, goes to offset 0 instead, after a PAD frame that
+fills the end, whenever that space is already free: so a message up to capacity/2 lies in one
+piece unless the ring is backed up (readers view it in place), and large messages keep reusing
+the same cache-hot bytes instead of sweeping the whole ring.
 If `send` times out mid-message, the reader drops the torn part at the next START (or end of
 stream): messages arrive whole or not at all.
 
@@ -72,6 +74,9 @@ __all__ = [
 ]
 
 _WEAK_ORDER = not FENCE_IS_FULL
+
+#: Messages from this size on go back to offset 0 whenever that space is free (see `_send`).
+REWIND_MIN = 8 << 10
 
 #: What `send` accepts: anything with a contiguous buffer (collections.abc.Buffer is 3.12+).
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -157,11 +162,12 @@ class RingWriter(RingEnd):
             pos = self._wpos
             while True:
                 need = pos + size - cap  # every reader's read_pos must reach this
-                if flags == START | END:
-                    off = pos % cap
-                    # In one piece at offset 0 after a PAD frame, if that fits now: readers can
-                    # then view it in place. Never waits longer than wrapping around would.
-                    pad = cap - off if off + HDR < cap < off + size and size <= off else 0
+                if flags == START | END and (off := pos % cap):
+                    # At offset 0 after a PAD frame, if that fits now: a frame that would wrap
+                    # then lies in one piece (readers view it in place), and large messages
+                    # keep reusing the same, cache-hot, bytes. Never waits longer for it.
+                    wraps = off + HDR < cap < off + size
+                    pad = cap - off if (wraps or size >= REWIND_MIN) and size <= off else 0
                     if pad and self._fits(need + pad):
                         break
                 pad = 0

@@ -75,9 +75,9 @@ class RingView:
 class RingReader(RingEnd):
     """One reader of a ring.
 
-    Invariants: only this object stores its `read_pos`; `self._rpos` is the next frame to
-    parse, and the published `read_pos` is the `_start` of the oldest view in `self._held`, or
-    `self._rpos` when none is held; `self._wseen` is a `write_pos` value already loaded, so
+    Invariants: only this object stores its `read_pos`, and `self._published` equals it;
+    `self._rpos` is the next frame to parse; `read_pos` is the `_start` of the oldest view in
+    `self._held`, else `self._rpos` (or, just after a PAD frame, that frame's start); `self._wseen` is a `write_pos` value already loaded, so
     [rpos, wseen) is readable without touching the writer's line; `self._parts` holds the
     chunks of a message in progress.
     """
@@ -107,7 +107,7 @@ class RingReader(RingEnd):
         self._read_idx, self._parked_idx = b + rs.READ_POS, b + rs.READER_PARKED
         self._closed_idx = b + rs.READER_CLOSED
         self._writer_wake_name = seg.name + ".w"
-        self._rpos = self._wseen = q[self._read_idx]
+        self._rpos = self._wseen = self._published = q[self._read_idx]
         self._parts: list[bytes] | None = None
         self._held: collections.deque[RingView] = collections.deque()
         self._woken = 0  # the writer's park episode this reader last woke it for
@@ -239,8 +239,7 @@ class RingReader(RingEnd):
                 raise anyio.BrokenResourceError(f"ring {self._handle.name}: corrupt frame {rpos}")
             self._rpos = rpos + size
             if flags == PAD:  # filler up to the end of the data area
-                self._consumed()
-                continue
+                continue  # published with the frame after it: that one stores read_pos
             start = off + HDR
             if start == cap:
                 start = 0
@@ -248,6 +247,8 @@ class RingReader(RingEnd):
             if end <= cap:
                 if view and flags == START | END:
                     self._parts = None  # drops a torn chunked message, if any
+                    if not self._held and rpos != self._published:
+                        self._store_read_pos(rpos)  # gives back a PAD frame just skipped
                     held = RingView(buf[base + start : base + end], self, rpos)
                     self._held.append(held)
                     return held
@@ -287,7 +288,7 @@ class RingReader(RingEnd):
         q = self._q
         if _WEAK_ORDER:
             self._fence()  # the payload loads (the copy, or the view's user) before the store
-        q[self._read_idx] = pos
+        q[self._read_idx] = self._published = pos
         self._fence_release()  # the read_pos store before the writer_parked load (Dekker)
         self._fence_acquire()
         episode = q[rs.WRITER_PARKED]
