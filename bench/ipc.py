@@ -65,15 +65,17 @@ def ring_child(ping: RingHandle, pong: RingHandle, copy: bool) -> None:
             return
         while True:
             with reader.recv_view() as msg:
-                if msg == b"Q":
-                    return
-                if msg == _STREAM:
-                    count = int(reader.recv())
-                    for _ in range(count):
-                        reader.recv_view().release()
-                    writer.send(_ACK)
-                else:
+                if msg != b"Q" and msg != _STREAM:
                     writer.send(msg)
+                    continue
+                stop = msg == b"Q"
+            # Released before waiting on: a held view's space would stall the stream.
+            if stop:
+                return
+            count = int(reader.recv())
+            for _ in range(count):
+                reader.recv_view().release()
+            writer.send(_ACK)
     finally:
         reader.close()
         writer.close()
