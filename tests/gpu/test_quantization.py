@@ -9,6 +9,8 @@ close to it on the quantized path, and generate through `vx.LLM`.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -132,3 +134,83 @@ def test_llm_generates_with_quantization(tiny_models: dict[str, str]) -> None:
         outs = [r.outputs[0].token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
     assert [len(o) for o in outs] == [8, 8]
     assert all(0 <= t < 384 for o in outs for t in o)
+
+
+# ───────────────────────────── SmolLM2-135M accuracy (slow) ─────────────────────────────
+
+ACCURACY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5, 6,",
+    "Translate to French: The weather is nice today.",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+]
+ACCURACY_TOKENS = 64
+
+
+@torch.no_grad()
+def _teacher_forced_top1(model, seqs: dict[str, list[int]], plens: dict[str, int], decode: bool):
+    """{req: argmax at each of the last ACCURACY_TOKENS positions} with the tokens given.
+
+    decode=False: one flat forward per sequence; decode=True: a bf16 prefill of the prompt,
+    then one token per step (the shape served decoding has, i.e. the quantized path)."""
+    out = {}
+    for r, seq in seqs.items():
+        n = plens[r]
+        d = PagedDriver(model, num_blocks=16)
+        if not decode:
+            out[r] = d.step_all({r: seq})[r][n - 1 :].argmax(-1)
+            continue
+        picks = [d.step({r: seq[:n]})[r].argmax()]
+        for tok in seq[n:]:
+            picks.append(d.step({r: [tok]})[r].argmax())
+        out[r] = torch.stack(picks)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_quantized_top1_agreement(monkeypatch) -> None:
+    """Top-1 agreement of int8/int4 with vx bf16 and fp32 on SmolLM2-135M, teacher-forced along
+    the bf16 model's greedy continuation (8 prompts x 64 tokens), both as served (bf16 prefill,
+    quantized one-row decode steps) and with the quantized kernels forced everywhere."""
+    from transformers import AutoTokenizer
+
+    from vx.gpu.resolve import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = {f"p{i}": tok(p)["input_ids"] for i, p in enumerate(ACCURACY_PROMPTS)}
+    plens = {r: len(p) for r, p in prompts.items()}
+    bf16 = load_model(path, dtype=torch.bfloat16, progress=False)
+    cont = PagedDriver(bf16, num_blocks=128).greedy(prompts, ACCURACY_TOKENS)
+    seqs = {r: p + cont[r][:-1] for r, p in prompts.items()}
+    refs = {"bf16": _teacher_forced_top1(bf16, seqs, plens, decode=False)}
+    del bf16
+    refs["fp32"] = _teacher_forced_top1(
+        load_model(path, dtype=torch.float32, progress=False), seqs, plens, decode=False
+    )
+    total = ACCURACY_TOKENS * len(prompts)
+    report = {}
+    for method in ("int8", "int4"):
+        monkeypatch.delenv("VX_QUANT_MAX_ROWS", raising=False)
+        served = load_model(path, dtype=torch.bfloat16, progress=False, quantization=method)
+        picks = {"served": _teacher_forced_top1(served, seqs, plens, decode=True)}
+        del served
+        monkeypatch.setenv("VX_QUANT_MAX_ROWS", "100000")
+        pure = load_model(path, dtype=torch.bfloat16, progress=False, quantization=method)
+        picks["pure"] = _teacher_forced_top1(pure, seqs, plens, decode=False)
+        del pure
+        for mode, got in picks.items():
+            for ref_name, ref in refs.items():
+                hits = sum(int((got[r] == ref[r]).sum()) for r in prompts)
+                report[f"{method} {mode} vs {ref_name}"] = hits / total
+    logging.getLogger(__name__).info(
+        "SmolLM2-135M top-1 agreement (teacher-forced, 8 x 64): %s",
+        ", ".join(f"{k} {v:.3f}" for k, v in report.items()),
+    )
+    assert min(v for k, v in report.items() if k.startswith("int8")) >= 0.90, report
+    assert min(v for k, v in report.items() if k.startswith("int4")) >= 0.75, report

@@ -40,6 +40,7 @@ from vx.config import BLOCK_SIZE
 from vx.gpu.kv_cache import (
     cpu_decode_kernel_available,
     decode_kernel_fn,
+    fast_decode_attention,
     load_cpu_kernels,
     set_cpu_decode_kernel,
 )
@@ -277,16 +278,20 @@ def _decode_attention(
     g = hq // hkv
     ctx = md.decode_num_blocks * bs
     if md.decode_kernel:
-        fn = decode_kernel_fn(q.dtype)
+        fast = fast_decode_attention()
+        fn = decode_kernel_fn(q.dtype, fast=fast)
         if fn is not None and q.dtype == k_cache.dtype and q.stride(-1) == out.stride(-1) == 1:
             bt, lens = md.decode_block_table, md.decode_seq_lens
             assert bt is not None and lens is not None
-            rc = fn(
+            args = (
                 q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
                 k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
                 bt.data_ptr(), bt.stride(0), lens.data_ptr(),
                 b, hq, hkv, d, bs, scale, ctx,
             )  # fmt: skip
+            rc = fn(*args)
+            if rc == -2 and fast:  # a shape the fast kernel does not handle
+                rc = decode_kernel_fn(q.dtype)(*args)
             if rc != 0:
                 raise MemoryError("the CPU decode attention kernel could not allocate scratch")
             return
