@@ -8,12 +8,12 @@ Round trip: the parent sends `size` bytes, the child sends the same bytes back; 
 Throughput: the parent streams messages one way, the child acknowledges the last one.
 pyzmq is optional (it is not a vx dependency): without it the ZMQ rows are skipped.
 
-Each transport receives through its fastest API, on both sides (`--copy` uses the plain copying
-one everywhere instead): the ring reads in place (`RingReader.recv_view`: the echo child sends
-straight from the view, then releases it; the parent releases its view as a decoder would after
-reading it), ZMQ uses `copy=False` frames (the child echoes the frame itself), mp.Pipe
-`recv_bytes_into` a reused buffer, mp.Queue has only `get`. Senders always start from `bytes`,
-as an encoder produces them.
+Receiving APIs, on both sides of each pair: "vx ring" reads in place (`RingReader.recv_view`:
+the echo child sends straight from the view, then releases it; the parent releases its view as a
+decoder would after reading it), "vx ring copy" uses `recv` (a fresh bytes); "zmq frame" uses
+`copy=False` frames (the child echoes the frame itself), "zmq copy" plain `recv`; mp.Pipe
+`recv_bytes`, mp.Queue `get`. Senders always start from `bytes`, as an encoder produces them.
+The ratio column divides by the faster of the two ZMQ rows at that size.
 """
 
 from __future__ import annotations
@@ -114,17 +114,8 @@ def queue_child(q_in, q_out) -> None:
     _serve(q_in.get, q_out.put)
 
 
-def pipe_child(conn, max_size: int, copy: bool) -> None:
-    if copy:
-        _serve(conn.recv_bytes, conn.send_bytes)
-        return
-    buf = bytearray(max_size)
-    view = memoryview(buf)
-
-    def recv() -> memoryview:
-        return view[: conn.recv_bytes_into(buf)]
-
-    _serve(recv, conn.send_bytes)
+def pipe_child(conn) -> None:
+    _serve(conn.recv_bytes, conn.send_bytes)
 
 
 class _Transport:
@@ -161,7 +152,8 @@ def open_ring(ctx, copy: bool) -> _Transport:
         pong.close()
 
     receive = pong.recv if copy else lambda: pong.recv_view().release()
-    return _Transport("vx ring", ping.send, pong.recv, receive, proc, cleanup)
+    name = "vx ring copy" if copy else "vx ring"
+    return _Transport(name, ping.send, pong.recv, receive, proc, cleanup)
 
 
 def open_zmq(ctx, tmpdir: str, copy: bool) -> _Transport:
@@ -176,7 +168,8 @@ def open_zmq(ctx, tmpdir: str, copy: bool) -> _Transport:
         zctx.term()
 
     receive = sock.recv if copy else lambda: sock.recv(copy=False)
-    return _Transport("zmq ipc", sock.send, sock.recv, receive, proc, cleanup)
+    name = "zmq copy" if copy else "zmq frame"
+    return _Transport(name, sock.send, sock.recv, receive, proc, cleanup)
 
 
 def open_queue(ctx) -> _Transport:
@@ -185,12 +178,11 @@ def open_queue(ctx) -> _Transport:
     return _Transport("mp.Queue", q_in.put, q_out.get, q_out.get, proc, lambda: None)
 
 
-def open_pipe(ctx, max_size: int, copy: bool) -> _Transport:
+def open_pipe(ctx) -> _Transport:
     parent, child = ctx.Pipe()
-    proc = _start(ctx, pipe_child, (child, max_size, copy))
-    buf = bytearray(max_size)
-    receive = parent.recv_bytes if copy else lambda: parent.recv_bytes_into(buf)
-    return _Transport("mp.Pipe", parent.send_bytes, parent.recv_bytes, receive, proc, parent.close)
+    proc = _start(ctx, pipe_child, (child,))
+    recv = parent.recv_bytes
+    return _Transport("mp.Pipe", parent.send_bytes, recv, recv, proc, parent.close)
 
 
 def round_trips(t: _Transport, size: int, budget_s: float) -> list[float]:
@@ -231,21 +223,18 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.4, help="seconds per measurement")
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES)
     parser.add_argument(
-        "--copy", action="store_true", help="receive by copying everywhere (no zero-copy APIs)"
-    )
-    parser.add_argument(
         "--transports", nargs="*", default=None, help="subset of: ring zmq pipe queue"
     )
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
-    names = ["vx ring", "zmq ipc", "mp.Pipe", "mp.Queue"]
+    names = ["vx ring", "vx ring copy", "zmq frame", "zmq copy", "mp.Pipe", "mp.Queue"]
     if args.transports:
         names = [n for n in names if any(t in n.lower() for t in args.transports)]
-    max_size = max(args.sizes)
     if zmq is None:
         print("pyzmq is not installed: skipping the ZMQ rows (pip install pyzmq)")
-        names.remove("zmq ipc")
+        names = [n for n in names if not n.startswith("zmq")]
+    zmq_names = [n for n in names if n.startswith("zmq")]
     # results[name][size] = list over repeats of (median_s, p99_s, bytes_per_s)
     results: dict[str, dict[int, list[tuple[float, float, float]]]] = {
         n: {s: [] for s in args.sizes} for n in names
@@ -254,9 +243,11 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 t = {
-                    "vx ring": lambda: open_ring(ctx, args.copy),
-                    "zmq ipc": lambda: open_zmq(ctx, tmpdir, args.copy),
-                    "mp.Pipe": lambda: open_pipe(ctx, max_size, args.copy),
+                    "vx ring": lambda: open_ring(ctx, False),
+                    "vx ring copy": lambda: open_ring(ctx, True),
+                    "zmq frame": lambda: open_zmq(ctx, tmpdir, False),
+                    "zmq copy": lambda: open_zmq(ctx, tmpdir, True),
+                    "mp.Pipe": lambda: open_pipe(ctx),
                     "mp.Queue": lambda: open_queue(ctx),
                 }[name]()
                 try:
@@ -271,18 +262,18 @@ def main() -> None:
     def med(name: str, size: int, k: int) -> float:
         return statistics.median(r[k] for r in results[name][size])
 
-    mode = "copying receive" if args.copy else "zero-copy receive where offered"
-    print(f"\nIPC between two spawned processes, median of {args.repeats} repeats, {mode}")
-    print("round trip µs (median / p99), one-way throughput MB/s, ratio = RT median / ZMQ's")
-    header = f"{'transport':<10} {'size':>8} {'RT med':>9} {'RT p99':>9} {'MB/s':>9} {'vs zmq':>7}"
+    print(f"\nIPC between two spawned processes, median of {args.repeats} repeats")
+    print("round trip µs (median / p99), one-way throughput MB/s, ratio = RT median / best ZMQ's")
+    header = f"{'transport':<12} {'size':>8} {'RT med':>9} {'RT p99':>9} {'MB/s':>9} {'vs zmq':>7}"
     print(header)
     print("-" * len(header))
     for name in names:
         for size in args.sizes:
             rt, p99, bw = med(name, size, 0), med(name, size, 1), med(name, size, 2)
-            ratio = f"{rt / med('zmq ipc', size, 0):.2f}" if "zmq ipc" in names else "-"
+            best_zmq = min((med(z, size, 0) for z in zmq_names), default=None)
+            ratio = f"{rt / best_zmq:.2f}" if best_zmq else "-"
             print(
-                f"{name:<10} {_fmt_size(size):>8} {rt * 1e6:>9.1f} {p99 * 1e6:>9.1f} "
+                f"{name:<12} {_fmt_size(size):>8} {rt * 1e6:>9.1f} {p99 * 1e6:>9.1f} "
                 f"{bw / 1e6:>9.0f} {ratio:>7}"
             )
 

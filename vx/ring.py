@@ -36,7 +36,9 @@ it stores a fresh park episode number in `reader_parked`, fences, re-checks `wri
 `writer_closed`, and only then blocks in `poll` on its wake-up socket and the writer's pidfd.
 The writer stores `write_pos`, fences, and wakes a reader whose flag holds an episode not yet
 woken (one datagram per park). Both fences are needed: x86 lets a load pass an earlier store
-(Dekker's handshake). A writer facing a full ring parks the same way (`writer_parked`). Idle
+(Dekker's handshake). A writer facing a full ring parks the same way (`writer_parked`). While the
+writer copies a large frame in, it raises `writer_busy`, a hint that keeps a spinning reader
+spinning (up to `BUSY_SPIN_S`) instead of parking just before the frame lands. Idle
 rings cost no CPU, busy ones no syscalls; OS waits still wake every `RECHECK_S` to check
 liveness (which also bounds the cost of a lost wake-up).
 
@@ -77,6 +79,9 @@ _WEAK_ORDER = not FENCE_IS_FULL
 
 #: Messages from this size on go back to offset 0 whenever that space is free (see `_send`).
 REWIND_MIN = 8 << 10
+
+#: Frames from this size on raise `writer_busy` while they are copied in.
+BUSY_MIN = 64 << 10
 
 #: What `send` accepts: anything with a contiguous buffer (collections.abc.Buffer is 3.12+).
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -188,6 +193,27 @@ class RingWriter(RingEnd):
 
     def _publish(self, pos: int, data: Buffer, n: int, flags: int, next_pos: int) -> None:
         """Writes one frame at `pos`, then publishes it and wakes parked readers."""
+        q = self._q
+        busy = n >= BUSY_MIN
+        if busy:
+            q[rs.WRITER_BUSY] = 1  # a hint only: spinning readers keep spinning
+        try:
+            self._copy_frame(pos, data, n, flags, next_pos)
+        finally:
+            if busy:
+                q[rs.WRITER_BUSY] = 0  # after write_pos: a reader that sees 0 sees the frame
+        self._fence_release()  # the counter store before the parked-flag loads (Dekker)
+        self._fence_acquire()
+        i = 0
+        for parked_idx, wake_name in self._wake_targets:
+            episode = q[parked_idx]
+            if episode and episode != self._woken[i]:  # one wake-up per park is enough
+                self._woken[i] = episode
+                self._sender.wake(wake_name)
+            i += 1
+
+    def _copy_frame(self, pos: int, data: Buffer, n: int, flags: int, next_pos: int) -> None:
+        """The header, the payload, then `write_pos`."""
         q, cap, base, mm = self._q, self._cap, self._base, self._mm
         off = pos % cap
         q[(base + off) >> 3] = n | (flags << 32)
@@ -204,15 +230,6 @@ class RingWriter(RingEnd):
         if _WEAK_ORDER:
             self._fence()  # the payload stores before the counter store
         q[rs.WRITE_POS] = self._wpos = next_pos
-        self._fence_release()  # the counter store before the parked-flag loads (Dekker)
-        self._fence_acquire()
-        i = 0
-        for parked_idx, wake_name in self._wake_targets:
-            episode = q[parked_idx]
-            if episode and episode != self._woken[i]:  # one wake-up per park is enough
-                self._woken[i] = episode
-                self._sender.wake(wake_name)
-            i += 1
 
     def _fits(self, target: int) -> bool:
         return target <= self._min_read or self._refresh() >= target

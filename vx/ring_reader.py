@@ -32,7 +32,7 @@ import anyio.lowlevel
 
 from vx import ring_segment as rs
 from vx.ring_segment import END, HDR, LEN_MASK, PAD, START, RingHandle, RingStatistics, ShmSegment
-from vx.ring_wait import FENCE_IS_FULL, RECHECK_S, RingEnd
+from vx.ring_wait import BUSY_SPIN_S, FENCE_IS_FULL, RECHECK_S, RingEnd
 
 __all__ = ["RingReader", "RingView"]
 
@@ -155,7 +155,14 @@ class RingReader(RingEnd):
             return msg
         deadline = None if timeout is None else perf_counter() + timeout
         q, rpos = self._q, self._rpos
-        if self._spin(lambda: q[rs.WRITE_POS] != rpos or q[rs.WRITER_CLOSED], deadline):
+
+        def ready() -> bool:
+            return q[rs.WRITE_POS] != rpos or bool(q[rs.WRITER_CLOSED])
+
+        if self._spin(ready, deadline) or (
+            q[rs.WRITER_BUSY]  # the writer is copying a large frame in: worth waiting for
+            and self._spin(lambda: ready() or not q[rs.WRITER_BUSY], deadline, BUSY_SPIN_S)
+        ):
             msg = self._poll(view)
             if msg is not None:
                 return msg

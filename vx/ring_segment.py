@@ -7,7 +7,7 @@ Segment (`/dev/shm/<prefix>-<creator pid>-<random>`, mode 0600) of native u64 sl
 party's hot fields have their own 64-byte line::
 
     line 0        magic | version | capacity | num_readers | data_offset        (constant)
-    line 1        write_pos | writer_pid | writer_parked | writer_closed        (writer writes)
+    line 1        write_pos | writer_pid | writer_parked | writer_closed | writer_busy
     line 2 + i    read_pos | reader_pid | reader_parked | reader_closed         (reader i writes)
     data_offset   `capacity` bytes of frames, addressed by position % capacity
 
@@ -48,9 +48,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # The header, as u64 slot indices (the layout is drawn above).
-MAGIC, VERSION = 0x7672696E67763031, 2  # "vringv01"; version 2 added PAD frames
+MAGIC, VERSION = 0x7672696E67763031, 2  # "vringv01"; version 2: PAD frames, writer_busy
 CAPACITY, NUM_READERS, DATA_OFFSET = 2, 3, 4
-WRITE_POS, WRITER_PID, WRITER_PARKED, WRITER_CLOSED = 8, 9, 10, 11
+WRITE_POS, WRITER_PID, WRITER_PARKED, WRITER_CLOSED, WRITER_BUSY = 8, 9, 10, 11, 12
 READERS = 16  # reader i's line starts at READERS + 8 * i; its slots are relative to that:
 READ_POS, READER_PID, READER_PARKED, READER_CLOSED = 0, 1, 2, 3
 

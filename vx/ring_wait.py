@@ -33,6 +33,7 @@ from typing import Self
 from vx.ring_segment import RingHandle, ShmSegment, pid_alive, sweep_stale_segments
 
 __all__ = [
+    "BUSY_SPIN_S",
     "FENCE_IS_FULL",
     "RECHECK_S",
     "SPIN_S",
@@ -55,6 +56,9 @@ FENCE_IS_FULL = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"
 
 #: How long an empty reader (or a writer facing a full ring) polls before it parks.
 SPIN_S = 50e-6
+#: How long a reader keeps polling past `SPIN_S` while the writer says it is copying a large
+#: message (`writer_busy`): parking and waking again would cost more than the wait.
+BUSY_SPIN_S = 2e-3
 #: Longest uninterrupted OS wait: peer liveness and lost wake-ups are re-checked this often.
 RECHECK_S = 0.25
 
@@ -257,8 +261,13 @@ class RingEnd:
         self._fence_release()
         self._fence_acquire()
 
-    def _spin(self, ready: Callable[[], object], deadline: float | None) -> bool:
-        spin = self.spin_s if deadline is None else min(self.spin_s, deadline - time.perf_counter())
+    def _spin(
+        self, ready: Callable[[], object], deadline: float | None, seconds: float | None = None
+    ) -> bool:
+        """Spins for `seconds` (default `spin_s`; never when `spin_s` is 0); True once ready."""
+        spin = self.spin_s if seconds is None or self.spin_s <= 0 else seconds
+        if deadline is not None:
+            spin = min(spin, deadline - time.perf_counter())
         return spin > 0 and spin_until(ready, spin)
 
     def _release(self) -> None:
