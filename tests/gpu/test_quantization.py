@@ -194,7 +194,11 @@ def test_smollm2_quantized_top1_agreement(monkeypatch) -> None:
         load_model(path, dtype=torch.float32, progress=False), seqs, plens, decode=False
     )
     total = ACCURACY_TOKENS * len(prompts)
-    report = {}
+    # For scale: the unquantized bf16 model against fp32.
+    report = {
+        "bf16 vs fp32": sum(int((refs["bf16"][r] == refs["fp32"][r]).sum()) for r in prompts)
+        / total
+    }
     for method in ("int8", "int4"):
         monkeypatch.delenv("VX_QUANT_MAX_ROWS", raising=False)
         served = load_model(path, dtype=torch.bfloat16, progress=False, quantization=method)
@@ -212,5 +216,5 @@ def test_smollm2_quantized_top1_agreement(monkeypatch) -> None:
         "SmolLM2-135M top-1 agreement (teacher-forced, 8 x 64): %s",
         ", ".join(f"{k} {v:.3f}" for k, v in report.items()),
     )
-    assert min(v for k, v in report.items() if k.startswith("int8")) >= 0.90, report
-    assert min(v for k, v in report.items() if k.startswith("int4")) >= 0.75, report
+    assert min(v for k, v in report.items() if k.startswith("int8")) >= 0.93, report
+    assert min(v for k, v in report.items() if k.startswith("int4")) >= 0.85, report
