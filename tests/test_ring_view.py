@@ -19,7 +19,8 @@ import anyio
 import msgspec
 import pytest
 
-from vx.ring import REWIND_MIN, RingHandle, RingReader, RingView, RingWriter
+from vx import ring_segment as rs
+from vx.ring import BUSY_MIN, REWIND_MIN, RingHandle, RingReader, RingView, RingWriter
 
 PREFIX = "vxringviewtest"
 CTX = multiprocessing.get_context("spawn")
@@ -335,3 +336,15 @@ def test_large_messages_go_back_to_offset_0_when_it_is_free() -> None:
         held.release()
         with r.recv_view() as data:
             assert data == msg
+
+
+def test_writer_busy_is_a_hint_cleared_after_each_large_frame() -> None:
+    """writer_busy is raised only around large copies and is 0 once a frame is published (a
+    reader that sees 0 sees the frame), so readers never spin on a stale hint."""
+    with RingWriter.create(capacity=1 << 20, name_prefix=PREFIX) as w:
+        with RingReader.attach(w.handle) as r:
+            for n in (10, BUSY_MIN, 300 << 10):
+                w.send(b"b" * n)
+                assert w._q[rs.WRITER_BUSY] == 0
+                with r.recv_view(timeout=1) as data:
+                    assert len(data) == n
