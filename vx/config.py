@@ -103,13 +103,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.msgpack.decode(data, type=cls)
 
 
-def default_max_num_batched_tokens(device_memory_bytes: int | None, *, offline: bool) -> int:
+def default_max_num_batched_tokens(
+    device_memory_bytes: int | None, *, offline: bool, device: str = "cuda"
+) -> int:
     """vLLM's per-hardware, per-entry-point token budget.
 
-    The server gets 8,192 on devices under 160 GiB (and on CPU) and 16,384 at or above; the
-    offline `LLM` class gets twice the server's budget.
+    On CPU the server gets 2,048 (vLLM's CPU default: a 2-core step of 8,192 prompt tokens
+    takes seconds, and every running stream waits for it). A GPU server gets 8,192 under
+    160 GiB and 16,384 at or above. The offline `LLM` class gets twice the server's budget.
     """
     base = 8192
-    if device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_BYTES:
+    if device != "cuda":
+        base = 2048
+    elif device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_BYTES:
         base = 16384
     return base * 2 if offline else base

@@ -1,7 +1,8 @@
 """Per-hardware defaults and the GPU KV-pool sizing, checked on CPU with faked device queries.
 
-- the token budget: 8,192 for the server under 160 GiB of device memory (an H100's 80 GB, an
-  H200's 141 GB = 131 GiB), 16,384 at or above (a B200), twice that for the offline class;
+- the token budget: 2,048 for a CPU server (vLLM's CPU default), 8,192 for a GPU server under
+  160 GiB of device memory (an H100's 80 GB, an H200's 141 GB = 131 GiB), 16,384 at or above
+  (a B200), twice that for the offline class;
 - max_num_seqs 1,024 on cuda, 256 on cpu;
 - `vx serve --device cuda` and `vx.LLM(device="cuda")` query the device (NVML first, a torch
   child process second) and the CPU path imports no torch;
@@ -35,7 +36,7 @@ B200 = 180 * 10**9  # 167.6 GiB
 @pytest.mark.parametrize(
     ("memory", "server", "offline"),
     [
-        (None, 8192, 16384),  # CPU
+        (None, 2048, 4096),  # CPU
         (H100, 8192, 16384),
         (H200_NVML, 8192, 16384),
         (H200_TORCH, 8192, 16384),
@@ -45,9 +46,9 @@ B200 = 180 * 10**9  # 167.6 GiB
     ],
 )
 def test_token_budget_per_device_and_entry_point(memory, server, offline):
-    assert default_max_num_batched_tokens(memory, offline=False) == server
-    assert default_max_num_batched_tokens(memory, offline=True) == offline
     dev = "cpu" if memory is None else "cuda"
+    assert default_max_num_batched_tokens(memory, offline=False, device=dev) == server
+    assert default_max_num_batched_tokens(memory, offline=True, device=dev) == offline
     kw = dict(max_num_seqs=None, max_num_batched_tokens=None, device_memory_bytes=memory)
     assert vdev.resolve_scheduler_defaults(dev, offline=False, **kw)[1] == server
     assert vdev.resolve_scheduler_defaults(dev, offline=True, **kw)[1] == offline
@@ -60,7 +61,7 @@ def test_max_num_seqs_defaults_and_explicit_values_win(monkeypatch):
     ) == (1024, 4096)
     assert vdev.resolve_scheduler_defaults(
         "cpu", max_num_seqs=None, max_num_batched_tokens=None, offline=False
-    ) == (256, 8192)
+    ) == (256, 2048)
     assert vdev.resolve_scheduler_defaults(
         "cuda", max_num_seqs=12, max_num_batched_tokens=100, offline=True
     ) == (12, 100)
@@ -114,7 +115,7 @@ def test_llm_cuda_queries_the_device_with_the_offline_budget(monkeypatch):
     with pytest.raises(Stop):
         vx.llm.LLM()
     s = seen["config"].scheduler
-    assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 16384)
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 4096)
 
 
 class _FakeNvml:

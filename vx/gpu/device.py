@@ -119,7 +119,7 @@ def resolve_scheduler_defaults(
     if not budget:
         if device_memory_bytes is None and device == "cuda":
             device_memory_bytes = device_total_memory(device)
-        budget = default_max_num_batched_tokens(device_memory_bytes, offline=offline)
+        budget = default_max_num_batched_tokens(device_memory_bytes, offline=offline, device=device)
         if device == "cuda":
             logger.info(
                 "default max_num_batched_tokens %d (%s, %s GiB device)",
