@@ -239,83 +239,173 @@ void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64
 }
 DECODE_KERNEL(vx_decode_attention_f32, float, ld_f32, st_f32, expf)
 DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
-/* The same computation for bf16 with AVX512-BF16 (when the compiler targets it): q.k as dot
-   products of bf16 pairs into fp32 (`vdpbf16ps`, the scale applied to the sum), the softmax
-   with vx_expf, p.V in fp32 FMAs. About 4x less work per key than the portable kernel; the
-   results differ from it by fp32 summation order (the bf16 outputs agree to about one ulp).
+/* The same computation for bf16 with AVX512-BF16 (when the compiler targets it), per
+   (request, kv head) item in chunks of up to VX_CH keys with an online softmax (running max
+   and sum per query head, the accumulator rescaled when the max grows), all scratch on the
+   stack. Scores: 16 keys at a time, q.k as `vdpbf16ps` bf16-pair dot products into 16 fp32
+   vectors, reduced together by a shuffle-add tree into one vector of 16 scores (the keys fed
+   in a 4x4-transposed order so the tree's output lanes come out in key order). The softmax
+   exp is vectorised (vx_exp16). p.V: fp32 FMAs, a V row's bf16 pairs split into its even and
+   odd dims by a shift and a mask (no shuffle), several query heads' accumulators held in
+   registers at once. The results differ from the portable kernel by fp32 summation order
+   (the bf16 outputs agree to about one ulp).
    Returns -2 for a shape it does not handle (D % 32, D > 256, G > 16): the caller falls back. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define VX_HAS_FAST_BF16 1
-static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#define VX_CH 256
+#define VX_INLINE static inline __attribute__((always_inline))
+VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+/* a[i] holds 16 partial sums of input i; lane 4k+j of the result is the total of input 4j+k. */
+VX_INLINE __m512 vx_hsum16(const __m512* a) {
+    __m512 b[8], c[4], f[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+    for (int m = 0; m < 4; m++)
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++)
+        f[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+}
+/* One (request, kv head) item; DV = D / 32 is a compile-time constant at each call site. */
+VX_INLINE void vx_fast_item(
+        const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
+        const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
+        int BS, float scale, const int DV) {
+    enum { GB_MAX = 4 };
+    const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
+    float sc[16][VX_CH] __attribute__((aligned(64)));
+    __m512 acc[16][16];
+    int64_t off[VX_CH];
+    float mx[16], sum[16];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY; sum[g] = 0.f;
+        for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
+    }
+    for (int c0 = 0; c0 < len; c0 += VX_CH) {
+        const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
+        for (int i = 0; i < ng * 16; i++) {  /* key rows past len repeat the chunk's first */
+            const int p = c0 + (i < cnt ? i : 0);
+            off[i] = (int64_t)btr[p / BS] * c_sb + (int64_t)(p % BS) * c_ss;
+        }
+        for (int g = 0; g < G; g++) {
+            __m512i qv[8];
+            for (int v = 0; v < DV; v++)
+                qv[v] = _mm512_loadu_si512((const void*)(qr + (int64_t)g * q_sh + 32 * v));
+            __m512 run = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < ng; t++) {
+                __m512 a[16];
+                for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
+                    const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
+                    __m512 s = _mm512_setzero_ps();
+                    for (int v = 0; v < DV; v++)
+                        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512((const void*)(kr + 32 * v)),
+                                             (__m512bh)qv[v]);
+                    a[i] = s;
+                }
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                                                    vx_hsum16(a), _mm512_set1_ps(scale));
+                _mm512_store_ps(&sc[g][t * 16], r);
+                run = _mm512_max_ps(run, r);
+            }
+            const float m_new = fmaxf(mx[g], _mm512_reduce_max_ps(run));
+            const float corr = vx_expf(mx[g] - m_new);  /* ~0 on the first chunk */
+            __m512 s = _mm512_setzero_ps();
+            const __m512 mv = _mm512_set1_ps(m_new);
+            for (int t = 0; t < ng; t++) {
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(
+                    valid, vx_exp16(_mm512_sub_ps(_mm512_load_ps(&sc[g][t * 16]), mv)));
+                _mm512_store_ps(&sc[g][t * 16], e);
+                s = _mm512_add_ps(s, e);
+            }
+            sum[g] = sum[g] * corr + _mm512_reduce_add_ps(s);
+            mx[g] = m_new;
+            if (c0) {
+                const __m512 cv = _mm512_set1_ps(corr);
+                for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);
+            }
+        }
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int g0 = 0; g0 < G; g0 += GB) {
+            const int gn = (G - g0) < GB ? (G - g0) : GB;
+            __m512 ac[GB_MAX][16];
+            for (int gg = 0; gg < GB; gg++)
+                for (int j = 0; j < 2 * DV; j++) ac[gg][j] = gg < gn ? acc[g0 + gg][j] : _mm512_setzero_ps();
+            for (int i = 0; i < cnt; i++) {
+                const vx_bf16* vr = vh + off[i];
+                __m512 vf[16];
+                for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
+                    const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
+                    vf[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    vf[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+                }
+                for (int gg = 0; gg < GB; gg++) {
+                    if (gg >= gn) break;
+                    const __m512 p = _mm512_set1_ps(sc[g0 + gg][i]);
+                    for (int j = 0; j < 2 * DV; j++) ac[gg][j] = _mm512_fmadd_ps(p, vf[j], ac[gg][j]);
+                }
+            }
+            for (int gg = 0; gg < gn; gg++)
+                for (int j = 0; j < 2 * DV; j++) acc[g0 + gg][j] = ac[gg][j];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float tmp[2 * 256] __attribute__((aligned(64)));
+        const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+        for (int j = 0; j < 2 * DV; j++) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        vx_bf16* o = orow + (int64_t)g * o_sh;
+        for (int v = 0; v < DV; v++)
+            for (int j = 0; j < 16; j++) {
+                o[32 * v + 2 * j] = st_bf16(tmp[32 * v + j]);
+                o[32 * v + 2 * j + 1] = st_bf16(tmp[32 * v + 16 + j]);
+            }
+    }
 }
 int vx_decode_attention_bf16_fast(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* lens,
         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
-    const int G = Hq / Hkv, DV = D / 32, DF = D / 16; int failed = 0;
+    const int G = Hq / Hkv;
     if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
-    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") {
-    float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1));
-    float* acc = (float*)aligned_alloc(64, sizeof(float) * 16 * 256);
-    if (!sc || !acc) { failed = 1; } else {
-    _Pragma("omp for schedule(static)")
+    _Pragma("omp parallel for schedule(static) if ((int64_t)B * Hkv * max_len >= 8192)")
     for (int64_t w = 0; w < (int64_t)B * Hkv; w++) {
-        const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b];
-        const int nblk = (len + BS - 1) / BS;
-        __m512i qv[16][8];
-        for (int g = 0; g < G; g++) {
-            const vx_bf16* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh;
-            for (int v = 0; v < DV; v++) qv[g][v] = _mm512_loadu_si512((const void*)(qr + 32 * v));
+        const int b = (int)(w / Hkv), h = (int)(w % Hkv);
+        const vx_bf16* qr = q + b * q_st + (int64_t)h * G * q_sh;
+        vx_bf16* orow = out + b * o_st + (int64_t)h * G * o_sh;
+        const vx_bf16 *kh = kc + h * c_sh, *vh = vc + h * c_sh;
+        const int32_t* btr = bt + b * bt_s;
+#define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
+                                scale, DV)
+        switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
+        case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
+        case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;
+        case 7: VX_ITEM(7); break; default: VX_ITEM(8); break;
         }
-        for (int n = 0; n < nblk; n++) {
-            const vx_bf16* kb = kc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb;
-            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
-            for (int s = 0; s < smax; s++) {
-                const vx_bf16* kr = kb + s * c_ss;
-                __m512i kv[8];
-                for (int v = 0; v < DV; v++) kv[v] = _mm512_loadu_si512((const void*)(kr + 32 * v));
-                for (int g = 0; g < G; g++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int v = 0; v < DV; v++)
-                        a = _mm512_dpbf16_ps(a, (__m512bh)kv[v], (__m512bh)qv[g][v]);
-                    sc[(int64_t)g * len + n * BS + s] = _mm512_reduce_add_ps(a) * scale;
-                }
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            float* sg = sc + (int64_t)g * len; float m = sg[0], sum = 0.f;
-            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m;
-            for (int j = 0; j < len; j++) { sg[j] = vx_expf(sg[j] - m); sum += sg[j]; }
-            const float inv = 1.f / sum;
-            for (int j = 0; j < len; j++) sg[j] *= inv;
-        }
-        for (int i = 0; i < G * D; i++) acc[i] = 0.f;
-        for (int n = 0; n < nblk; n++) {
-            const vx_bf16* vb = vc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb;
-            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
-            for (int s = 0; s < smax; s++) {
-                __m512 vr[16];
-                for (int v = 0; v < DF; v++) vr[v] = vx_ld16_bf16(vb + s * c_ss + 16 * v);
-                for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(sc[(int64_t)g * len + n * BS + s]);
-                    float* ag = acc + g * D;
-                    for (int v = 0; v < DF; v++)
-                        _mm512_store_ps(ag + 16 * v,
-                                        _mm512_fmadd_ps(p, vr[v], _mm512_load_ps(ag + 16 * v)));
-                }
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            vx_bf16* orow = out + b * o_st + (int64_t)(h * G + g) * o_sh;
-            for (int d = 0; d < D; d++) orow[d] = st_bf16(acc[g * D + d]);
-        }
-    } }
-    free(sc); free(acc); }
-    return failed;
+    }
+    return 0;
 }
 #endif
 int vx_has_fast_bf16(void) {

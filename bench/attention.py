@@ -1,0 +1,152 @@
+"""Time the CPU paged decode attention kernels alone, old against new, in the same run.
+
+Usage (always under the shared benchmark lock):
+
+    flock /tmp/vx-bench.lock .venv/bin/python bench/attention.py [--threads 2] [--repeats 3]
+        [--baseline REV] [--sizes 1x256,16x256,64x256,1x1024,16x1024,64x1024]
+
+Shapes: SmolLM2-135M's (30 layers, 9 query heads, 3 KV heads, head_dim 64, bf16, block size
+16). Each size BxKV gives every request KV tokens of context; every layer has its own K/V
+cache (so a step reads 30 layers' KV, as the model does) and the block tables are a random
+permutation of the blocks. One "step" is the kernel called once per layer through ctypes
+(argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
+Kernels: the portable and AVX512-BF16 kernels of `--baseline` (the C source is read from
+that git revision's vx/gpu/kv_cache.py and built into a temporary directory) and of the
+working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vx.gpu import kv_cache  # noqa: E402
+
+LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 16
+#: The last commit with the first AVX512-BF16 kernel (one horizontal reduce per key and head).
+DEFAULT_BASELINE = "0304f72"
+ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+]  # fmt: skip
+
+
+def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
+    """Build `rev`'s kernel source (the `_DECODE_KERNEL_SOURCE` literal) with its flags."""
+    text = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{rev}:vx/gpu/kv_cache.py"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    values = {}
+    for node in ast.parse(text).body:
+        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+        name = getattr(target, "id", None)
+        if name in ("_DECODE_KERNEL_SOURCE", "_CFLAGS"):
+            values[name] = ast.literal_eval(node.value)
+    src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
+    with open(src, "w") as f:
+        f.write(values["_DECODE_KERNEL_SOURCE"])
+    subprocess.run(["cc", *values["_CFLAGS"], "-o", so, src], check=True)
+    return ctypes.CDLL(so)
+
+
+def kernels(rev: str, tmp: str) -> dict[str, object]:
+    found = {}
+    for tag, lib in (("old", baseline_lib(rev, tmp)), ("new", kv_cache.load_cpu_kernels())):
+        assert lib is not None
+        found[f"{tag} portable"] = lib.vx_decode_attention_bf16
+        if hasattr(lib, "vx_decode_attention_bf16_fast") and lib.vx_has_fast_bf16():
+            found[f"{tag} fast"] = lib.vx_decode_attention_bf16_fast
+    for fn in found.values():
+        fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
+    return found
+
+
+def layer_args(b: int, kv: int, gen: torch.Generator) -> tuple[list[tuple], list[torch.Tensor]]:
+    """Argument tuples for LAYERS layers at batch `b` and `kv` tokens, and what they point at."""
+    width = -(-kv // BS)
+    nb = b * width
+    keep: list[torch.Tensor] = []
+    args = []
+    q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16)
+    lens = torch.full((b,), kv, dtype=torch.int32)
+    keep += [q, lens]
+    for _ in range(LAYERS):
+        kc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
+        vc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
+        bt = torch.randperm(nb, generator=gen).to(torch.int32).view(b, width)
+        out = torch.empty(b, HQ, D, dtype=torch.bfloat16)
+        keep += [kc, vc, bt, out]
+        args.append(
+            (
+                q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
+                out.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], bt.data_ptr(),
+                bt.stride(0), lens.data_ptr(), b, HQ, HKV, D, BS, D**-0.5, width * BS,
+            )
+        )  # fmt: skip
+    return args, keep
+
+
+def time_step(fn, args: list[tuple], min_s: float = 0.2) -> float:
+    """Mean ms per step (one call per layer) over enough steps to take `min_s`."""
+    for a in args:  # warm-up
+        assert fn(*a) == 0
+    steps, t0 = 0, time.perf_counter()
+    while True:
+        for a in args:
+            fn(*a)
+        steps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_s and steps >= 3:
+            return elapsed / steps * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline", default=DEFAULT_BASELINE)
+    p.add_argument("--sizes", default="1x256,16x256,64x256,1x1024,16x1024,64x1024")
+    p.add_argument("--kernels", default="", help="comma-separated subset of kernel names")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = kernels(a.baseline, tmp)
+        if a.kernels:
+            fns = {k: v for k, v in fns.items() if k in a.kernels.split(",")}
+        names = list(fns)
+        print(f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step (x{LAYERS})")
+        print(f"{'BxKV':>8} " + " ".join(f"{n:>13}" for n in names) + "   new fast / old fast")
+        for size in a.sizes.split(","):
+            b, kv = (int(x) for x in size.split("x"))
+            args, keep = layer_args(b, kv, gen)
+            runs: dict[str, list[float]] = {n: [] for n in names}
+            for _ in range(a.repeats):  # interleaved, so drift hits every kernel alike
+                for n in names:
+                    runs[n].append(time_step(fns[n], args))
+            med = {n: statistics.median(r) for n, r in runs.items()}
+            ratio = ""
+            if "new fast" in med and "old fast" in med:
+                ratio = f"{med['new fast'] / med['old fast']:.2f}"
+            print(f"{size:>8} " + " ".join(f"{med[n]:13.3f}" for n in names) + f"   {ratio}")
+            del keep
+
+
+if __name__ == "__main__":
+    main()
