@@ -19,8 +19,6 @@ from vx.gpu.kv_cache import (
     set_fast_decode_attention,
 )
 
-BS = 16
-
 
 def _has_fast() -> bool:
     lib = load_cpu_kernels()
@@ -44,27 +42,47 @@ def test_default_is_the_portable_kernel(monkeypatch) -> None:
     assert not fast_decode_attention()
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 32), (8, 8, 128), (4, 2, 16)])
-def test_fast_decode_matches_reference(hq: int, hkv: int, d: int) -> None:
+CASES = [
+    # (hq, hkv, d, block size, lens): GQA groups 1/3/4/8, D 32..256, lengths 1, not multiples
+    # of 16, and past one 256-key chunk (the online softmax's rescaling path)
+    (9, 3, 64, 16, [1, 17, 200, 64, 33]),
+    (4, 2, 32, 16, [1, 17, 200, 64, 33]),
+    (8, 8, 128, 16, [1, 17, 200, 64, 33]),
+    (4, 2, 16, 16, [1, 17, 200, 64, 33]),  # D % 32: the fast kernel declines, portable runs
+    (4, 1, 64, 16, [1, 2, 15, 16, 31, 257]),
+    (8, 1, 128, 16, [700, 1, 513]),
+    (9, 3, 64, 16, [1000, 255, 256, 511, 3]),
+    (6, 2, 96, 16, [40, 300]),
+    (16, 2, 256, 16, [19, 290]),
+    (9, 3, 64, 8, [1, 9, 100, 300]),  # a block smaller than the 16-key groups
+    (9, 3, 64, 32, [5, 33, 270]),
+]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "lens"), CASES)
+def test_fast_decode_matches_reference(hq: int, hkv: int, d: int, bs: int, lens: list) -> None:
     if not _has_fast():
         pytest.skip("no AVX512-BF16 kernel on this machine")
     g = torch.Generator().manual_seed(0)
-    lens = np.array([1, 17, 200, 64, 33])
-    b, nb = len(lens), 80
-    kc = torch.randn(hkv, nb, BS, d, generator=g).to(torch.bfloat16)
-    vc = torch.randn(hkv, nb, BS, d, generator=g).to(torch.bfloat16)
+    lens = np.array(lens)
+    b = len(lens)
+    width = -(-int(lens.max()) // bs)
+    nb = b * width + 3
+    kc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    vc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    # a few large keys: the softmax max moves between chunks
+    kc[:, :: max(nb // 5, 1), 3] *= 4
     q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
-    width = -(-int(lens.max()) // BS)
     perm = torch.randperm(nb, generator=g).numpy()
     table = perm[: b * width].reshape(b, width).astype(np.int32)
     # this step's token (the last position) is written to its slot by paged_attention
     last = lens - 1
-    slots = table[np.arange(b), last // BS].astype(np.int64) * BS + last % BS
+    slots = table[np.arange(b), last // bs].astype(np.int64) * bs + last % bs
     k_new = torch.randn(b, hkv, d, generator=g).to(torch.bfloat16)
     v_new = torch.randn(b, hkv, d, generator=g).to(torch.bfloat16)
     md = build_attention_metadata(
         query_lens=np.ones(b, dtype=np.int64), num_computed=lens - 1, block_table=table,
-        slot_mapping=slots, num_decodes=b,
+        slot_mapping=slots, num_decodes=b, block_size=bs,
     )  # fmt: skip
     scale = d**-0.5
     outs = {}
@@ -81,4 +99,14 @@ def test_fast_decode_matches_reference(hq: int, hkv: int, d: int) -> None:
             torch.testing.assert_close(out[i].float(), ref, atol=2e-2, rtol=2e-2, msg=str(fast))
     # the two kernels differ by fp32 summation order only: bf16 outputs within one ulp
     diff = (outs[True].float() - outs[False].float()).abs()
+    if d % 32 == 0:  # the fast kernel handles this shape itself (no -2 fallback)
+        out = torch.empty_like(q)
+        args = (
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], md.decode_block_table.data_ptr(),
+            md.decode_block_table.stride(0), md.decode_seq_lens.data_ptr(),
+            b, hq, hkv, d, bs, scale, md.decode_num_blocks * bs,
+        )  # fmt: skip
+        assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
+        assert torch.equal(out, outs[True])
     assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()
