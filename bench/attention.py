@@ -10,6 +10,7 @@ Shapes: SmolLM2-135M's (30 layers, 9 query heads, 3 KV heads, head_dim 64, bf16,
 cache (so a step reads 30 layers' KV, as the model does) and the block tables are a random
 permutation of the blocks. One "step" is the kernel called once per layer through ctypes
 (argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
+"new fast noAMX" is the working tree's fast kernel with its AMX q.k turned off.
 Kernels: the portable and AVX512-BF16 kernels of `--baseline` (the C source is read from
 that git revision's vx/gpu/kv_cache.py and built into a temporary directory) and of the
 working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
@@ -73,6 +74,9 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
             found[f"{tag} fast"] = lib.vx_decode_attention_bf16_fast
     for fn in found.values():
         fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
+    lib = kv_cache.load_cpu_kernels()
+    if "new fast" in found and hasattr(lib, "vx_fast_amx") and lib.vx_fast_amx(-1):
+        found["new fast noAMX"] = found["new fast"]  # timed with AMX off (see time_step)
     return found
 
 
@@ -101,8 +105,11 @@ def layer_args(b: int, kv: int, gen: torch.Generator) -> tuple[list[tuple], list
     return args, keep
 
 
-def time_step(fn, args: list[tuple], min_s: float = 0.2) -> float:
+def time_step(fn, args: list[tuple], min_s: float = 0.2, amx: bool = True) -> float:
     """Mean ms per step (one call per layer) over enough steps to take `min_s`."""
+    lib = kv_cache.load_cpu_kernels()
+    if hasattr(lib, "vx_fast_amx"):
+        lib.vx_fast_amx(int(amx))
     for a in args:  # warm-up
         assert fn(*a) == 0
     steps, t0 = 0, time.perf_counter()
@@ -139,7 +146,7 @@ def main() -> None:
             runs: dict[str, list[float]] = {n: [] for n in names}
             for _ in range(a.repeats):  # interleaved, so drift hits every kernel alike
                 for n in names:
-                    runs[n].append(time_step(fns[n], args))
+                    runs[n].append(time_step(fns[n], args, amx=not n.endswith("noAMX")))
             med = {n: statistics.median(r) for n, r in runs.items()}
             ratio = ""
             if "new fast" in med and "old fast" in med:

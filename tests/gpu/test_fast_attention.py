@@ -59,10 +59,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "lens"), CASES)
-def test_fast_decode_matches_reference(hq: int, hkv: int, d: int, bs: int, lens: list) -> None:
+@pytest.fixture(params=[False, True], ids=["avx512", "amx"])
+def amx(request):
+    """The fast kernel's q.k with AVX512-BF16 or with AMX tiles (where the CPU has them)."""
+    lib = load_cpu_kernels()
     if not _has_fast():
         pytest.skip("no AVX512-BF16 kernel on this machine")
+    before = lib.vx_fast_amx(-1)
+    if lib.vx_fast_amx(int(request.param)) != int(request.param):
+        pytest.skip("no AMX on this machine")
+    yield request.param
+    lib.vx_fast_amx(before)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "lens"), CASES)
+def test_fast_decode_matches_reference(
+    hq: int, hkv: int, d: int, bs: int, lens: list, amx: bool
+) -> None:
     g = torch.Generator().manual_seed(0)
     lens = np.array(lens)
     b = len(lens)

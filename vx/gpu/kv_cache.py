@@ -255,6 +255,26 @@ DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
 #define VX_HAS_FAST_BF16 1
 #define VX_CH 256
 #define VX_INLINE static inline __attribute__((always_inline))
+static int vx_amx_on = 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VX_HAS_AMX 1
+#include <unistd.h>
+#include <sys/syscall.h>
+#endif
+/* AMX for q.k (1: on where the CPU and kernel allow it, which needs the process's permission
+   for the tile state; 0: off; -1: leave as is). Returns whether it is on. */
+int vx_fast_amx(int enable) {
+    if (enable < 0) return vx_amx_on;
+#ifdef VX_HAS_AMX
+    static int allowed = -1;
+    if (enable && allowed < 0)  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    vx_amx_on = enable && allowed > 0;
+#else
+    (void)enable;
+#endif
+    return vx_amx_on;
+}
 VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -270,6 +290,12 @@ VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+/* Rows of n keys into L1 ahead of use: blocks are scattered, so the hardware prefetcher,
+   which follows sequential lines within a page, does not see them coming. */
+VX_INLINE void vx_prefetch_rows(const vx_bf16* base, const int64_t* off, int n, int DV) {
+    for (int i = 0; i < n; i++)
+        for (int v = 0; v < DV; v++) _mm_prefetch((const char*)(base + off[i] + 32 * v), _MM_HINT_T0);
 }
 /* a[i] holds 16 partial sums of input i; lane 4k+j of the result is the total of input 4j+k. */
 VX_INLINE __m512 vx_hsum16(const __m512* a) {
@@ -289,7 +315,7 @@ VX_INLINE __m512 vx_hsum16(const __m512* a) {
 VX_INLINE void vx_fast_item(
         const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
         const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
-        int BS, float scale, const int DV) {
+        int BS, float scale, const int DV, const int amx) {
     enum { GB_MAX = 4 };
     const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
     float sc[16][VX_CH] __attribute__((aligned(64)));
@@ -300,19 +326,70 @@ VX_INLINE void vx_fast_item(
         mx[g] = -INFINITY; sum[g] = 0.f;
         for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
     }
+#ifdef VX_HAS_AMX
+    /* AMX: S^T[16 keys][16 heads] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
+       layout tdpbf16ps takes (row r, column n: query head n's dims 2r, 2r+1; heads >= G zero) */
+    uint32_t qt[8][16][16] __attribute__((aligned(64)));
+    float ct[16][16] __attribute__((aligned(64)));
+    float cmax[16];
+    if (amx) {
+        memset(qt, 0, sizeof(uint32_t) * 256 * DV);
+        for (int g = 0; g < G; g++) {
+            const uint32_t* qw = (const uint32_t*)(qr + (int64_t)g * q_sh);
+            for (int v = 0; v < DV; v++)
+                for (int r = 0; r < 16; r++) qt[v][r][g] = qw[16 * v + r];
+        }
+    }
+#endif
     for (int c0 = 0; c0 < len; c0 += VX_CH) {
         const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
         for (int i = 0; i < ng * 16; i++) {  /* key rows past len repeat the chunk's first */
             const int p = c0 + (i < cnt ? i : 0);
             off[i] = (int64_t)btr[p / BS] * c_sb + (int64_t)(p % BS) * c_ss;
         }
+        vx_prefetch_rows(kh, off, cnt < 32 ? cnt : 32, DV);
+#ifdef VX_HAS_AMX
+        if (amx) {  /* 16 keys of one block per step (BS % 16 == 0): one tile row each */
+            const __m512i rows = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(16));
+            __m512 run[16];
+            for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < ng; t++) {
+                const vx_bf16* kr = kh + off[t * 16];
+                if (t + 2 < ng) vx_prefetch_rows(kh, off + (t + 2) * 16, 16, DV);
+                _tile_zero(0);
+                for (int v = 0; v < DV; v++) {
+                    _tile_loadd(1, kr + 32 * v, c_ss * 2);
+                    _tile_loadd(2, qt[v], 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, ct, 64);
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                for (int g = 0; g < G; g++) {
+                    const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                        _mm512_i32gather_ps(rows, &ct[0][g], 4), _mm512_set1_ps(scale));
+                    _mm512_store_ps(&sc[g][t * 16], r);
+                    run[g] = _mm512_max_ps(run[g], r);
+                }
+            }
+            for (int g = 0; g < G; g++) cmax[g] = _mm512_reduce_max_ps(run[g]);
+        }
+#endif
         for (int g = 0; g < G; g++) {
+            float cm;
+#ifdef VX_HAS_AMX
+            if (amx) { cm = cmax[g]; } else
+#endif
+            {
             __m512i qv[8];
             for (int v = 0; v < DV; v++)
                 qv[v] = _mm512_loadu_si512((const void*)(qr + (int64_t)g * q_sh + 32 * v));
             __m512 run = _mm512_set1_ps(-INFINITY);
             for (int t = 0; t < ng; t++) {
                 __m512 a[16];
+                if (g == 0 && t + 2 < ng) vx_prefetch_rows(kh, off + (t + 2) * 16, 16, DV);
                 for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
                     const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
                     __m512 s = _mm512_setzero_ps();
@@ -328,7 +405,9 @@ VX_INLINE void vx_fast_item(
                 _mm512_store_ps(&sc[g][t * 16], r);
                 run = _mm512_max_ps(run, r);
             }
-            const float m_new = fmaxf(mx[g], _mm512_reduce_max_ps(run));
+            cm = _mm512_reduce_max_ps(run);
+            }
+            const float m_new = fmaxf(mx[g], cm);
             const float corr = vx_expf(mx[g] - m_new);  /* ~0 on the first chunk */
             __m512 s = _mm512_setzero_ps();
             const __m512 mv = _mm512_set1_ps(m_new);
@@ -353,8 +432,10 @@ VX_INLINE void vx_fast_item(
             __m512 ac[GB_MAX][16];
             for (int gg = 0; gg < GB; gg++)
                 for (int j = 0; j < 2 * DV; j++) ac[gg][j] = gg < gn ? acc[g0 + gg][j] : _mm512_setzero_ps();
+            if (g0 == 0) vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
             for (int i = 0; i < cnt; i++) {
                 const vx_bf16* vr = vh + off[i];
+                if (g0 == 0 && i + 32 < cnt) vx_prefetch_rows(vh, off + i + 32, 1, DV);
                 __m512 vf[16];
                 for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
                     const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
@@ -390,7 +471,19 @@ int vx_decode_attention_bf16_fast(
         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
     const int G = Hq / Hkv;
     if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
-    _Pragma("omp parallel for schedule(static) if ((int64_t)B * Hkv * max_len >= 8192)")
+    const int amx = vx_amx_on && BS % 16 == 0;
+    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") {
+#ifdef VX_HAS_AMX
+    if (amx) {  /* per thread: three 16x64-byte tiles (0: S^T, 1: K, 2: Q^T) */
+        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+            cfg __attribute__((aligned(64)));
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 3; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+        _tile_loadconfig(&cfg);
+    }
+#endif
+    _Pragma("omp for schedule(static)")
     for (int64_t w = 0; w < (int64_t)B * Hkv; w++) {
         const int b = (int)(w / Hkv), h = (int)(w % Hkv);
         const vx_bf16* qr = q + b * q_st + (int64_t)h * G * q_sh;
@@ -398,12 +491,16 @@ int vx_decode_attention_bf16_fast(
         const vx_bf16 *kh = kc + h * c_sh, *vh = vc + h * c_sh;
         const int32_t* btr = bt + b * bt_s;
 #define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
-                                scale, DV)
+                                scale, DV, amx)
         switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
         case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
         case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;
         case 7: VX_ITEM(7); break; default: VX_ITEM(8); break;
         }
+    }
+#ifdef VX_HAS_AMX
+    if (amx) _tile_release();
+#endif
     }
     return 0;
 }
@@ -517,6 +614,10 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_has_fast_bf16.restype = ctypes.c_int
     if lib.vx_has_fast_bf16():
         fns.append(lib.vx_decode_attention_bf16_fast)
+        lib.vx_fast_amx.restype, lib.vx_fast_amx.argtypes = ctypes.c_int, [ctypes.c_int]
+        # AMX tiles for q.k in the fast kernel where the CPU has them (VX_CPU_ATTENTION_AMX=0: off)
+        if os.environ.get("VX_CPU_ATTENTION_AMX", "1") != "0" and lib.vx_fast_amx(1):
+            logger.info("the fast CPU decode attention kernel uses AMX for q.k")
     for fn in fns:
         fn.restype = ctypes.c_int
         fn.argtypes = [
