@@ -254,6 +254,12 @@ DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
 #include <immintrin.h>
 #define VX_HAS_FAST_BF16 1
 #define VX_CH 256
+#ifndef VX_PF
+#define VX_PF 4  /* K prefetch distance in 16-key groups */
+#endif
+#ifndef VX_PAR_MIN
+#define VX_PAR_MIN 2048  /* fewer key positions in all: the calling thread alone */
+#endif
 #define VX_INLINE static inline __attribute__((always_inline))
 static int vx_amx_on = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -347,7 +353,7 @@ VX_INLINE void vx_fast_item(
             const int p = c0 + (i < cnt ? i : 0);
             off[i] = (int64_t)btr[p / BS] * c_sb + (int64_t)(p % BS) * c_ss;
         }
-        vx_prefetch_rows(kh, off, cnt < 32 ? cnt : 32, DV);
+        vx_prefetch_rows(kh, off, cnt < 16 * VX_PF ? cnt : 16 * VX_PF, DV);
 #ifdef VX_HAS_AMX
         if (amx) {  /* 16 keys of one block per step (BS % 16 == 0): one tile row each */
             const __m512i rows = _mm512_mullo_epi32(
@@ -357,7 +363,8 @@ VX_INLINE void vx_fast_item(
             for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
             for (int t = 0; t < ng; t++) {
                 const vx_bf16* kr = kh + off[t * 16];
-                if (t + 2 < ng) vx_prefetch_rows(kh, off + (t + 2) * 16, 16, DV);
+                if (t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
+                vx_prefetch_rows(vh, off + t * 16, 16, DV);
                 _tile_zero(0);
                 for (int v = 0; v < DV; v++) {
                     _tile_loadd(1, kr + 32 * v, c_ss * 2);
@@ -389,7 +396,7 @@ VX_INLINE void vx_fast_item(
             __m512 run = _mm512_set1_ps(-INFINITY);
             for (int t = 0; t < ng; t++) {
                 __m512 a[16];
-                if (g == 0 && t + 2 < ng) vx_prefetch_rows(kh, off + (t + 2) * 16, 16, DV);
+                if (g == 0 && t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
                 for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
                     const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
                     __m512 s = _mm512_setzero_ps();
@@ -472,7 +479,7 @@ int vx_decode_attention_bf16_fast(
     const int G = Hq / Hkv;
     if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
     const int amx = vx_amx_on && BS % 16 == 0;
-    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") {
+    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= VX_PAR_MIN)") {
 #ifdef VX_HAS_AMX
     if (amx) {  /* per thread: three 16x64-byte tiles (0: S^T, 1: K, 2: Q^T) */
         struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
