@@ -14,8 +14,8 @@ Sizing: bytes per block = 2 (K and V) x layers x kv_heads x head_dim x block_siz
 counting this tensor-parallel rank's kv heads only.
 
 CPU kernels: a small C library over this layout (the KV write through a slot mapping, and the
-decode attention `vx.gpu.attention` uses, plus an AVX512-BF16 variant that is opt-in, see
-`set_fast_decode_attention`), compiled once per machine with the system C compiler
+decode attention `vx.gpu.attention` uses, plus an AVX512-BF16 variant, with AMX for q.k
+where the CPU has it, that is opt-in, see `set_fast_decode_attention`), compiled once per machine with the system C compiler
 into ``$VX_CACHE/kernels`` (default ``~/.cache/vx/kernels``) and loaded with ctypes; without a
 compiler, or with ``VX_CPU_ATTENTION_KERNEL=0``, callers fall back to torch ops.
 """
@@ -247,8 +247,14 @@ DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
    in a 4x4-transposed order so the tree's output lanes come out in key order). The softmax
    exp is vectorised (vx_exp16). p.V: fp32 FMAs, a V row's bf16 pairs split into its even and
    odd dims by a shift and a mask (no shuffle), several query heads' accumulators held in
-   registers at once. The results differ from the portable kernel by fp32 summation order
-   (the bf16 outputs agree to about one ulp).
+   registers at once. With AMX (where the CPU, compiler and kernel allow it, `vx_fast_amx`)
+   and blocks of a multiple of 16 keys, q.k is instead one tile product per 16 keys and 32
+   dims: S^T = K . Q^T for all G query heads at once, K loaded as a tile straight from its block.
+   The K/V rows are prefetched ahead (blocks are scattered, the hardware prefetcher misses
+   them), which is most of the gain at large batch, where the step is bound by memory.
+   The pool is used from 2,048 key positions in all (the portable kernel: 8,192).
+   The results differ from the portable kernel by fp32 summation order (the bf16 outputs
+   agree to about one ulp).
    Returns -2 for a shape it does not handle (D % 32, D > 256, G > 16): the caller falls back. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
