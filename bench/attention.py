@@ -4,6 +4,7 @@ Usage (always under the shared benchmark lock):
 
     flock /tmp/vx-bench.lock .venv/bin/python bench/attention.py [--threads 2] [--repeats 3]
         [--baseline REV] [--sizes 1x256,16x256,64x256,1x1024,16x1024,64x1024]
+        [--distinct-layers 30] [--kernels "old fast,new fast"]
 
 Shapes: SmolLM2-135M's (30 layers, 9 query heads, 3 KV heads, head_dim 64, bf16, block size
 16). Each size BxKV gives every request KV tokens of context; every layer has its own K/V
@@ -80,8 +81,11 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
     return found
 
 
-def layer_args(b: int, kv: int, gen: torch.Generator) -> tuple[list[tuple], list[torch.Tensor]]:
-    """Argument tuples for LAYERS layers at batch `b` and `kv` tokens, and what they point at."""
+def layer_args(
+    b: int, kv: int, gen: torch.Generator, distinct: int = LAYERS
+) -> tuple[list[tuple], list[torch.Tensor]]:
+    """Argument tuples for LAYERS layers at batch `b` and `kv` tokens (`distinct` caches, used
+    in turn), and what they point at."""
     width = -(-kv // BS)
     nb = b * width
     keep: list[torch.Tensor] = []
@@ -89,7 +93,7 @@ def layer_args(b: int, kv: int, gen: torch.Generator) -> tuple[list[tuple], list
     q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16)
     lens = torch.full((b,), kv, dtype=torch.int32)
     keep += [q, lens]
-    for _ in range(LAYERS):
+    for _ in range(distinct):
         kc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
         vc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
         bt = torch.randperm(nb, generator=gen).to(torch.int32).view(b, width)
@@ -102,7 +106,7 @@ def layer_args(b: int, kv: int, gen: torch.Generator) -> tuple[list[tuple], list
                 bt.stride(0), lens.data_ptr(), b, HQ, HKV, D, BS, D**-0.5, width * BS,
             )
         )  # fmt: skip
-    return args, keep
+    return [args[i % distinct] for i in range(LAYERS)], keep
 
 
 def time_step(fn, args: list[tuple], min_s: float = 0.2, amx: bool = True) -> float:
@@ -129,6 +133,10 @@ def main() -> None:
     p.add_argument("--baseline", default=DEFAULT_BASELINE)
     p.add_argument("--sizes", default="1x256,16x256,64x256,1x1024,16x1024,64x1024")
     p.add_argument("--kernels", default="", help="comma-separated subset of kernel names")
+    p.add_argument(
+        "--distinct-layers", type=int, default=LAYERS,
+        help="K/V caches to cycle through (1: one layer's, cache-resident at small sizes)",
+    )  # fmt: skip
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -138,11 +146,14 @@ def main() -> None:
         if a.kernels:
             fns = {k: v for k, v in fns.items() if k in a.kernels.split(",")}
         names = list(fns)
-        print(f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step (x{LAYERS})")
+        print(
+            f"threads={torch.get_num_threads()} baseline={a.baseline} "
+            f"distinct_layers={a.distinct_layers}; ms per step (x{LAYERS})"
+        )
         print(f"{'BxKV':>8} " + " ".join(f"{n:>13}" for n in names) + "   new fast / old fast")
         for size in a.sizes.split(","):
             b, kv = (int(x) for x in size.split("x"))
-            args, keep = layer_args(b, kv, gen)
+            args, keep = layer_args(b, kv, gen, a.distinct_layers)
             runs: dict[str, list[float]] = {n: [] for n in names}
             for _ in range(a.repeats):  # interleaved, so drift hits every kernel alike
                 for n in names:
