@@ -49,16 +49,20 @@ ARGTYPES = [
 
 def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
     """Build `rev`'s kernel source (the `_DECODE_KERNEL_SOURCE` literal) with its flags."""
-    text = subprocess.run(
-        ["git", "-C", ROOT, "show", f"{rev}:vx/gpu/kv_cache.py"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
     values = {}
-    for node in ast.parse(text).body:
-        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
-        name = getattr(target, "id", None)
-        if name in ("_DECODE_KERNEL_SOURCE", "_CFLAGS"):
-            values[name] = ast.literal_eval(node.value)
+    # The source moved from kv_cache.py to cpu_kernel_source.py (names without the underscore).
+    for path in ("vx/gpu/cpu_kernel_source.py", "vx/gpu/kv_cache.py"):
+        shown = subprocess.run(
+            ["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True
+        )
+        for node in ast.parse(shown.stdout).body if shown.returncode == 0 else []:
+            target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+            name = "_" + getattr(target, "id", "").lstrip("_")
+            if name in ("_DECODE_KERNEL_SOURCE", "_CFLAGS") and name not in values:
+                try:
+                    values[name] = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
     src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
     with open(src, "w") as f:
         f.write(values["_DECODE_KERNEL_SOURCE"])

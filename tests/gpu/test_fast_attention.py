@@ -1,6 +1,6 @@
-"""The AVX512-BF16 CPU decode attention kernel (`set_fast_decode_attention`, on with
-`--quantization`): it must match an fp32 reference like the portable kernel does, and the
-default stays the portable kernel.
+"""The AVX512-BF16 CPU decode attention kernel (`set_fast_decode_attention`, the default for
+bf16; `VX_CPU_ATTENTION_KERNEL=portable` turns it off): it must match an fp32 reference like
+the portable kernel does.
 
 Runs in: the test process.
 """
@@ -35,6 +35,8 @@ def _reset():
 
 def test_default_is_the_portable_kernel(monkeypatch) -> None:
     monkeypatch.delenv("VX_CPU_ATTENTION_KERNEL", raising=False)
+    assert fast_decode_attention()
+    monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "portable")
     assert not fast_decode_attention()
     monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "fast")
     assert fast_decode_attention()

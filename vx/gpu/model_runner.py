@@ -124,12 +124,6 @@ class ModelRunner:
             progress=False,
             quantization=m.quantization,
         )
-        if m.quantization is not None and self.device.type == "cpu":
-            # Quantized mode has opted out of bit-exact bf16 numerics: take the faster
-            # (differently rounded) AVX512-BF16 decode attention too.
-            from vx.gpu.kv_cache import set_fast_decode_attention
-
-            set_fast_decode_attention(True)
         self.dtype = next(self.model.parameters()).dtype
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit

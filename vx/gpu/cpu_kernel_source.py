@@ -1,0 +1,413 @@
+"""The C source of the CPU kernels over the paged KV cache, and the flags it is built with.
+
+Runs in: the Worker process (`vx.gpu.kv_cache` compiles it with cc once per machine and loads
+it with ctypes). Kept apart from the Python that builds and calls it so each stays readable.
+"""
+
+from __future__ import annotations
+
+#: One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
+#: Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
+#: bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
+#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
+#: batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
+#: more than it saves there.
+DECODE_KERNEL_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <stdlib.h>
+typedef uint16_t vx_bf16;
+static inline float ld_f32(float x) { return x; }
+static inline float st_f32(float x) { return x; }
+static inline float ld_bf16(vx_bf16 x) {
+    union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f;
+}
+static inline vx_bf16 st_bf16(float f) {
+    union { uint32_t u; float f; } c; c.f = f;
+    uint32_t u = c.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (vx_bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even, as torch */
+    return (vx_bf16)(u >> 16);
+}
+/* exp(x) for x <= 0 without a libm call, so the softmax loop vectorises: x = n ln2 + r with
+   |r| <= ln2/2 (ln2 split in two for an exact n ln2), exp(r) by its degree-7 Taylor polynomial
+   (truncation < 1e-8 relative), 2^n by building the exponent bits. Within 2 ulp of expf. */
+static inline float vx_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const int ni = (int)(t - 0.5f);  /* t <= 0: truncation of t - 0.5 rounds to nearest */
+    const float n = (float)ni;
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f; p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+    union { uint32_t u; float f; } c; c.u = (uint32_t)(ni + 127) << 23;
+    return p * c.f;
+}
+#define DECODE_KERNEL(NAME, T, LD, ST, EXP) \
+int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
+         const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
+         const int32_t* bt, int64_t bt_s, const int32_t* lens, \
+         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) { \
+    const int G = Hq / Hkv; int failed = 0; \
+    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") { \
+    float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1)); \
+    float* qf = (float*)malloc(sizeof(float) * (size_t)G * D); \
+    float* acc = (float*)malloc(sizeof(float) * (size_t)G * D); \
+    float* row = (float*)malloc(sizeof(float) * (size_t)D); \
+    if (!sc || !qf || !acc || !row) { failed = 1; } else { \
+    _Pragma("omp for schedule(static)") \
+    for (int64_t w = 0; w < (int64_t)B * Hkv; w++) { \
+        const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b]; \
+        const int nblk = (len + BS - 1) / BS; \
+        for (int g = 0; g < G; g++) { \
+            const T* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh; \
+            for (int d = 0; d < D; d++) qf[g * D + d] = LD(qr[d]) * scale; \
+        } \
+        for (int n = 0; n < nblk; n++) { \
+            const T* kb = kc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
+            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
+            for (int s = 0; s < smax; s++) { \
+                for (int d = 0; d < D; d++) row[d] = LD(kb[s * c_ss + d]); \
+                for (int g = 0; g < G; g++) { \
+                    float dot = 0.f; const float* qg = qf + g * D; \
+                    for (int d = 0; d < D; d++) dot += qg[d] * row[d]; \
+                    sc[(int64_t)g * len + n * BS + s] = dot; \
+                } \
+            } \
+        } \
+        for (int g = 0; g < G; g++) { \
+            float* sg = sc + (int64_t)g * len; float m = sg[0], sum = 0.f; \
+            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m; \
+            for (int j = 0; j < len; j++) { sg[j] = EXP(sg[j] - m); sum += sg[j]; } \
+            const float inv = 1.f / sum; \
+            for (int j = 0; j < len; j++) sg[j] *= inv; \
+        } \
+        memset(acc, 0, sizeof(float) * (size_t)G * D); \
+        for (int n = 0; n < nblk; n++) { \
+            const T* vb = vc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
+            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
+            for (int s = 0; s < smax; s++) { \
+                for (int d = 0; d < D; d++) row[d] = LD(vb[s * c_ss + d]); \
+                for (int g = 0; g < G; g++) { \
+                    const float p = sc[(int64_t)g * len + n * BS + s]; float* ag = acc + g * D; \
+                    for (int d = 0; d < D; d++) ag[d] += p * row[d]; \
+                } \
+            } \
+        } \
+        for (int g = 0; g < G; g++) { \
+            T* orow = out + b * o_st + (int64_t)(h * G + g) * o_sh; \
+            for (int d = 0; d < D; d++) orow[d] = ST(acc[g * D + d]); \
+        } \
+    } } \
+    free(sc); free(qf); free(acc); free(row); } \
+    return failed; \
+}
+/* Store new K/V rows at their slots (any dtype: byte strides; a negative slot is skipped). */
+void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64_t v_st,
+                 int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t row_bytes,
+                 const int64_t* slots, int T, int Hkv, int64_t num_slots) {
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) continue;
+        for (int h = 0; h < Hkv; h++) {
+            memcpy(kc + h * c_sh + slot * row_bytes, k + t * k_st + h * k_sh, (size_t)row_bytes);
+            memcpy(vc + h * c_sh + slot * row_bytes, v + t * v_st + h * v_sh, (size_t)row_bytes);
+        }
+    }
+}
+DECODE_KERNEL(vx_decode_attention_f32, float, ld_f32, st_f32, expf)
+DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
+/* The same computation for bf16 with AVX512-BF16 (when the compiler targets it), per
+   (request, kv head) item in chunks of up to VX_CH keys with an online softmax (running max
+   and sum per query head, the accumulator rescaled when the max grows), all scratch on the
+   stack. Scores: 16 keys at a time, q.k as `vdpbf16ps` bf16-pair dot products into 16 fp32
+   vectors, reduced together by a shuffle-add tree into one vector of 16 scores (the keys fed
+   in a 4x4-transposed order so the tree's output lanes come out in key order). The softmax
+   exp is vectorised (vx_exp16). p.V: fp32 FMAs, a V row's bf16 pairs split into its even and
+   odd dims by a shift and a mask (no shuffle), several query heads' accumulators held in
+   registers at once. With AMX (where the CPU, compiler and kernel allow it, `vx_fast_amx`)
+   and blocks of a multiple of 16 keys, q.k is instead one tile product per 16 keys and 32
+   dims: S^T = K . Q^T for all G query heads at once, K loaded as a tile straight from its block.
+   The K/V rows are prefetched ahead (blocks are scattered, the hardware prefetcher misses
+   them), which is most of the gain at large batch, where the step is bound by memory.
+   The pool is used from 2,048 key positions in all (the portable kernel: 8,192).
+   The results differ from the portable kernel by fp32 summation order (the bf16 outputs
+   agree to about one ulp).
+   Returns -2 for a shape it does not handle (D % 32, D > 256, G > 16): the caller falls back. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define VX_HAS_FAST_BF16 1
+#define VX_CH 256
+#ifndef VX_PF
+#define VX_PF 4  /* K prefetch distance in 16-key groups */
+#endif
+#ifndef VX_PAR_MIN
+#define VX_PAR_MIN 2048  /* fewer key positions in all: the calling thread alone */
+#endif
+#define VX_INLINE static inline __attribute__((always_inline))
+static int vx_amx_on = 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VX_HAS_AMX 1
+#include <unistd.h>
+#include <sys/syscall.h>
+#endif
+/* AMX for q.k (1: on where the CPU and kernel allow it, which needs the process's permission
+   for the tile state; 0: off; -1: leave as is). Returns whether it is on. */
+int vx_fast_amx(int enable) {
+    if (enable < 0) return vx_amx_on;
+#ifdef VX_HAS_AMX
+    static int allowed = -1;
+    if (enable && allowed < 0)  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        allowed = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    vx_amx_on = enable && allowed > 0;
+#else
+    (void)enable;
+#endif
+    return vx_amx_on;
+}
+VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+/* Rows of n keys into L1 ahead of use: blocks are scattered, so the hardware prefetcher,
+   which follows sequential lines within a page, does not see them coming. */
+VX_INLINE void vx_prefetch_rows(const vx_bf16* base, const int64_t* off, int n, int DV) {
+    for (int i = 0; i < n; i++)
+        for (int v = 0; v < DV; v++) _mm_prefetch((const char*)(base + off[i] + 32 * v), _MM_HINT_T0);
+}
+/* a[i] holds 16 partial sums of input i; lane 4k+j of the result is the total of input 4j+k. */
+VX_INLINE __m512 vx_hsum16(const __m512* a) {
+    __m512 b[8], c[4], f[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+    for (int m = 0; m < 4; m++)
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++)
+        f[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+}
+/* One (request, kv head) item; DV = D / 32 is a compile-time constant at each call site. */
+VX_INLINE void vx_fast_item(
+        const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
+        const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
+        int BS, float scale, const int DV, const int amx) {
+    enum { GB_MAX = 4 };
+    const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
+    float sc[16][VX_CH] __attribute__((aligned(64)));
+    __m512 acc[16][16];
+    int64_t off[VX_CH];
+    float mx[16], sum[16];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY; sum[g] = 0.f;
+        for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
+    }
+#ifdef VX_HAS_AMX
+    /* AMX: S^T[16 keys][16 heads] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
+       layout tdpbf16ps takes (row r, column n: query head n's dims 2r, 2r+1; heads >= G zero) */
+    uint32_t qt[8][16][16] __attribute__((aligned(64)));
+    float ct[16][16] __attribute__((aligned(64)));
+    float cmax[16];
+    if (amx) {
+        memset(qt, 0, sizeof(uint32_t) * 256 * DV);
+        for (int g = 0; g < G; g++) {
+            const uint32_t* qw = (const uint32_t*)(qr + (int64_t)g * q_sh);
+            for (int v = 0; v < DV; v++)
+                for (int r = 0; r < 16; r++) qt[v][r][g] = qw[16 * v + r];
+        }
+    }
+#endif
+    for (int c0 = 0; c0 < len; c0 += VX_CH) {
+        const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
+        for (int i = 0; i < ng * 16; i++) {  /* key rows past len repeat the chunk's first */
+            const int p = c0 + (i < cnt ? i : 0);
+            off[i] = (int64_t)btr[p / BS] * c_sb + (int64_t)(p % BS) * c_ss;
+        }
+        vx_prefetch_rows(kh, off, cnt < 16 * VX_PF ? cnt : 16 * VX_PF, DV);
+#ifdef VX_HAS_AMX
+        if (amx) {  /* 16 keys of one block per step (BS % 16 == 0): one tile row each */
+            const __m512i rows = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(16));
+            __m512 run[16];
+            for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < ng; t++) {
+                const vx_bf16* kr = kh + off[t * 16];
+                if (t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
+                vx_prefetch_rows(vh, off + t * 16, 16, DV);
+                _tile_zero(0);
+                for (int v = 0; v < DV; v++) {
+                    _tile_loadd(1, kr + 32 * v, c_ss * 2);
+                    _tile_loadd(2, qt[v], 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, ct, 64);
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                for (int g = 0; g < G; g++) {
+                    const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                        _mm512_i32gather_ps(rows, &ct[0][g], 4), _mm512_set1_ps(scale));
+                    _mm512_store_ps(&sc[g][t * 16], r);
+                    run[g] = _mm512_max_ps(run[g], r);
+                }
+            }
+            for (int g = 0; g < G; g++) cmax[g] = _mm512_reduce_max_ps(run[g]);
+        }
+#endif
+        for (int g = 0; g < G; g++) {
+            float cm;
+#ifdef VX_HAS_AMX
+            if (amx) { cm = cmax[g]; } else
+#endif
+            {
+            __m512i qv[8];
+            for (int v = 0; v < DV; v++)
+                qv[v] = _mm512_loadu_si512((const void*)(qr + (int64_t)g * q_sh + 32 * v));
+            __m512 run = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < ng; t++) {
+                __m512 a[16];
+                if (g == 0 && t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
+                for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
+                    const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
+                    __m512 s = _mm512_setzero_ps();
+                    for (int v = 0; v < DV; v++)
+                        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512((const void*)(kr + 32 * v)),
+                                             (__m512bh)qv[v]);
+                    a[i] = s;
+                }
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                                                    vx_hsum16(a), _mm512_set1_ps(scale));
+                _mm512_store_ps(&sc[g][t * 16], r);
+                run = _mm512_max_ps(run, r);
+            }
+            cm = _mm512_reduce_max_ps(run);
+            }
+            const float m_new = fmaxf(mx[g], cm);
+            const float corr = vx_expf(mx[g] - m_new);  /* ~0 on the first chunk */
+            __m512 s = _mm512_setzero_ps();
+            const __m512 mv = _mm512_set1_ps(m_new);
+            for (int t = 0; t < ng; t++) {
+                const int left = cnt - t * 16;
+                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(
+                    valid, vx_exp16(_mm512_sub_ps(_mm512_load_ps(&sc[g][t * 16]), mv)));
+                _mm512_store_ps(&sc[g][t * 16], e);
+                s = _mm512_add_ps(s, e);
+            }
+            sum[g] = sum[g] * corr + _mm512_reduce_add_ps(s);
+            mx[g] = m_new;
+            if (c0) {
+                const __m512 cv = _mm512_set1_ps(corr);
+                for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);
+            }
+        }
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int g0 = 0; g0 < G; g0 += GB) {
+            const int gn = (G - g0) < GB ? (G - g0) : GB;
+            __m512 ac[GB_MAX][16];
+            for (int gg = 0; gg < GB; gg++)
+                for (int j = 0; j < 2 * DV; j++) ac[gg][j] = gg < gn ? acc[g0 + gg][j] : _mm512_setzero_ps();
+            if (g0 == 0) vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
+            for (int i = 0; i < cnt; i++) {
+                const vx_bf16* vr = vh + off[i];
+                if (g0 == 0 && i + 32 < cnt) vx_prefetch_rows(vh, off + i + 32, 1, DV);
+                __m512 vf[16];
+                for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
+                    const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
+                    vf[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    vf[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+                }
+                for (int gg = 0; gg < GB; gg++) {
+                    if (gg >= gn) break;
+                    const __m512 p = _mm512_set1_ps(sc[g0 + gg][i]);
+                    for (int j = 0; j < 2 * DV; j++) ac[gg][j] = _mm512_fmadd_ps(p, vf[j], ac[gg][j]);
+                }
+            }
+            for (int gg = 0; gg < gn; gg++)
+                for (int j = 0; j < 2 * DV; j++) acc[g0 + gg][j] = ac[gg][j];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float tmp[2 * 256] __attribute__((aligned(64)));
+        const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+        for (int j = 0; j < 2 * DV; j++) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        vx_bf16* o = orow + (int64_t)g * o_sh;
+        for (int v = 0; v < DV; v++)
+            for (int j = 0; j < 16; j++) {
+                o[32 * v + 2 * j] = st_bf16(tmp[32 * v + j]);
+                o[32 * v + 2 * j + 1] = st_bf16(tmp[32 * v + 16 + j]);
+            }
+    }
+}
+int vx_decode_attention_bf16_fast(
+        const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
+        const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
+        const int32_t* bt, int64_t bt_s, const int32_t* lens,
+        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
+    const int G = Hq / Hkv;
+    if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
+    const int amx = vx_amx_on && BS % 16 == 0;
+    _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= VX_PAR_MIN)") {
+#ifdef VX_HAS_AMX
+    if (amx) {  /* per thread: three 16x64-byte tiles (0: S^T, 1: K, 2: Q^T) */
+        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+            cfg __attribute__((aligned(64)));
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 3; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+        _tile_loadconfig(&cfg);
+    }
+#endif
+    _Pragma("omp for schedule(static)")
+    for (int64_t w = 0; w < (int64_t)B * Hkv; w++) {
+        const int b = (int)(w / Hkv), h = (int)(w % Hkv);
+        const vx_bf16* qr = q + b * q_st + (int64_t)h * G * q_sh;
+        vx_bf16* orow = out + b * o_st + (int64_t)h * G * o_sh;
+        const vx_bf16 *kh = kc + h * c_sh, *vh = vc + h * c_sh;
+        const int32_t* btr = bt + b * bt_s;
+#define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
+                                scale, DV, amx)
+        switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
+        case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
+        case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;
+        case 7: VX_ITEM(7); break; default: VX_ITEM(8); break;
+        }
+    }
+#ifdef VX_HAS_AMX
+    if (amx) _tile_release();
+#endif
+    }
+    return 0;
+}
+#endif
+int vx_has_fast_bf16(void) {
+#ifdef VX_HAS_FAST_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+"""
+# -fassociative-math (and what it needs) lets the dot products and sums vectorise.
+CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+]  # fmt: skip
