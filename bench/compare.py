@@ -93,7 +93,9 @@ class Server:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
         if self._stop is not None:
-            subprocess.run(self._stop, check=False, stdout=subprocess.DEVNULL)
+            # The same environment as the start: the stop finds its pid file by port.
+            env = dict(os.environ, **(self._env or {}))
+            subprocess.run(self._stop, env=env, check=False, stdout=subprocess.DEVNULL)
             # The stop scripts only signal: wait until the port is free before the next server.
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             results = {k: {int(c): v for c, v in d.items()} for k, d in json.load(f).items()}
         concs = sorted({c for d in results.values() for c in d})
     for server in [] if args.from_json else servers(args):
+        if args.json:  # what is measured so far survives a later server's failure
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         with server:
             model = server.model or served_model(server.url)
             run_load(server.url, model, 1, args)  # warm-up (compiles, caches)
