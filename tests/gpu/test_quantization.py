@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.gpu.conftest import PagedDriver
+from tests.gpu.test_model_parity import SMOLLM2_PROMPTS
 from vx.gpu.loader import load_model
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -138,16 +139,8 @@ def test_llm_generates_with_quantization(tiny_models: dict[str, str]) -> None:
 
 # ───────────────────────────── SmolLM2-135M accuracy (slow) ─────────────────────────────
 
-ACCURACY_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5, 6,",
-    "Translate to French: The weather is nice today.",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "The quick brown fox",
-]
+# The parity tests' prompts plus two more: 8 prompts x 64 tokens, as the issue counts.
+ACCURACY_PROMPTS = [*SMOLLM2_PROMPTS, "Water boils at a temperature of", "The quick brown fox"]
 ACCURACY_TOKENS = 64
 
 
