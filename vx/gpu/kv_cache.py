@@ -35,6 +35,7 @@ import tempfile
 import torch
 
 from vx.config import BLOCK_SIZE
+from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def allocate_kv_caches(
 
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
-_DECODE_KERNEL_SOURCE = DECODE_KERNEL_SOURCE
+_DECODE_KERNEL_SOURCE = DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE
 _CFLAGS = CFLAGS
 
 _kernel_state: dict[str, object] = {}
@@ -237,6 +238,11 @@ def _build_kernels() -> ctypes.CDLL | None:
             ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,
             i32, i32, i32, i32, i32, ctypes.c_float, i32,
         ]  # fmt: skip
+    lib.vx_has_gemv.restype = ctypes.c_int
+    if lib.vx_has_gemv():
+        for fn in (lib.vx_gemv_int8, lib.vx_gemv_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, i64, i32, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,

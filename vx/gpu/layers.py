@@ -27,10 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vx.gpu.quantization import (
+    GEMV_MAX_ROWS_BF16,
     QuantizedWeight,
     cpu_prepack_enabled,
+    gemv_fits,
+    gemv_kernels,
     linear as _linear,
     prepack as _prepack,
+    skinny_gemm,
 )
 from vx.gpu.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -106,6 +110,10 @@ def _process_linear(layer: nn.Module) -> None:
     """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
     if layer.quantization is not None:
         layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
+    elif cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
+        # The unpacked weight stays for the skinny GEMM (1-4 rows: twice oneDNN's speed), at
+        # the cost of a second copy of the dense weights.
+        layer.plain = layer.weight.data
     if cpu_prepack_enabled(layer.weight):
         layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)
         layer.packed = True
@@ -143,6 +151,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed = False  # weight in oneDNN's blocked layout (see cpu_prepack_enabled)
         self.quantization = quantization
         self.quant: QuantizedWeight | None = None  # built after loading when quantization
+        self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.
         self.weight = nn.Parameter(
@@ -186,7 +195,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The output stays sharded: the next RowParallelLinear consumes it as is.
-        return _linear(x, self.weight, self.bias, self.packed, self.quant)
+        return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -270,6 +279,7 @@ class RowParallelLinear(nn.Module):
         self.packed = False
         self.quantization = quantization
         self.quant: QuantizedWeight | None = None
+        self.plain: torch.Tensor | None = None
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
             requires_grad=False,
@@ -292,8 +302,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(x, self.weight, self.bias, self.packed, self.quant)
-        out = _all_reduce(_linear(x, self.weight, None, self.packed, self.quant))
+            return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain)
+        out = _all_reduce(_linear(x, self.weight, None, self.packed, self.quant, self.plain))
         return out + self.bias if self.bias is not None else out
 
 
@@ -352,6 +362,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_copy: torch.Tensor | None = None  # a packed copy of a tied weight
     quantization: str | None = None
     quant: QuantizedWeight | None = None
+    plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -362,6 +373,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
         if not cpu_prepack_enabled(self.weight):
             return
+        if self.quantization is None and gemv_kernels() is not None:
+            self.plain = self.weight.data  # free when tied: it is the embedding table
         if self.tied:  # a copy: the tied weight is also the embedding's lookup table
             self.packed_copy = _prepack(self.weight)
         else:
@@ -372,6 +385,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             logits = self.quant.apply(hidden, None)
+        elif self.plain is not None and gemv_fits(hidden, self.plain, GEMV_MAX_ROWS_BF16):
+            logits = skinny_gemm(hidden, self.plain, None, None)
         elif self.packed:
             logits = _linear(hidden, self.weight, None, True)
         elif self.packed_copy is not None:

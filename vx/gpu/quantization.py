@@ -34,10 +34,13 @@ __all__ = [
     "QUANTIZATIONS",
     "QuantizedWeight",
     "cpu_prepack_enabled",
+    "gemv_fits",
+    "gemv_kernels",
     "linear",
     "prepack",
     "quantize_int4",
     "quantize_int8",
+    "skinny_gemm",
     "validate_quantization",
 ]
 
@@ -49,6 +52,11 @@ INT4_GROUP_SIZE = 32
 #: Rapids (measured per SmolLM2 shape: int8 wins clearly at 1 row, roughly ties at 2-4, and is
 #: 2x slower at 8 and 8x slower at 64).
 DEFAULT_QUANT_MAX_ROWS = 4
+#: With vx's C skinny GEMM (`vx.gpu.cpu_gemv_source`), up to which rows it takes the int8 path
+#: (twice torch's int8 speed at 1-8 rows) and the bf16 one (2x oneDNN's at 1-2 rows, 1.5x at 4,
+#: a tie at 8).
+GEMV_MAX_ROWS_INT8 = 8
+GEMV_MAX_ROWS_BF16 = 4
 
 #: oneDNN picks the packed layout for this many rows; decode batches are small.
 _PREPACK_BATCH_HINT = 1
@@ -77,6 +85,68 @@ def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+_gemv_state: dict[str, object] = {}
+
+
+def gemv_kernels():
+    """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None.
+
+    `VX_CPU_GEMV=0` turns it off (oneDNN / torch's int8 kernel at every size).
+    """
+    if "lib" not in _gemv_state:
+        lib = None
+        if os.environ.get("VX_CPU_GEMV", "1") != "0":
+            from vx.gpu.kv_cache import load_cpu_kernels
+
+            lib = load_cpu_kernels()
+            if lib is not None and not lib.vx_has_gemv():
+                lib = None
+        _gemv_state["lib"] = lib
+    return _gemv_state["lib"]
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, K a multiple of 16)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= max_rows
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.shape[1] % 16 == 0
+        and weight.shape[1] <= 16384
+        and gemv_kernels() is not None
+    )
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] bf16 @ weight [N, K] (int8 with per-row `scales`, or bf16).T + bias, bf16.
+
+    The caller checks `gemv_fits` first; weight, scales and bias are contiguous.
+    """
+    lib = gemv_kernels()
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return skinny_gemm(x, weight, scales, None) + bias
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    fn = lib.vx_gemv_int8 if weight.dtype == torch.int8 else lib.vx_gemv_bf16  # type: ignore[union-attr]
+    rc = fn(
+        x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(),
+        None if scales is None else scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(), n, n, k,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"vx skinny GEMM refused {tuple(x.shape)} @ {tuple(weight.shape)}")
+    return y
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -137,7 +207,9 @@ class QuantizedWeight:
         self.method = method
         self.out_features, self.in_features = weight.shape
         env = os.environ.get("VX_QUANT_MAX_ROWS")
-        self.max_rows = int(env) if env else DEFAULT_QUANT_MAX_ROWS
+        fast = method == "int8" and weight.dtype == torch.bfloat16 and gemv_kernels() is not None
+        default = GEMV_MAX_ROWS_INT8 if fast else DEFAULT_QUANT_MAX_ROWS
+        self.max_rows = int(env) if env else default
         if method == "int8":
             self.qweight, self.scales = quantize_int8(weight)
         elif method == "int4":
@@ -152,6 +224,8 @@ class QuantizedWeight:
         x = x.contiguous()
         if x.dtype != self.scales.dtype:
             raise TypeError(f"quantized linear: input {x.dtype}, weight {self.scales.dtype}")
+        if self.method == "int8" and gemv_fits(x, self.qweight, GEMV_MAX_ROWS_INT8):
+            return skinny_gemm(x, self.qweight, self.scales, bias)
         if self.method == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
@@ -170,10 +244,14 @@ def linear(
     bias: torch.Tensor | None,
     packed: bool,
     quant: QuantizedWeight | None = None,
+    plain: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x @ W.T + b through the quantized copy (small x), the packed weight, or F.linear."""
+    """y = x @ W.T + b through the quantized copy (small x), vx's skinny GEMM on the plain
+    (unpacked) weight (small x), the packed weight, or F.linear."""
     if quant is not None and x.shape[0] <= quant.max_rows:
         return quant.apply(x, bias)
+    if plain is not None and gemv_fits(x, plain, GEMV_MAX_ROWS_BF16):
+        return skinny_gemm(x, plain, None, bias)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
