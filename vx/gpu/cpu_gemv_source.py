@@ -22,6 +22,7 @@ GEMV_KERNEL_SOURCE = r"""
 #define VX_GEMV_MAX_ROWS 8
 #define VX_GEMV_MAX_K 16384
 #define VX_GEMV_PD 4096
+#define VX_GEMV_MAX_ROWS_DP 16
 #if defined(__AVX512F__)
 static float vx_gemv_x[VX_GEMV_MAX_ROWS * VX_GEMV_MAX_K] __attribute__((aligned(64)));
 
@@ -89,7 +90,68 @@ int NAME(const vx_bf16* x, int64_t x_st, int M, const WT* W, const vx_bf16* scal
     return 0; \
 }
 VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
+#if defined(__AVX512BF16__)
+/* bf16 weights with VDPBF16PS: 32 weights and one x row per instruction, x read as stored
+   (bf16 products are exact in fp32; pairs are summed before the accumulate). */
+static inline __attribute__((always_inline)) void vx_gemv_tile_dp(const vx_bf16* W, int64_t K,
+        int64_t n0, int R, int M, const vx_bf16* x, int64_t x_st, float* out) {
+    __m512 acc[4][VX_GEMV_MAX_ROWS_DP];
+    for (int r = 0; r < R; r++) for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int r = 0; r < R; r++) {
+            const vx_bf16* p = W + (n0 + r) * K + k;
+            _mm_prefetch((const char*)(p + VX_GEMV_PD), _MM_HINT_T0);
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
+            for (int m = 0; m < M; m++)
+                acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w,
+                                             (__m512bh)_mm512_loadu_si512(x + m * x_st + k));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#define VX_GEMV_DP_BODY(M, R) \
+    _Pragma("omp parallel for schedule(static) if (N * K >= 262144)") \
+    for (int64_t g = 0; g < (N + R - 1) / R; g++) { \
+        const int64_t n0 = g * R; \
+        const int rr = N - n0 < R ? (int)(N - n0) : R; \
+        float o[VX_GEMV_MAX_ROWS_DP * 4]; \
+        if (rr == R) vx_gemv_tile_dp(W, K, n0, R, M, x, x_st, o); \
+        else for (int r = 0; r < rr; r++) vx_gemv_tile_dp(W, K, n0 + r, 1, M, x, x_st, o + r); \
+        for (int r = 0; r < rr; r++) { \
+            const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f; \
+            for (int m = 0; m < M; m++) y[m * y_st + n0 + r] = st_bf16(o[m * 4 + r] + b); \
+        } \
+    }
+int vx_gemv_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, const vx_bf16* scale,
+                 const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    (void)scale;
+    if (M < 1 || M > VX_GEMV_MAX_ROWS_DP || K % 32) return -1;
+    switch (M) {
+    case 1: { VX_GEMV_DP_BODY(1, 4) } break;
+    case 2: { VX_GEMV_DP_BODY(2, 4) } break;
+    case 3: { VX_GEMV_DP_BODY(3, 4) } break;
+    case 4: { VX_GEMV_DP_BODY(4, 4) } break;
+    case 5: { VX_GEMV_DP_BODY(5, 2) } break;
+    case 6: { VX_GEMV_DP_BODY(6, 2) } break;
+    case 7: { VX_GEMV_DP_BODY(7, 2) } break;
+    case 8: { VX_GEMV_DP_BODY(8, 2) } break;
+    case 9: { VX_GEMV_DP_BODY(9, 1) } break;
+    case 10: { VX_GEMV_DP_BODY(10, 1) } break;
+    case 11: { VX_GEMV_DP_BODY(11, 1) } break;
+    case 12: { VX_GEMV_DP_BODY(12, 1) } break;
+    case 13: { VX_GEMV_DP_BODY(13, 1) } break;
+    case 14: { VX_GEMV_DP_BODY(14, 1) } break;
+    case 15: { VX_GEMV_DP_BODY(15, 1) } break;
+    case 16: { VX_GEMV_DP_BODY(16, 1) } break;
+    }
+    return 0;
+}
+int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS_DP; }
+#else
 VX_GEMV_FN(vx_gemv_bf16, vx_bf16, vx_gemv_tile_bf16)
+int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS; }
+#endif
 int vx_has_gemv(void) { return 1; }
 #else
 int vx_has_gemv(void) { return 0; }

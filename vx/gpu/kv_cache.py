@@ -239,6 +239,7 @@ def _build_kernels() -> ctypes.CDLL | None:
             i32, i32, i32, i32, i32, ctypes.c_float, i32,
         ]  # fmt: skip
     lib.vx_has_gemv.restype = ctypes.c_int
+    lib.vx_gemv_bf16_max_rows.restype = ctypes.c_int
     if lib.vx_has_gemv():
         for fn in (lib.vx_gemv_int8, lib.vx_gemv_bf16):
             fn.restype = ctypes.c_int

@@ -53,10 +53,12 @@ INT4_GROUP_SIZE = 32
 #: 2x slower at 8 and 8x slower at 64).
 DEFAULT_QUANT_MAX_ROWS = 4
 #: With vx's C skinny GEMM (`vx.gpu.cpu_gemv_source`), up to which rows it takes the int8 path
-#: (twice torch's int8 speed at 1-8 rows) and the bf16 one (2x oneDNN's at 1-2 rows, 1.5x at 4,
-#: a tie at 8).
+#: (twice torch's int8 speed at 1-8 rows) and the bf16 one: with AVX512-BF16 2.8x oneDNN's
+#: packed GEMM at 1 row, 1.4x at 8, 1.2x at 12, slower at 16 (full SmolLM2 set, cold weights);
+#: without it (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
 GEMV_MAX_ROWS_INT8 = 8
-GEMV_MAX_ROWS_BF16 = 4
+GEMV_MAX_ROWS_BF16 = 12
+_GEMV_MAX_ROWS_BF16_FMA = 4
 
 #: oneDNN picks the packed layout for this many rows; decode batches are small.
 _PREPACK_BATCH_HINT = 1
@@ -103,21 +105,30 @@ def gemv_kernels():
             lib = load_cpu_kernels()
             if lib is not None and not lib.vx_has_gemv():
                 lib = None
+        # 16 with the VDPBF16PS kernel, 8 with the fp32-FMA one
+        _gemv_state["bf16_rows"] = 0 if lib is None else lib.vx_gemv_bf16_max_rows()
         _gemv_state["lib"] = lib
     return _gemv_state["lib"]
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
-    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, K a multiple of 16)."""
-    return (
+    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, at most `max_rows` rows, K a
+    multiple of 32)."""
+    if not (
         x.dim() == 2
         and 0 < x.shape[0] <= max_rows
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
-        and weight.shape[1] % 16 == 0
+        and weight.shape[1] % 32 == 0
         and weight.shape[1] <= 16384
-        and gemv_kernels() is not None
-    )
+    ):
+        return False
+    lib = gemv_kernels()
+    if lib is None:
+        return False
+    if weight.dtype == torch.bfloat16 and x.shape[0] > _GEMV_MAX_ROWS_BF16_FMA:
+        return _gemv_state["bf16_rows"] >= max_rows  # type: ignore[operator]
+    return True
 
 
 def skinny_gemm(
