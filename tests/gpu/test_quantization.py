@@ -18,15 +18,10 @@ from tests.gpu.conftest import PagedDriver
 from tests.gpu.test_model_parity import SMOLLM2_PROMPTS
 from vx.gpu.loader import load_model
 from vx.gpu.quantization import (
-    GEMV_MAX_ROWS_BF16,
     QuantizedWeight,
     dequantize_int4,
-    gemv_fits,
-    gemv_kernels,
-    linear,
     quantize_int4,
     quantize_int8,
-    skinny_gemm,
     validate_quantization,
 )
 
@@ -53,49 +48,6 @@ def test_int8_matches_dequantized_reference(n: int, k: int, rows: int) -> None:
     got = qw.apply(x, bias).float()
     want = x.float() @ ref_w.T + bias.float()
     torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
-
-
-needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C skinny GEMM here")
-
-
-@needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16])
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_skinny_gemm_matches_fp32_reference(rows: int, kind: str) -> None:
-    """Every row count the kernel has a case for, a tail of output rows (N = 4g + 3 and
-    2g + 1), strided x, and bias: one bf16 rounding away from the fp32 result."""
-    n, k = 4 * 37 + 3, 608
-    w = _weight(n, k)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)[:, :k]  # row stride k + 32
-    bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    if kind == "int8":
-        q, s = quantize_int8(w)
-        if rows > 8:
-            pytest.skip("int8 takes at most 8 rows")
-        got = skinny_gemm(x, q, s, bias)
-        want = (x.float() @ q.float().T) * s.float() + bias.float()
-    else:
-        got = skinny_gemm(x, w, None, bias)
-        want = x.float() @ w.float().T + bias.float()
-    assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
-
-
-@needs_gemv
-def test_skinny_gemm_routing() -> None:
-    """Small bf16 batches take the skinny GEMM, the same result as F.linear within bf16
-    rounding; larger ones, fp32 x and K off the 32 grid keep the dense path."""
-    w = _weight(64, 576)
-    x = torch.randn(GEMV_MAX_ROWS_BF16 + 1, 576).to(torch.bfloat16)
-    assert gemv_fits(x[:1], w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x, w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x[:1].float(), w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x[:1, :560], w[:, :560], GEMV_MAX_ROWS_BF16)
-    for rows in (1, GEMV_MAX_ROWS_BF16 + 1):
-        got = linear(x[:rows], w, None, packed=False, plain=w)
-        want = torch.nn.functional.linear(x[:rows], w)
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

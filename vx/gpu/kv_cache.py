@@ -244,6 +244,12 @@ def _build_kernels() -> ctypes.CDLL | None:
         for fn in (lib.vx_gemv_int8, lib.vx_gemv_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, i64, i32, ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.vx_add_rms_norm_bf16.restype = None
+        lib.vx_add_rms_norm_bf16.argtypes = [
+            ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+        ]  # fmt: skip
+        lib.vx_silu_and_mul_bf16.restype = None
+        lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,

@@ -26,15 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.quantization import (
+from vx.gpu.cpu_ops import (
     GEMV_MAX_ROWS_BF16,
-    QuantizedWeight,
-    cpu_prepack_enabled,
+    fused_add_rms_norm,
+    fused_silu_and_mul,
     gemv_fits,
     gemv_kernels,
+    skinny_gemm,
+)
+from vx.gpu.quantization import (
+    QuantizedWeight,
+    cpu_prepack_enabled,
     linear as _linear,
     prepack as _prepack,
-    skinny_gemm,
 )
 from vx.gpu.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -426,6 +430,10 @@ class RMSNorm(nn.Module):
         if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
             if residual is None or residual.stride(-1) == 1:
                 return ops.rms_norm(x, self.weight, self.eps, residual)
+        fused = fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            out, r = fused
+            return out if r is None else (out, r)
         if residual is not None:
             x = x + residual
             residual = x
@@ -437,5 +445,8 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate; up) -> silu(gate) * up, [T, I]."""
+    fused = fused_silu_and_mul(gate_up)
+    if fused is not None:
+        return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -27,6 +27,14 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vx.gpu.cpu_ops import (
+    GEMV_MAX_ROWS_BF16,
+    GEMV_MAX_ROWS_INT8,
+    gemv_fits,
+    gemv_kernels,
+    skinny_gemm,
+)
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -34,13 +42,10 @@ __all__ = [
     "QUANTIZATIONS",
     "QuantizedWeight",
     "cpu_prepack_enabled",
-    "gemv_fits",
-    "gemv_kernels",
     "linear",
     "prepack",
     "quantize_int4",
     "quantize_int8",
-    "skinny_gemm",
     "validate_quantization",
 ]
 
@@ -52,13 +57,6 @@ INT4_GROUP_SIZE = 32
 #: Rapids (measured per SmolLM2 shape: int8 wins clearly at 1 row, roughly ties at 2-4, and is
 #: 2x slower at 8 and 8x slower at 64).
 DEFAULT_QUANT_MAX_ROWS = 4
-#: With vx's C skinny GEMM (`vx.gpu.cpu_gemv_source`), up to which rows it takes the int8 path
-#: (twice torch's int8 speed at 1-8 rows) and the bf16 one: with AVX512-BF16 2.8x oneDNN's
-#: packed GEMM at 1 row, 1.4x at 8, 1.2x at 12, slower at 16 (full SmolLM2 set, cold weights);
-#: without it (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
-GEMV_MAX_ROWS_INT8 = 8
-GEMV_MAX_ROWS_BF16 = 12
-_GEMV_MAX_ROWS_BF16_FMA = 4
 
 #: oneDNN picks the packed layout for this many rows; decode batches are small.
 _PREPACK_BATCH_HINT = 1
@@ -87,77 +85,6 @@ def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
-
-
-_gemv_state: dict[str, object] = {}
-
-
-def gemv_kernels():
-    """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None.
-
-    `VX_CPU_GEMV=0` turns it off (oneDNN / torch's int8 kernel at every size).
-    """
-    if "lib" not in _gemv_state:
-        lib = None
-        if os.environ.get("VX_CPU_GEMV", "1") != "0":
-            from vx.gpu.kv_cache import load_cpu_kernels
-
-            lib = load_cpu_kernels()
-            if lib is not None and not lib.vx_has_gemv():
-                lib = None
-        # 16 with the VDPBF16PS kernel, 8 with the fp32-FMA one
-        _gemv_state["bf16_rows"] = 0 if lib is None else lib.vx_gemv_bf16_max_rows()
-        _gemv_state["lib"] = lib
-    return _gemv_state["lib"]
-
-
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
-    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, at most `max_rows` rows, K a
-    multiple of 32)."""
-    if not (
-        x.dim() == 2
-        and 0 < x.shape[0] <= max_rows
-        and x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.shape[1] % 32 == 0
-        and weight.shape[1] <= 16384
-    ):
-        return False
-    lib = gemv_kernels()
-    if lib is None:
-        return False
-    if weight.dtype == torch.bfloat16 and x.shape[0] > _GEMV_MAX_ROWS_BF16_FMA:
-        return _gemv_state["bf16_rows"] >= max_rows  # type: ignore[operator]
-    return True
-
-
-def skinny_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """x [M, K] bf16 @ weight [N, K] (int8 with per-row `scales`, or bf16).T + bias, bf16.
-
-    The caller checks `gemv_fits` first; weight, scales and bias are contiguous.
-    """
-    lib = gemv_kernels()
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        return skinny_gemm(x, weight, scales, None) + bias
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    n, k = weight.shape
-    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    fn = lib.vx_gemv_int8 if weight.dtype == torch.int8 else lib.vx_gemv_bf16  # type: ignore[union-attr]
-    rc = fn(
-        x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(),
-        None if scales is None else scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(), n, n, k,
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"vx skinny GEMM refused {tuple(x.shape)} @ {tuple(weight.shape)}")
-    return y
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:

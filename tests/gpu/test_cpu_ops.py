@@ -1,0 +1,116 @@
+"""vx's C CPU ops (`vx.gpu.cpu_ops`): the skinny GEMM, fused RMSNorm and SiLU-mul, against
+fp32 references and the torch paths they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vx.gpu.cpu_ops import (
+    GEMV_MAX_ROWS_BF16,
+    fused_add_rms_norm,
+    fused_silu_and_mul,
+    gemv_fits,
+    gemv_kernels,
+    skinny_gemm,
+)
+from vx.gpu.layers import RMSNorm, silu_and_mul
+from vx.gpu.quantization import linear, quantize_int8
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+
+
+needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C skinny GEMM here")
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_skinny_gemm_matches_fp32_reference(rows: int, kind: str) -> None:
+    """Every row count the kernel has a case for, a tail of output rows (N = 4g + 3 and
+    2g + 1), strided x, and bias: one bf16 rounding away from the fp32 result."""
+    n, k = 4 * 37 + 3, 608
+    w = _weight(n, k)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)[:, :k]  # row stride k + 32
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        if rows > 8:
+            pytest.skip("int8 takes at most 8 rows")
+        got = skinny_gemm(x, q, s, bias)
+        want = (x.float() @ q.float().T) * s.float() + bias.float()
+    else:
+        got = skinny_gemm(x, w, None, bias)
+        want = x.float() @ w.float().T + bias.float()
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
+
+
+@needs_gemv
+def test_skinny_gemm_routing() -> None:
+    """Small bf16 batches take the skinny GEMM, the same result as F.linear within bf16
+    rounding; larger ones, fp32 x and K off the 32 grid keep the dense path."""
+    w = _weight(64, 576)
+    x = torch.randn(GEMV_MAX_ROWS_BF16 + 1, 576).to(torch.bfloat16)
+    assert gemv_fits(x[:1], w, GEMV_MAX_ROWS_BF16)
+    assert not gemv_fits(x, w, GEMV_MAX_ROWS_BF16)
+    assert not gemv_fits(x[:1].float(), w, GEMV_MAX_ROWS_BF16)
+    assert not gemv_fits(x[:1, :560], w[:, :560], GEMV_MAX_ROWS_BF16)
+    for rows in (1, GEMV_MAX_ROWS_BF16 + 1):
+        got = linear(x[:rows], w, None, packed=False, plain=w)
+        want = torch.nn.functional.linear(x[:rows], w)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_matches_torch_path(rows: int, with_residual: bool, monkeypatch) -> None:
+    """The C RMSNorm against the module's torch ops: the residual sum is exact (one bf16
+    add), the output within one bf16 step (the fp32 sum of squares is ordered differently)
+    and almost always identical."""
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5, dtype=torch.bfloat16, device=torch.device("cpu"))
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(576, generator=g))
+    x = (torch.randn(rows, 576 + 64, generator=g) * 3).to(torch.bfloat16)[:, :576]
+    residual = (torch.randn(rows, 576, generator=g) * 3).to(torch.bfloat16)
+    fused = fused_add_rms_norm(x, residual if with_residual else None, norm.weight, norm.eps)
+    assert fused is not None
+    monkeypatch.setattr("vx.gpu.layers.fused_add_rms_norm", lambda *a: None)
+    want = norm(x, residual) if with_residual else (norm(x), None)
+    out, r = fused
+    if with_residual:
+        assert torch.equal(r, want[1])
+    else:
+        assert r is None
+    assert _bf16_ulps(out, want[0]).max() <= 1
+    assert (out == want[0]).float().mean() >= 0.99
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_fused_silu_and_mul_matches_torch(rows: int, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(rows, 2 * 1536 + 32, generator=g) * 4).to(torch.bfloat16)[:, :3072]
+    got = fused_silu_and_mul(gate_up)
+    assert got is not None and got.shape == (rows, 1536)
+    monkeypatch.setattr("vx.gpu.layers.fused_silu_and_mul", lambda *a: None)
+    want = silu_and_mul(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2**-7)
+    assert (got == want).float().mean() >= 0.99
+
+
+@needs_gemv
+def test_fused_ops_leave_other_dtypes_to_torch() -> None:
+    x = torch.randn(3, 64)
+    assert fused_add_rms_norm(x, None, torch.ones(64), 1e-5) is None
+    assert fused_silu_and_mul(x) is None

@@ -1,0 +1,143 @@
+"""The Python side of vx's C CPU ops beside the attention kernel: the skinny GEMM (decode at
+small batch, bf16 or int8 weights) and the fused RMSNorm and SiLU-mul (bf16).
+
+Runs in: each Worker process. The C source is `vx.gpu.cpu_gemv_source`, built into the same
+library as the decode attention (`vx.gpu.kv_cache.load_cpu_kernels`). Every entry point
+answers "not here" (False / None) where the library, the CPU or the tensor does not fit, and
+the caller keeps its torch path; `VX_CPU_GEMV=0` turns all of them off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "GEMV_MAX_ROWS_BF16",
+    "GEMV_MAX_ROWS_INT8",
+    "fused_add_rms_norm",
+    "fused_silu_and_mul",
+    "gemv_fits",
+    "gemv_kernels",
+    "skinny_gemm",
+]
+
+#: With vx's C skinny GEMM (`vx.gpu.cpu_gemv_source`), up to which rows it takes the int8 path
+#: (twice torch's int8 speed at 1-8 rows) and the bf16 one: with AVX512-BF16 2.8x oneDNN's
+#: packed GEMM at 1 row, 1.4x at 8, 1.2x at 12, slower at 16 (full SmolLM2 set, cold weights);
+#: without it (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
+GEMV_MAX_ROWS_INT8 = 8
+GEMV_MAX_ROWS_BF16 = 12
+_GEMV_MAX_ROWS_BF16_FMA = 4
+
+_gemv_state: dict[str, object] = {}
+
+
+def gemv_kernels():
+    """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None.
+
+    `VX_CPU_GEMV=0` turns it off (oneDNN / torch's int8 kernel at every size).
+    """
+    if "lib" not in _gemv_state:
+        lib = None
+        if os.environ.get("VX_CPU_GEMV", "1") != "0":
+            from vx.gpu.kv_cache import load_cpu_kernels
+
+            lib = load_cpu_kernels()
+            if lib is not None and not lib.vx_has_gemv():
+                lib = None
+        # 16 with the VDPBF16PS kernel, 8 with the fp32-FMA one
+        _gemv_state["bf16_rows"] = 0 if lib is None else lib.vx_gemv_bf16_max_rows()
+        _gemv_state["lib"] = lib
+    return _gemv_state["lib"]
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, at most `max_rows` rows, K a
+    multiple of 32)."""
+    if not (
+        x.dim() == 2
+        and 0 < x.shape[0] <= max_rows
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.shape[1] % 32 == 0
+        and weight.shape[1] <= 16384
+    ):
+        return False
+    lib = gemv_kernels()
+    if lib is None:
+        return False
+    if weight.dtype == torch.bfloat16 and x.shape[0] > _GEMV_MAX_ROWS_BF16_FMA:
+        return _gemv_state["bf16_rows"] >= max_rows  # type: ignore[operator]
+    return True
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] bf16 @ weight [N, K] (int8 with per-row `scales`, or bf16).T + bias, bf16.
+
+    The caller checks `gemv_fits` first; weight, scales and bias are contiguous.
+    """
+    lib = gemv_kernels()
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return skinny_gemm(x, weight, scales, None) + bias
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    fn = lib.vx_gemv_int8 if weight.dtype == torch.int8 else lib.vx_gemv_bf16  # type: ignore[union-attr]
+    rc = fn(
+        x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(),
+        None if scales is None else scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(), n, n, k,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"vx skinny GEMM refused {tuple(x.shape)} @ {tuple(weight.shape)}")
+    return y
+
+
+def _cpu_bf16_rows(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (x.stride(-1) == 1)
+    )
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """RMSNorm (with the residual add) in one C call for CPU bf16 rows, HF's roundings; None
+    where it does not apply (the caller runs the torch ops). One call instead of ~9 torch ops
+    per norm: ~5 ms of a ~30 ms batch-1 step on SmolLM2 was these ops' dispatch."""
+    lib = gemv_kernels()
+    if lib is None or not _cpu_bf16_rows(x) or weight.dtype != torch.bfloat16:
+        return None
+    if residual is not None and not (_cpu_bf16_rows(residual) and residual.is_contiguous()):
+        return None
+    t, h = x.shape
+    out = torch.empty(t, h, dtype=torch.bfloat16)
+    r_out = None if residual is None else torch.empty(t, h, dtype=torch.bfloat16)
+    lib.vx_add_rms_norm_bf16(  # type: ignore[union-attr]
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        None if r_out is None else r_out.data_ptr(), weight.data_ptr(), out.data_ptr(), t, h, eps,
+    )  # fmt: skip
+    return out, r_out
+
+
+def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None."""
+    lib = gemv_kernels()
+    if lib is None or not _cpu_bf16_rows(gate_up):
+        return None
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.bfloat16)
+    lib.vx_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
+    return out
