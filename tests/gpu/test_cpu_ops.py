@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vx.gpu.cpu_ops import (
-    GEMV_MAX_ROWS_BF16,
+    GEMV_MAX_ROWS_INT8,
+    bf16_max_rows,
     fused_add_rms_norm,
     fused_silu_and_mul,
     gemv_fits,
@@ -27,23 +28,27 @@ needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C ski
 
 
 @needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, 64])
+@pytest.mark.parametrize("n", [4 * 37 + 3, 160])
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_skinny_gemm_matches_fp32_reference(rows: int, kind: str) -> None:
-    """Every row count the kernel has a case for, a tail of output rows (N = 4g + 3 and
-    2g + 1), strided x, and bias: one bf16 rounding away from the fp32 result."""
-    n, k = 4 * 37 + 3, 608
+def test_skinny_gemm_matches_fp32_reference(rows: int, n: int, kind: str) -> None:
+    """Every row count the kernels have a case for (VDPBF16PS / fp32 FMA up to 16 rows, AMX
+    tiles up to 64 in blocks of 16), a tail of output rows (N = 4g + 3, or whole 16-row tiles),
+    strided x, and bias: one bf16 rounding away from the fp32 result."""
+    k = 608
     w = _weight(n, k)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)[:, :k]  # row stride k + 32
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     if kind == "int8":
         q, s = quantize_int8(w)
-        if rows > 8:
-            pytest.skip("int8 takes at most 8 rows")
+        if not gemv_fits(x, q):
+            pytest.skip(f"int8 takes at most {GEMV_MAX_ROWS_INT8} rows")
         got = skinny_gemm(x, q, s, bias)
         want = (x.float() @ q.float().T) * s.float() + bias.float()
     else:
+        if not gemv_fits(x, w):
+            pytest.skip(f"bf16 {rows} x {n}: not for the C kernels here")
         got = skinny_gemm(x, w, None, bias)
         want = x.float() @ w.float().T + bias.float()
     assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
@@ -55,12 +60,14 @@ def test_skinny_gemm_routing() -> None:
     """Small bf16 batches take the skinny GEMM, the same result as F.linear within bf16
     rounding; larger ones, fp32 x and K off the 32 grid keep the dense path."""
     w = _weight(64, 576)
-    x = torch.randn(GEMV_MAX_ROWS_BF16 + 1, 576).to(torch.bfloat16)
-    assert gemv_fits(x[:1], w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x, w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x[:1].float(), w, GEMV_MAX_ROWS_BF16)
-    assert not gemv_fits(x[:1, :560], w[:, :560], GEMV_MAX_ROWS_BF16)
-    for rows in (1, GEMV_MAX_ROWS_BF16 + 1):
+    top = bf16_max_rows()
+    x = torch.randn(top + 1, 576).to(torch.bfloat16)
+    assert gemv_fits(x[:1], w) and gemv_fits(x[:top], w)
+    assert not gemv_fits(x, w)
+    assert not gemv_fits(x[:2], w, max_rows=1)
+    assert not gemv_fits(x[:1].float(), w)
+    assert not gemv_fits(x[:1, :560], w[:, :560])
+    for rows in (1, 3, top, top + 1):
         got = linear(x[:rows], w, None, packed=False, plain=w)
         want = torch.nn.functional.linear(x[:rows], w)
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)

@@ -224,6 +224,87 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
         for (; i < I; i++) o[i] = st_bf16(vx_silu_round(ld_bf16(g[i]), ld_bf16(u[i])));
     }
 }
+#ifdef VX_HAS_AMX
+/* bf16 GEMM for 1-64 rows on AMX tiles, computed transposed: C^T[n][m] = W[n][k] . X^T[k][m],
+   so each A tile is 16 weight rows x 32 k loaded straight from W (row stride K), and only x
+   is re-laid out (VNNI pairs, zero-padded to 16 rows per block, once per call). Up to four
+   C tiles (m blocks) share every A tile load: the weights stream once per call. The next
+   block of 16 weight rows is prefetched tile by tile. Needs vx_fast_amx(1) to have been
+   granted; returns -2 where it does not apply (the caller falls back). */
+#define VX_AMX_MAX_ROWS 64
+static vx_bf16 vx_amx_xb[(VX_AMX_MAX_ROWS / 16) * (VX_GEMV_MAX_K / 32) * 512]
+    __attribute__((aligned(64)));
+#define VX_AMX_STEP(T) \
+    _tile_loadd(5, xb + ((int64_t)(T) * KC + kc) * 512, 64); _tile_dpbf16ps(T, 4, 5);
+int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
+                     const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    if (!vx_amx_on || M < 1 || M > VX_AMX_MAX_ROWS || K % 32 || K > VX_GEMV_MAX_K || N % 16)
+        return -2;
+    const int MB = (M + 15) / 16;
+    const int64_t KC = K / 32;
+    vx_bf16* xb = vx_amx_xb;
+    /* xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}], zero past row M */
+    for (int mb = 0; mb < MB; mb++)
+        for (int64_t kc = 0; kc < KC; kc++) {
+            vx_bf16* t = xb + ((int64_t)mb * KC + kc) * 512;
+            for (int j = 0; j < 16; j++) {
+                const int m = mb * 16 + j;
+                for (int r = 0; r < 16; r++) {
+                    t[r * 32 + 2 * j] = m < M ? x[m * x_st + kc * 32 + 2 * r] : 0;
+                    t[r * 32 + 2 * j + 1] = m < M ? x[m * x_st + kc * 32 + 2 * r + 1] : 0;
+                }
+            }
+        }
+    _Pragma("omp parallel if (N * K >= 262144)") {
+        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+            cfg __attribute__((aligned(64)));
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 6; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+        _tile_loadconfig(&cfg);
+        float c[16 * 16] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t nb = 0; nb < N / 16; nb++) {
+            const vx_bf16* a = W + nb * 16 * K;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t kc = 0; kc < KC; kc++) {
+                if (nb + 1 < N / 16)
+                    for (int i = 0; i < 16; i++)
+                        _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
+                _tile_loadd(4, a + kc * 32, K * 2);
+                switch (MB) {
+                case 4: VX_AMX_STEP(3) /* fall through */
+                case 3: VX_AMX_STEP(2) /* fall through */
+                case 2: VX_AMX_STEP(1) /* fall through */
+                default: VX_AMX_STEP(0)
+                }
+            }
+            for (int mb = 0; mb < MB; mb++) {
+                switch (mb) {
+                case 0: _tile_stored(0, c, 64); break;
+                case 1: _tile_stored(1, c, 64); break;
+                case 2: _tile_stored(2, c, 64); break;
+                default: _tile_stored(3, c, 64); break;
+                }
+                for (int i = 0; i < 16; i++) {
+                    const int64_t n = nb * 16 + i;
+                    const float b = bias ? ld_bf16(bias[n]) : 0.f;
+                    for (int j = 0; j < 16 && mb * 16 + j < M; j++)
+                        y[(int64_t)(mb * 16 + j) * y_st + n] = st_bf16(c[i * 16 + j] + b);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#else
+int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
+                     const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    (void)x; (void)x_st; (void)M; (void)W; (void)bias; (void)y; (void)y_st; (void)N; (void)K;
+    return -2;
+}
+#endif
 int vx_has_gemv(void) { return 1; }
 #else
 int vx_has_gemv(void) { return 0; }

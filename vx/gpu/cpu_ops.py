@@ -14,8 +14,9 @@ import os
 import torch
 
 __all__ = [
-    "GEMV_MAX_ROWS_BF16",
+    "AMX_MAX_ROWS",
     "GEMV_MAX_ROWS_INT8",
+    "bf16_max_rows",
     "fused_add_rms_norm",
     "fused_silu_and_mul",
     "gemv_fits",
@@ -23,13 +24,18 @@ __all__ = [
     "skinny_gemm",
 ]
 
-#: With vx's C skinny GEMM (`vx.gpu.cpu_gemv_source`), up to which rows it takes the int8 path
-#: (twice torch's int8 speed at 1-8 rows) and the bf16 one: with AVX512-BF16 2.8x oneDNN's
-#: packed GEMM at 1 row, 1.4x at 8, 1.2x at 12, slower at 16 (full SmolLM2 set, cold weights);
-#: without it (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
+#: Rows up to which vx's C kernels (`vx.gpu.cpu_gemv_source`) replace the library GEMM, as
+#: measured on the full SmolLM2 set of matrices with cold weights (2-core Sapphire Rapids):
+#: - int8 weights: twice torch's `_weight_int8pack_mm` at 1-8 rows;
+#: - bf16 on AMX tiles (`vx_gemm_amx_bf16`): 2x oneDNN's packed GEMM at 4-24 rows, 1.4x at 32,
+#:   a tie at 64; VDPBF16PS (`vx_gemv_bf16`) is a little faster at 1-2 rows;
+#: - bf16 without AMX: VDPBF16PS 2.8x oneDNN at 1 row, 1.4x at 8, 1.2x at 12, slower at 16;
+#:   without AVX512-BF16 (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
 GEMV_MAX_ROWS_INT8 = 8
-GEMV_MAX_ROWS_BF16 = 12
-_GEMV_MAX_ROWS_BF16_FMA = 4
+AMX_MAX_ROWS = 64
+_DP_MAX_ROWS = 12
+_FMA_MAX_ROWS = 4
+_DP_PREFERRED_ROWS = 2
 
 _gemv_state: dict[str, object] = {}
 
@@ -47,29 +53,43 @@ def gemv_kernels():
             lib = load_cpu_kernels()
             if lib is not None and not lib.vx_has_gemv():
                 lib = None
-        # 16 with the VDPBF16PS kernel, 8 with the fp32-FMA one
-        _gemv_state["bf16_rows"] = 0 if lib is None else lib.vx_gemv_bf16_max_rows()
+        amx = lib is not None and bool(lib.vx_fast_amx(-1))
+        dp = lib is not None and lib.vx_gemv_bf16_max_rows() >= 16  # the VDPBF16PS kernel
+        _gemv_state["amx"] = amx
+        _gemv_state["bf16_rows"] = (
+            0 if lib is None else AMX_MAX_ROWS if amx else _DP_MAX_ROWS if dp else _FMA_MAX_ROWS
+        )
         _gemv_state["lib"] = lib
     return _gemv_state["lib"]
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
-    """Whether `skinny_gemm` takes x @ weight.T (CPU, bf16 x, at most `max_rows` rows, K a
-    multiple of 32)."""
+def bf16_max_rows() -> int:
+    """Rows up to which `skinny_gemm` takes bf16 weights here (0: never)."""
+    gemv_kernels()
+    return _gemv_state["bf16_rows"]  # type: ignore[return-value]
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether `skinny_gemm` takes x @ weight.T: CPU, bf16 x of at most `max_rows` rows (and
+    at most what the kernels here take for the weight's dtype), K a multiple of 32, and for
+    bf16 weights on AMX N a multiple of 16."""
     if not (
         x.dim() == 2
-        and 0 < x.shape[0] <= max_rows
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and weight.shape[1] % 32 == 0
         and weight.shape[1] <= 16384
+        and gemv_kernels() is not None
     ):
         return False
-    lib = gemv_kernels()
-    if lib is None:
+    rows = x.shape[0]
+    limit = GEMV_MAX_ROWS_INT8 if weight.dtype == torch.int8 else bf16_max_rows()
+    if max_rows is not None:
+        limit = min(limit, max_rows)
+    if not 0 < rows <= limit:
         return False
-    if weight.dtype == torch.bfloat16 and x.shape[0] > _GEMV_MAX_ROWS_BF16_FMA:
-        return _gemv_state["bf16_rows"] >= max_rows  # type: ignore[operator]
+    if weight.dtype == torch.bfloat16 and rows > _DP_PREFERRED_ROWS and _gemv_state["amx"]:
+        return weight.shape[0] % 16 == 0 or rows <= _DP_MAX_ROWS
     return True
 
 
@@ -88,15 +108,23 @@ def skinny_gemm(
         return skinny_gemm(x, weight, scales, None) + bias
     if x.stride(1) != 1:
         x = x.contiguous()
-    n, k = weight.shape
-    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    fn = lib.vx_gemv_int8 if weight.dtype == torch.int8 else lib.vx_gemv_bf16  # type: ignore[union-attr]
-    rc = fn(
-        x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(),
-        None if scales is None else scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(), n, n, k,
-    )  # fmt: skip
+    m, (n, k) = x.shape[0], weight.shape
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    b = None if bias is None else bias.data_ptr()
+    rc = -1
+    if weight.dtype == torch.int8:
+        fn = lib.vx_gemv_int8  # type: ignore[union-attr]
+        rc = fn(x.data_ptr(), x.stride(0), m, weight.data_ptr(), scales.data_ptr(), b,  # type: ignore[union-attr]
+                y.data_ptr(), n, n, k)  # fmt: skip
+    else:
+        if m > _DP_PREFERRED_ROWS and _gemv_state["amx"]:
+            rc = lib.vx_gemm_amx_bf16(  # type: ignore[union-attr]
+                x.data_ptr(), x.stride(0), m, weight.data_ptr(), b, y.data_ptr(), n, n, k
+            )
+        if rc != 0:
+            rc = lib.vx_gemv_bf16(  # type: ignore[union-attr]
+                x.data_ptr(), x.stride(0), m, weight.data_ptr(), None, b, y.data_ptr(), n, n, k
+            )
     if rc != 0:
         raise RuntimeError(f"vx skinny GEMM refused {tuple(x.shape)} @ {tuple(weight.shape)}")
     return y

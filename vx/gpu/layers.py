@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vx.gpu.cpu_ops import (
-    GEMV_MAX_ROWS_BF16,
     fused_add_rms_norm,
     fused_silu_and_mul,
     gemv_fits,
@@ -114,9 +113,10 @@ def _process_linear(layer: nn.Module) -> None:
     """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
     if layer.quantization is not None:
         layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
-    elif cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
-        # The unpacked weight stays for the skinny GEMM (1-4 rows: twice oneDNN's speed), at
-        # the cost of a second copy of the dense weights.
+    if cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
+        # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
+        # the quantized path's: up to twice oneDNN's speed), at the cost of a second copy of
+        # the dense weights.
         layer.plain = layer.weight.data
     if cpu_prepack_enabled(layer.weight):
         layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)
@@ -377,7 +377,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
         if not cpu_prepack_enabled(self.weight):
             return
-        if self.quantization is None and gemv_kernels() is not None:
+        if gemv_kernels() is not None:
             self.plain = self.weight.data  # free when tied: it is the embedding table
         if self.tied:  # a copy: the tied weight is also the embedding's lookup table
             self.packed_copy = _prepack(self.weight)
@@ -389,7 +389,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             logits = self.quant.apply(hidden, None)
-        elif self.plain is not None and gemv_fits(hidden, self.plain, GEMV_MAX_ROWS_BF16):
+        elif self.plain is not None and gemv_fits(hidden, self.plain):
             logits = skinny_gemm(hidden, self.plain, None, None)
         elif self.packed:
             logits = _linear(hidden, self.weight, None, True)

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from vx.gpu.cpu_ops import (
-    GEMV_MAX_ROWS_BF16,
     GEMV_MAX_ROWS_INT8,
     gemv_fits,
     gemv_kernels,
@@ -188,7 +187,7 @@ def linear(
     (unpacked) weight (small x), the packed weight, or F.linear."""
     if quant is not None and x.shape[0] <= quant.max_rows:
         return quant.apply(x, bias)
-    if plain is not None and gemv_fits(x, plain, GEMV_MAX_ROWS_BF16):
+    if plain is not None and gemv_fits(x, plain):
         return skinny_gemm(x, plain, None, bias)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
