@@ -28,12 +28,12 @@ needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C ski
 
 
 @needs_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, 64, 65, 150, 192])
 @pytest.mark.parametrize("n", [4 * 37 + 3, 160])
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_skinny_gemm_matches_fp32_reference(rows: int, n: int, kind: str) -> None:
     """Every row count the kernels have a case for (VDPBF16PS / fp32 FMA up to 16 rows, AMX
-    tiles up to 64 in blocks of 16), a tail of output rows (N = 4g + 3, or whole 16-row tiles),
+    tiles in calls of up to 64 rows, blocks of 16), a tail of output rows (N = 4g + 3, or whole 16-row tiles),
     strided x, and bias: one bf16 rounding away from the fp32 result."""
     k = 608
     w = _weight(n, k)

@@ -263,9 +263,13 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
         for (int i = 0; i < 6; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
         _tile_loadconfig(&cfg);
         float c[16 * 16] __attribute__((aligned(64)));
+        const __m512i cols = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(16));
         _Pragma("omp for schedule(static)")
         for (int64_t nb = 0; nb < N / 16; nb++) {
             const vx_bf16* a = W + nb * 16 * K;
+            const __m512 bv = bias ? vx_ld16_bf16(bias + nb * 16) : _mm512_setzero_ps();
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t kc = 0; kc < KC; kc++) {
                 if (nb + 1 < N / 16)
@@ -286,11 +290,13 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                 case 2: _tile_stored(2, c, 64); break;
                 default: _tile_stored(3, c, 64); break;
                 }
-                for (int i = 0; i < 16; i++) {
-                    const int64_t n = nb * 16 + i;
-                    const float b = bias ? ld_bf16(bias[n]) : 0.f;
-                    for (int j = 0; j < 16 && mb * 16 + j < M; j++)
-                        y[(int64_t)(mb * 16 + j) * y_st + n] = st_bf16(c[i * 16 + j] + b);
+                /* column j of c (16 n) is row m = mb * 16 + j of y: one gather, one store */
+                for (int j = 0; j < 16 && mb * 16 + j < M; j++) {
+                    const __m512 col = _mm512_add_ps(
+                        _mm512_i32gather_ps(_mm512_add_epi32(cols, _mm512_set1_epi32(j)), c, 4),
+                        bv);
+                    _mm256_storeu_si256((__m256i*)(y + (int64_t)(mb * 16 + j) * y_st + nb * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(col));
                 }
             }
         }
