@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vx-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run vx with these extra flags, as 'vx NAME' (repeatable), "
                         "e.g. 'int8=--quantization int8'")
+    p.add_argument("--peers-first", action="store_true",
+                   help="run the peers before vx (default: vx first)")
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--from-json", default=None, help="no load: report and plot a saved run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -167,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             results = {k: {int(c): v for c, v in d.items()} for k, d in json.load(f).items()}
         concs = sorted({c for d in results.values() for c in d})
-    for server in [] if args.from_json else servers(args):
+    order = [] if args.from_json else servers(args)
+    if args.peers_first:  # the other order, to see how much drift during a run moves ratios
+        order = [s for s in order if not s.name.startswith("vx")] + [
+            s for s in order if s.name.startswith("vx")
+        ]
+    for server in order:
         if args.json:  # what is measured so far survives a later server's failure
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
