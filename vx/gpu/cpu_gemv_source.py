@@ -256,12 +256,7 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
             }
         }
     _Pragma("omp parallel if (N * K >= 262144)") {
-        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
-            cfg __attribute__((aligned(64)));
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette = 1;
-        for (int i = 0; i < 6; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-        _tile_loadconfig(&cfg);
+        vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
         const __m512i cols = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),

@@ -153,6 +153,18 @@ static int vx_amx_on = 0;
 #include <unistd.h>
 #include <sys/syscall.h>
 #endif
+#ifdef VX_HAS_AMX
+/* Configures tiles 0 .. n-1 as 16 rows x 64 bytes on the calling thread (every OpenMP thread
+   that uses AMX does this itself; _tile_release() after). */
+static inline void vx_amx_load_tiles(int n) {
+    struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+        cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < n; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+#endif
 /* AMX for q.k (1: on where the CPU and kernel allow it, which needs the process's permission
    for the tile state; 0: off; -1: leave as is). Returns whether it is on. */
 int vx_fast_amx(int enable) {
@@ -367,14 +379,7 @@ int vx_decode_attention_bf16_fast(
     const int amx = vx_amx_on && BS % 16 == 0;
     _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= VX_PAR_MIN)") {
 #ifdef VX_HAS_AMX
-    if (amx) {  /* per thread: three 16x64-byte tiles (0: S^T, 1: K, 2: Q^T) */
-        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
-            cfg __attribute__((aligned(64)));
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette = 1;
-        for (int i = 0; i < 3; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-        _tile_loadconfig(&cfg);
-    }
+    if (amx) vx_amx_load_tiles(3);  /* per thread: 0: S^T, 1: K, 2: Q^T */
 #endif
     _Pragma("omp for schedule(static)")
     for (int64_t w = 0; w < (int64_t)B * Hkv; w++) {
