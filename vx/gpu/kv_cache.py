@@ -35,6 +35,7 @@ import tempfile
 import torch
 
 from vx.config import BLOCK_SIZE
+from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 
@@ -129,7 +130,7 @@ def allocate_kv_caches(
 
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
-_DECODE_KERNEL_SOURCE = DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE
+_DECODE_KERNEL_SOURCE = DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + DECODE_STEP_SOURCE
 _CFLAGS = CFLAGS
 
 _kernel_state: dict[str, object] = {}
@@ -252,6 +253,10 @@ def _build_kernels() -> ctypes.CDLL | None:
         ]  # fmt: skip
         lib.vx_silu_and_mul_bf16.restype = None
         lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
+    lib.vx_has_decode_step.restype = ctypes.c_int
+    if lib.vx_has_decode_step():
+        lib.vx_llama_decode_bf16.restype = ctypes.c_int
+        lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,

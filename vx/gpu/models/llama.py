@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vx.gpu.cpu_decode import FusedDecode
 from vx.gpu.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -39,6 +40,7 @@ __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausa
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
+_UNBUILT = object()  # LlamaModel.fused_decode before the first forward
 
 # HF tensor name suffix -> (fused parameter suffix, shard id)
 _STACKED = {
@@ -196,6 +198,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+        self.fused_decode: FusedDecode | None | object = _UNBUILT
 
     def forward(
         self,
@@ -206,6 +209,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions)  # cos, sin [T, 1, D/2], shared by every layer
+        if self.fused_decode is _UNBUILT:  # after loading: the weights are final by now
+            self.fused_decode = FusedDecode.build(self) if x.device.type == "cpu" else None
+        if self.fused_decode is not None:  # all layers in one C call (a CPU decode step)
+            fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata)
+            if fused is not None:
+                return self.norm(*fused)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, attn_metadata)

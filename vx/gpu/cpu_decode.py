@@ -1,0 +1,174 @@
+"""The fused CPU decode step: all decoder layers of a Llama-family model in one C call, for steps
+whose rows are all decodes.
+
+Runs in: each Worker process. The C side is `vx.gpu.cpu_decode_source` (built into the kernel
+library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
+module path when it answers None.
+
+Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
+fused step is bit-identical to the module path (tests/gpu/test_cpu_decode.py checks it). `run`
+answers None, before touching anything, for every step it does not cover: rows that are not all
+decodes, more rows than the skinny GEMM takes (those go to oneDNN), int8 rows past the C int8
+kernel, or attention metadata without the C decode kernel. `build` answers None for a model it
+cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
+the kernels refuse). `VX_CPU_DECODE_STEP=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+
+__all__ = ["FusedDecode"]
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("T", "H", "Hq", "Hkv", "D", "I", "NB", "BS")),
+        ("eps", _F32), ("scale", _F32),
+        ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("pad_", _I32),
+        ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
+        ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
+        ("act", _P),
+    ]  # fmt: skip
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear_desc(layer: Any) -> _Linear | None:
+    """The C view of one linear, or None where the C kernels would not be the module's path."""
+    w = layer.plain
+    bias = layer.bias
+    if w is None or not w.is_contiguous() or layer.tp_size != 1:
+        return None
+    n, k = w.shape
+    if n % 16 or k % 32 or k > 16384:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    q = scale = None
+    if layer.quant is not None:
+        if layer.quant.method != "int8":
+            return None
+        q, scale = layer.quant.qweight, layer.quant.scales
+    return _Linear(w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k)
+
+
+class FusedDecode:
+    """One model's C layer descriptions; `run` takes a step or answers None."""
+
+    def __init__(self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int) -> None:
+        self._model, self._lib = model, lib
+        self._layers = (_Layer * len(layers))(*layers)
+        self._quant_rows = quant_rows
+        self._kv_key: tuple[int, ...] = ()
+        attn = model.layers[0].self_attn
+        self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self._hidden = model.norm.weight.shape[0]
+        self._inter = model.layers[0].mlp.down_proj.plain.shape[1]
+        self._eps = model.layers[0].input_layernorm.eps
+
+    @classmethod
+    def build(cls, model: Any) -> FusedDecode | None:
+        """For a `LlamaModel` after its weights were processed; None where it does not apply."""
+        from vx.gpu.attention import paged_attention
+
+        lib = gemv_kernels()
+        if os.environ.get("VX_CPU_DECODE_STEP", "1") == "0" or lib is None:
+            return None
+        if not lib.vx_has_decode_step() or model.norm.weight.dtype != torch.bfloat16:
+            return None
+        descs, quant_rows = [], None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.attn_fn is not paged_attention or attn.head_dim % 2:
+                return None
+            lins = [_linear_desc(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                              mlp.down_proj)]  # fmt: skip
+            if any(d is None for d in lins):
+                return None
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                rows = 0 if m.quant is None else m.quant.max_rows
+                if quant_rows is not None and rows != quant_rows:
+                    return None
+                quant_rows = rows
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None
+            descs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None))
+        if not descs:
+            return None
+        return cls(model, lib, descs, quant_rows or 0)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All layers for a step of T decode rows: (last MLP output, residual), or None."""
+        t = x.shape[0]
+        if not (md.decode_kernel and md.num_decodes == t and not md.prefills) or t == 0:
+            return None
+        if t > bf16_max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
+            return None
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
+            return None
+        k0, v0 = kv_caches[0]
+        if k0.dtype != torch.bfloat16 or md.slot_mapping.dtype != torch.int64:
+            return None
+        key = tuple(c.data_ptr() for kv in kv_caches for c in kv)
+        if key != self._kv_key:  # caches (re)allocated: point the layers at them
+            if not all(c.is_contiguous() and c.shape == k0.shape for kv in kv_caches for c in kv):
+                return None
+            for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
+                desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
+            self._kv_key = key
+        from vx.gpu.kv_cache import fast_decode_attention
+
+        hq, hkv, d = self._shape
+        hkv_c, nb, bs, d_c = k0.shape
+        bt, lens = md.decode_block_table, md.decode_seq_lens
+        cos, sin = (c.reshape(t, -1) for c in rope)
+        if hkv_c != hkv or d_c != d or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        new = torch.empty  # scratch for this step
+        residual = new(t, self._hidden, dtype=torch.bfloat16)
+        bufs = [new(t, n, dtype=torch.bfloat16) for n in (
+            self._hidden, (hq + 2 * hkv) * d, hq * d, 2 * self._inter, self._inter)]  # fmt: skip
+        step = _Step(
+            t, self._hidden, hq, hkv, d, self._inter, nb, bs, self._eps, d**-0.5,
+            md.decode_num_blocks * bs, self._quant_rows,
+            int(fast_decode_attention() and bool(self._lib.vx_has_fast_bf16())), 0,
+            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), bt.data_ptr(),
+            bt.stride(0), lens.data_ptr(), x.data_ptr(), residual.data_ptr(),
+            *(b.data_ptr() for b in bufs),
+        )  # fmt: skip
+        rc = self._lib.vx_llama_decode_bf16(
+            ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step)
+        )
+        if rc != 0:
+            raise MemoryError("the fused CPU decode step could not allocate scratch")
+        return x, residual

@@ -1,0 +1,148 @@
+"""The C source of the fused CPU decode step: every decoder layer of a Llama-family model in one
+call, for batches of decode rows (one new token per request).
+
+Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+attention and the skinny GEMM; `vx.gpu.cpu_decode` fills its structs and calls it).
+
+Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the same step took
+~21 ms: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
+the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
+kernels the module path calls (so the results are bit-identical), chained without Python:
+RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
+paged decode attention -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+
+GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
+`quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
+in calls of 64. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+roundings per output), as `vx.gpu.rotary.apply_rotary`.
+
+Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
+`vx_layer` per decoder layer (fixed at load, plus its K/V cache), a `vx_step` per call (batch
+size, per-step metadata and scratch buffers).
+"""
+
+from __future__ import annotations
+
+DECODE_STEP_SOURCE = r"""
+#if defined(__AVX512F__)
+#ifdef VX_HAS_AMX
+#define VX_STEP_AMX vx_amx_on
+#else
+#define VX_STEP_AMX 0
+#endif
+typedef struct {
+    const vx_bf16* w;       /* [n, k] bf16, row-major */
+    const int8_t* q;        /* [n, k] int8 or NULL */
+    const vx_bf16* scale;   /* [n] per output channel, with q */
+    const vx_bf16* bias;    /* [n] or NULL */
+    int64_t n, k;
+} vx_linear;
+typedef struct {
+    const vx_bf16* in_norm;
+    const vx_bf16* post_norm;
+    vx_linear qkv, o, gate_up, down;
+    vx_bf16* k_cache;       /* [Hkv, NB, BS, D] contiguous */
+    vx_bf16* v_cache;
+} vx_layer;
+typedef struct {
+    int64_t T, H, Hq, Hkv, D, I, NB, BS;
+    float eps, scale;
+    int32_t max_len, quant_rows, fast, pad_;
+    const vx_bf16* cos;     /* [T, D / 2] */
+    const vx_bf16* sin;
+    const int64_t* slots;   /* [T] */
+    const int32_t* bt;      /* [T, bt_s] */
+    int64_t bt_s;
+    const int32_t* lens;    /* [T] */
+    vx_bf16* x;             /* [T, H]: in, the embeddings; out, the last layer's MLP output */
+    vx_bf16* residual;      /* [T, H]: out */
+    vx_bf16* h;             /* scratch [T, H] */
+    vx_bf16* qkv;           /* scratch [T, (Hq + 2 Hkv) D] */
+    vx_bf16* attn;          /* scratch [T, Hq D] */
+    vx_bf16* gu;            /* scratch [T, 2 I] */
+    vx_bf16* act;           /* scratch [T, I] */
+} vx_step;
+
+static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
+                           vx_bf16* y) {
+    if (L->q && T <= quant_rows)
+        return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (T > 2 && VX_STEP_AMX) {
+        for (int64_t a = 0; a < T; a += 64) {
+            const int m = T - a < 64 ? (int)(T - a) : 64;
+            const int rc = vx_gemm_amx_bf16(x + a * L->k, L->k, m, L->w, L->bias, y + a * L->n,
+                                            L->n, L->n, L->k);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
+}
+/* Rotate-half rotary in place on nh heads of each row: x1' = x1 c - x2 s, x2' = x2 c + x1 s,
+   each product and the sum rounded to bf16 (torch's eager ops). */
+static void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                           const vx_bf16* cos, const vx_bf16* sin) {
+    const int64_t h2 = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
+        for (int64_t hd = 0; hd < nh; hd++) {
+            vx_bf16* p = x + t * x_st + hd * D;
+            for (int64_t i = 0; i < h2; i++) {
+                const float a = ld_bf16(p[i]), b = ld_bf16(p[i + h2]);
+                const float ci = ld_bf16(c[i]), si = ld_bf16(s[i]);
+                const float ac = ld_bf16(st_bf16v(a * ci)), bs = ld_bf16(st_bf16v(b * si));
+                const float bc = ld_bf16(st_bf16v(b * ci)), as = ld_bf16(st_bf16v(a * si));
+                p[i] = st_bf16v(ac - bs);
+                p[i + h2] = st_bf16v(bc + as);
+            }
+        }
+    }
+}
+/* Every decoder layer for s->T decode rows. Returns 0, or the first kernel's error (the caller
+   validated the shapes, so an error means scratch could not be allocated). */
+int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
+    const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
+    const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
+    const int64_t c_sh = s->NB * s->BS * D;
+    int rc;
+    for (int l = 0; l < n_layers; l++) {
+        const vx_layer* L = layers + l;
+        if (l == 0) {  /* the embeddings are the first residual */
+            vx_add_rms_norm_bf16(s->x, H, NULL, NULL, L->in_norm, s->h, T, H, s->eps);
+            memcpy(s->residual, s->x, (size_t)(T * H) * e);
+        } else {
+            vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
+        }
+        if ((rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->qkv))) return rc;
+        vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
+        vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
+                    (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
+                    (char*)L->k_cache, (char*)L->v_cache, c_sh * e, D * e, s->slots, (int)T,
+                    (int)Hkv, s->NB * s->BS);
+        rc = -2;
+#ifdef VX_HAS_FAST_BF16
+        if (s->fast)
+            rc = vx_decode_attention_bf16_fast(
+                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                s->BS * D, D, s->bt, s->bt_s, s->lens, (int)T, (int)Hq, (int)Hkv, (int)D,
+                (int)s->BS, s->scale, s->max_len);
+#endif
+        if (rc == -2)
+            rc = vx_decode_attention_bf16(
+                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                s->BS * D, D, s->bt, s->bt_s, s->lens, (int)T, (int)Hq, (int)Hkv, (int)D,
+                (int)s->BS, s->scale, s->max_len);
+        if (rc) return rc;
+        if ((rc = vx_linear_apply(&L->o, s->attn, T, s->quant_rows, s->x))) return rc;
+        vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, T, H, s->eps);
+        if ((rc = vx_linear_apply(&L->gate_up, s->h, T, s->quant_rows, s->gu))) return rc;
+        vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, T, s->I);
+        if ((rc = vx_linear_apply(&L->down, s->act, T, s->quant_rows, s->x))) return rc;
+    }
+    return 0;
+}
+int vx_has_decode_step(void) { return 1; }
+#else
+int vx_has_decode_step(void) { return 0; }
+#endif
+"""
