@@ -121,3 +121,27 @@ def test_fused_ops_leave_other_dtypes_to_torch() -> None:
     x = torch.randn(3, 64)
     assert fused_add_rms_norm(x, None, torch.ones(64), 1e-5) is None
     assert fused_silu_and_mul(x) is None
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("head_dim", [64, 16, 6])
+def test_fused_rotary_equals_torch_ops(rows: int, head_dim: int) -> None:
+    """In place on the fused QKV output's q and k heads, bit for bit torch's eager expression."""
+    from vx.gpu.cpu_ops import fused_rotary
+
+    g = torch.Generator().manual_seed(rows + head_dim)
+    heads, kv = 5, 2
+    qkv = (torch.randn(rows, (heads + 2 * kv) * head_dim, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (rows,), generator=g).float()[:, None]
+    freqs = pos * (10000.0 ** (-torch.arange(0, head_dim, 2).float() / head_dim))[None, :]
+    cos, sin = (f.to(torch.bfloat16).unsqueeze(1) for f in (freqs.cos(), freqs.sin()))
+    x = qkv[:, : (heads + kv) * head_dim].view(rows, heads + kv, head_dim)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    v_before = qkv[:, (heads + kv) * head_dim :].clone()
+    assert fused_rotary(x, cos, sin)
+    assert torch.equal(x, want)
+    assert torch.equal(qkv[:, (heads + kv) * head_dim :], v_before)  # v untouched
+    assert not fused_rotary(x.float(), cos, sin)
+    assert not fused_rotary(x.transpose(0, 1), cos, sin)

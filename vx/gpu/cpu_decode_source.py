@@ -78,11 +78,13 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     }
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
 }
-/* Rotate-half rotary in place on nh heads of each row: x1' = x1 c - x2 s, x2' = x2 c + x1 s,
-   each product and the sum rounded to bf16 (torch's eager ops). */
-static void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
-                           const vx_bf16* cos, const vx_bf16* sin) {
+/* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
+   x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
+   ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu_ops`). */
+void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                    const vx_bf16* cos, const vx_bf16* sin) {
     const int64_t h2 = D / 2;
+    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
     for (int64_t t = 0; t < T; t++) {
         const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
         for (int64_t hd = 0; hd < nh; hd++) {

@@ -18,6 +18,7 @@ __all__ = [
     "GEMV_MAX_ROWS_INT8",
     "bf16_max_rows",
     "fused_add_rms_norm",
+    "fused_rotary",
     "fused_silu_and_mul",
     "gemv_fits",
     "gemv_kernels",
@@ -176,3 +177,20 @@ def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, i, dtype=torch.bfloat16)
     lib.vx_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
     return out
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate-half rotary IN PLACE on CPU bf16 x [T, H, D] (heads D apart in each row) with
+    cos/sin [T, 1, D / 2], torch's roundings, one C call; False where it does not apply (the
+    caller runs the torch ops). Instead of five torch ops and their temporaries per layer."""
+    lib = gemv_kernels()
+    if lib is None or not lib.vx_has_decode_step() or x.dim() != 3 or x.dtype != torch.bfloat16:
+        return False
+    t, h, d = x.shape
+    if x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d or d % 2:
+        return False
+    c, s = cos.reshape(t, d // 2), sin.reshape(t, d // 2)
+    if not (c.dtype == s.dtype == torch.bfloat16 and c.is_contiguous() and s.is_contiguous()):
+        return False
+    lib.vx_rotary_bf16(x.data_ptr(), x.stride(0), t, h, d, c.data_ptr(), s.data_ptr())  # type: ignore[union-attr]
+    return True

@@ -257,6 +257,8 @@ def _build_kernels() -> ctypes.CDLL | None:
     if lib.vx_has_decode_step():
         lib.vx_llama_decode_bf16.restype = ctypes.c_int
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
+        lib.vx_rotary_bf16.restype = None
+        lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,

@@ -79,7 +79,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, H, head_dim] -> rotated copy. The same elementwise ops as HF's rotate_half form:
     HF's x*cos + cat(-x2, x1)*sin has first half x1*c + (-x2)*s, bit for bit x1*c - x2*s.
 
-    On CUDA the Triton kernel rotates `x` IN PLACE (same rounding) and returns it.
+    On CUDA the Triton kernel, and on CPU in bf16 the C one, rotate `x` IN PLACE (same
+    roundings) and return it.
     """
     from vx.gpu.layers import _row_index, _triton_ops  # layers imports this module
 
@@ -90,5 +91,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         # The kernel indexes cos/sin by position; these are already looked up: row i is i.
         ops.rotary_embedding(_row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s)
         return x
+    if x.device.type == "cpu" and x.shape[0]:
+        from vx.gpu.cpu_ops import fused_rotary
+
+        if fused_rotary(x, cos, sin):  # in place, same roundings
+            return x
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
