@@ -49,7 +49,7 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="concurrent sequences per step (default: 1024 on cuda, 256 on cpu)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: 2048 on CPU; 8192 on cuda, 16384 on 160+ GiB)")
+                   help="token budget per step (default: 1024 on CPU; 8192 on cuda, 16384 on 160+ GiB)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")

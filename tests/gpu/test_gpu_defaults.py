@@ -36,7 +36,7 @@ B200 = 180 * 10**9  # 167.6 GiB
 @pytest.mark.parametrize(
     ("memory", "server", "offline"),
     [
-        (None, 2048, 4096),  # CPU
+        (None, 1024, 2048),  # CPU
         (H100, 8192, 16384),
         (H200_NVML, 8192, 16384),
         (H200_TORCH, 8192, 16384),
@@ -61,7 +61,7 @@ def test_max_num_seqs_defaults_and_explicit_values_win(monkeypatch):
     ) == (1024, 4096)
     assert vdev.resolve_scheduler_defaults(
         "cpu", max_num_seqs=None, max_num_batched_tokens=None, offline=False
-    ) == (256, 2048)
+    ) == (256, 1024)
     assert vdev.resolve_scheduler_defaults(
         "cuda", max_num_seqs=12, max_num_batched_tokens=100, offline=True
     ) == (12, 100)
@@ -115,7 +115,7 @@ def test_llm_cuda_queries_the_device_with_the_offline_budget(monkeypatch):
     with pytest.raises(Stop):
         vx.llm.LLM()
     s = seen["config"].scheduler
-    assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 4096)
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 2048)
 
 
 class _FakeNvml:
