@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.kv_cache import fast_decode_attention
 
 __all__ = ["FusedDecode"]
 
@@ -88,6 +89,7 @@ class FusedDecode:
         self._hidden = model.norm.weight.shape[0]
         self._inter = model.layers[0].mlp.down_proj.plain.shape[1]
         self._eps = model.layers[0].input_layernorm.eps
+        self._has_fast = bool(lib.vx_has_fast_bf16())  # the AVX512-BF16 attention was built
 
     @classmethod
     def build(cls, model: Any) -> FusedDecode | None:
@@ -146,8 +148,6 @@ class FusedDecode:
             for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
                 desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
             self._kv_key = key
-        from vx.gpu.kv_cache import fast_decode_attention
-
         hq, hkv, d = self._shape
         hkv_c, nb, bs, d_c = k0.shape
         bt, lens = md.decode_block_table, md.decode_seq_lens
@@ -161,7 +161,7 @@ class FusedDecode:
         step = _Step(
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
-            int(fast_decode_attention() and bool(self._lib.vx_has_fast_bf16())), 0,
+            int(self._has_fast and fast_decode_attention()), 0,
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), bt.data_ptr(),
             bt.stride(0), lens.data_ptr(), x.data_ptr(), residual.data_ptr(),
             *(b.data_ptr() for b in bufs),

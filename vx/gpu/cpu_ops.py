@@ -184,7 +184,11 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     cos/sin [T, 1, D / 2], torch's roundings, one C call; False where it does not apply (the
     caller runs the torch ops). Instead of five torch ops and their temporaries per layer."""
     lib = gemv_kernels()
-    if lib is None or not lib.vx_has_decode_step() or x.dim() != 3 or x.dtype != torch.bfloat16:
+    if lib is None or x.dim() != 3 or x.dtype != torch.bfloat16:
+        return False
+    if "rotary" not in _gemv_state:  # built with the decode-step source (AVX-512 machines)
+        _gemv_state["rotary"] = bool(lib.vx_has_decode_step())
+    if not _gemv_state["rotary"]:
         return False
     t, h, d = x.shape
     if x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d or d % 2:
