@@ -147,6 +147,37 @@ def test_sizes_wraparound_and_empty_messages() -> None:
             assert r.recv(timeout=1) == b"abc"
 
 
+def test_send_takes_any_contiguous_buffer_and_rewinds_large_messages() -> None:
+    """`send`'s fast path: bytearray and memoryviews of any format go out byte for byte; a
+    non-contiguous view is refused and publishes nothing; large messages keep going back to
+    offset 0 (after a PAD frame) whenever the reader has released the previous one."""
+    import array
+
+    from vx.ring import REWIND_MIN
+
+    cap = 1 << 16
+    with RingWriter.create(capacity=cap, name_prefix=PREFIX) as w:
+        with RingReader.attach(w.handle) as r:
+            doubles = array.array("d", range(10))
+            grid = memoryview(bytes(range(24))).cast("B", (4, 6))
+            for data in [bytearray(b"xyz"), memoryview(doubles), grid]:
+                w.send(data)
+                assert r.recv(timeout=1) == memoryview(data).tobytes()
+            with pytest.raises(BufferError):
+                w.send(memoryview(bytes(range(40)))[::2])
+            assert w.statistics().num_bytes_pending == 0  # the refused message left no trace
+            w.send(b"after")
+            assert r.recv(timeout=1) == b"after"
+            big = os.urandom(REWIND_MIN + 100)
+            for i in range(20):
+                w.send(big)
+                # From the second on (the first starts where the small ones ended), each one
+                # is rewound to offset 0: it ends one frame past a multiple of the capacity.
+                assert i == 0 or w.statistics().position % cap == 8 + (len(big) + 7) // 8 * 8
+                with r.recv_view(timeout=1) as view:
+                    assert view == big
+
+
 def test_counters_cross_2_pow_32() -> None:
     start = (1 << 32) - 1000
     with RingWriter.create(capacity=512, name_prefix=PREFIX, initial_position=start) as w:

@@ -137,14 +137,41 @@ class RingWriter(RingEnd):
         Raises TimeoutError (then no part of the message is delivered), anyio.BrokenResourceError
         when a reader died or closed while the writer waits, anyio.ClosedResourceError after close.
         """
-        self._send(data, None if timeout is None else perf_counter() + timeout, False)
+        if not self._send_now(data):
+            self._send(data, None if timeout is None else perf_counter() + timeout, False)
 
     def send_nowait(self, data: Buffer) -> None:
         """Publishes one message if it fits now, else raises anyio.WouldBlock.
 
         A message that never fits whole (over capacity - 8 bytes) raises ValueError: use send.
         """
-        self._send(data, None, True)
+        if not self._send_now(data):
+            self._send(data, None, True)
+
+    def _send_now(self, data: Buffer) -> bool:
+        """The fast path of `send`: True if `data` went out as one frame, into space already
+        free, placed exactly as `_send` would place it; False leaves everything to `_send`
+        (chunks, waiting, a frame that wraps around without rewinding, errors)."""
+        t = type(data)
+        n = len(data) if t is bytes or t is bytearray else data.nbytes if t is memoryview else -1
+        if 0 <= n <= self._max_frame and not self._closed:
+            pos, cap = self._wpos, self._cap
+            off = pos % cap
+            size = HDR + ((n + 7) & -8)
+            if size < REWIND_MIN and off + size <= cap:  # stays where it is
+                target = pos + size - cap
+                if target <= self._min_read or self._refresh() >= target:
+                    self._publish(pos, data, n, START | END, pos + size)
+                    return True
+            elif 0 < off and size <= off and (size >= REWIND_MIN or off + HDR < cap):
+                # Rewinds to offset 0 after a PAD frame (see `_send`), if that fits now.
+                target = pos - off + size
+                if target <= self._min_read or self._refresh() >= target:
+                    self._q[(self._base + off) >> 3] = (cap - off - HDR) | (PAD << 32)
+                    pos += cap - off
+                    self._publish(pos, data, n, START | END, pos + size)
+                    return True
+        return False
 
     def _send(self, data: Buffer, deadline: float | None, nowait: bool) -> None:
         if self._closed:
@@ -202,9 +229,13 @@ class RingWriter(RingEnd):
         finally:
             if busy:
                 q[rs.WRITER_BUSY] = 0  # after write_pos: a reader that sees 0 sees the frame
+        self._wake_parked()
+
+    def _wake_parked(self) -> None:
+        """After a `write_pos` store: wakes each reader parked in an episode not yet woken."""
         self._fence_release()  # the counter store before the parked-flag loads (Dekker)
         self._fence_acquire()
-        i = 0
+        q, i = self._q, 0
         for parked_idx, wake_name in self._wake_targets:
             episode = q[parked_idx]
             if episode and episode != self._woken[i]:  # one wake-up per park is enough
@@ -235,8 +266,8 @@ class RingWriter(RingEnd):
         return target <= self._min_read or self._refresh() >= target
 
     def _refresh(self) -> int:
-        q = self._q
-        self._min_read = min_read = min([q[i] for i in self._read_idx])
+        q, idx = self._q, self._read_idx
+        self._min_read = min_read = q[idx[0]] if len(idx) == 1 else min([q[i] for i in idx])
         return min_read
 
     def _wait_space(self, target: int, deadline: float | None) -> None:
