@@ -215,17 +215,36 @@ VX_INLINE __m512 vx_hsum16(const __m512* a) {
                              _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
 }
+/* The next (request, kv head) item's K and V blocks, fetched into L2 a few lines at a time
+   while the current item computes: issued all at once, the prefetches filled the core's miss
+   queue and stalled it until they had all landed, so memory and compute took turns. */
+#define VX_PF_BLOCKS 64  /* up to 1,024 keys of blocks of 16 */
+typedef struct {
+    const char* k[VX_PF_BLOCKS];
+    const char* v[VX_PF_BLOCKS];
+    int nblk, blk, line, lines;  /* lines: 64-byte lines per block (of K, and of V) */
+} vx_pf_cursor;
+VX_INLINE void vx_pf_step(vx_pf_cursor* c, int n) {
+    for (; n > 0 && c->blk < c->nblk; n--) {
+        _mm_prefetch(c->k[c->blk] + 64 * c->line, _MM_HINT_T1);
+        _mm_prefetch(c->v[c->blk] + 64 * c->line, _MM_HINT_T1);
+        if (++c->line == c->lines) { c->line = 0; c->blk++; }
+    }
+}
 /* One (request, kv head) item; DV = D / 32 is a compile-time constant at each call site. */
 VX_INLINE void vx_fast_item(
         const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
         const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
-        int BS, float scale, const int DV, const int amx) {
+        int BS, float scale, const int DV, const int amx, vx_pf_cursor* pf) {
     enum { GB_MAX = 4 };
     const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
     float sc[16][VX_CH] __attribute__((aligned(64)));
     __m512 acc[16][16];
     int64_t off[VX_CH];
     float mx[16], sum[16];
+    /* The next item's lines spread over this item's work: a 16-key q.k group counts as 16
+       keys of p.V (the two passes cost about the same). */
+    const int pq = (pf->nblk * pf->lines + 2 * len - 1) / (2 * len > 0 ? 2 * len : 1);
     for (int g = 0; g < G; g++) {
         mx[g] = -INFINITY; sum[g] = 0.f;
         for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
@@ -234,7 +253,7 @@ VX_INLINE void vx_fast_item(
     /* AMX: S^T[16 keys][16 heads] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
        layout tdpbf16ps takes (row r, column n: query head n's dims 2r, 2r+1; heads >= G zero) */
     uint32_t qt[8][16][16] __attribute__((aligned(64)));
-    float ct[16][16] __attribute__((aligned(64)));
+    float ct[VX_CH / 16][16][16] __attribute__((aligned(64)));
     float cmax[16];
     if (amx) {
         memset(qt, 0, sizeof(uint32_t) * 256 * DV);
@@ -242,6 +261,10 @@ VX_INLINE void vx_fast_item(
             const uint32_t* qw = (const uint32_t*)(qr + (int64_t)g * q_sh);
             for (int v = 0; v < DV; v++)
                 for (int r = 0; r < 16; r++) qt[v][r][g] = qw[16 * v + r];
+        }
+        if (DV <= 2) {  /* Q^T stays in tiles 5 (and 6) for the whole item */
+            _tile_loadd(5, qt[0], 64);
+            if (DV == 2) _tile_loadd(6, qt[1], 64);
         }
     }
 #endif
@@ -259,27 +282,41 @@ VX_INLINE void vx_fast_item(
         vx_prefetch_rows(kh, off, cnt < 16 * VX_PF ? cnt : 16 * VX_PF, DV);
 #ifdef VX_HAS_AMX
         if (amx) {  /* 16 keys of one block per step (BS % 16 == 0): one tile row each */
+            /* First every group's tile product, into two accumulators in turn (the next
+               product runs while the last one is stored), then the scores out of the stored
+               tiles: done group by group, each product waited on its store and gathers. */
+            int t = 0;
+#define VX_QK_GROUP(T, ACC, KT) do { \
+                const vx_bf16* kr = kh + off[(T) * 16]; \
+                if ((T) + VX_PF < ng) vx_prefetch_rows(kh, off + ((T) + VX_PF) * 16, 16, DV); \
+                vx_prefetch_rows(vh, off + (T) * 16, 16, DV); \
+                vx_pf_step(pf, 16 * pq); \
+                _tile_zero(ACC); \
+                if (DV <= 2) { \
+                    _tile_loadd(KT, kr, c_ss * 2); _tile_dpbf16ps(ACC, KT, 5); \
+                    if (DV == 2) { _tile_loadd(KT, kr + 32, c_ss * 2); _tile_dpbf16ps(ACC, KT, 6); } \
+                } else { \
+                    for (int v = 0; v < DV; v++) { \
+                        _tile_loadd(KT, kr + 32 * v, c_ss * 2); _tile_loadd(2, qt[v], 64); \
+                        _tile_dpbf16ps(ACC, KT, 2); \
+                    } \
+                } \
+                _tile_stored(ACC, ct[T], 64); \
+            } while (0)
+            for (; t + 1 < ng; t += 2) { VX_QK_GROUP(t, 0, 1); VX_QK_GROUP(t + 1, 3, 4); }
+            if (t < ng) VX_QK_GROUP(t, 0, 1);
+#undef VX_QK_GROUP
             const __m512i rows = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                 _mm512_set1_epi32(16));
             __m512 run[16];
             for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
-            for (int t = 0; t < ng; t++) {
-                const vx_bf16* kr = kh + off[t * 16];
-                if (t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
-                vx_prefetch_rows(vh, off + t * 16, 16, DV);
-                _tile_zero(0);
-                for (int v = 0; v < DV; v++) {
-                    _tile_loadd(1, kr + 32 * v, c_ss * 2);
-                    _tile_loadd(2, qt[v], 64);
-                    _tile_dpbf16ps(0, 1, 2);
-                }
-                _tile_stored(0, ct, 64);
+            for (t = 0; t < ng; t++) {
                 const int left = cnt - t * 16;
                 const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
                 for (int g = 0; g < G; g++) {
                     const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
-                        _mm512_i32gather_ps(rows, &ct[0][g], 4), _mm512_set1_ps(scale));
+                        _mm512_i32gather_ps(rows, &ct[t][0][g], 4), _mm512_set1_ps(scale));
                     _mm512_store_ps(&sc[g][t * 16], r);
                     run[g] = _mm512_max_ps(run[g], r);
                 }
@@ -300,6 +337,7 @@ VX_INLINE void vx_fast_item(
             for (int t = 0; t < ng; t++) {
                 __m512 a[16];
                 if (g == 0 && t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
+                if (g == 0) vx_pf_step(pf, 16 * pq);
                 for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
                     const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
                     __m512 s = _mm512_setzero_ps();
@@ -345,7 +383,10 @@ VX_INLINE void vx_fast_item(
             if (g0 == 0) vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
             for (int i = 0; i < cnt; i++) {
                 const vx_bf16* vr = vh + off[i];
-                if (g0 == 0 && i + 32 < cnt) vx_prefetch_rows(vh, off + i + 32, 1, DV);
+                if (g0 == 0) {
+                    if (i + 32 < cnt) vx_prefetch_rows(vh, off + i + 32, 1, DV);
+                    if ((i & 7) == 0) vx_pf_step(pf, 8 * pq);
+                }
                 __m512 vf[16];
                 for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
                     const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
@@ -384,7 +425,7 @@ int vx_decode_attention_bf16_fast(
     const int amx = vx_amx_on && BS % 16 == 0;
     _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= VX_PAR_MIN)") {
 #ifdef VX_HAS_AMX
-    if (amx) vx_amx_load_tiles(3);  /* per thread: 0: S^T, 1: K, 2: Q^T */
+    if (amx) vx_amx_load_tiles(7);  /* per thread: 0, 3: S^T; 1, 4: K; 2, 5, 6: Q^T */
 #endif
     _Pragma("omp for schedule(static)")
     for (int64_t w = 0; w < (int64_t)B * Hkv; w++) {
@@ -393,21 +434,20 @@ int vx_decode_attention_bf16_fast(
         vx_bf16* orow = out + b * o_st + (int64_t)h * G * o_sh;
         const vx_bf16 *kh = kc + h * c_sh, *vh = vc + h * c_sh;
         const int32_t* btr = bt + b * bt_s;
-        if (w + 1 < (int64_t)B * Hkv) {
-            /* The next item's K and V (up to 1,024 keys) into L2 now: its blocks are scattered
-               and cold, and this item's compute hides their latency (b64 x KV 256: -15-20%). */
+        vx_pf_cursor pf;
+        pf.nblk = pf.blk = pf.line = 0;
+        pf.lines = (int)(((int64_t)BS * c_ss * 2 + 63) / 64);
+        if (w + 1 < (int64_t)B * Hkv) {  /* the next item's K and V: up to 1,024 keys */
             const int b1 = (int)((w + 1) / Hkv), h1 = (int)((w + 1) % Hkv);
-            const int n1 = lens[b1] < 1024 ? lens[b1] : 1024;
-            for (int p = 0; p < n1; p += BS) {
+            const int n1 = lens[b1] < 16 * VX_PF_BLOCKS ? lens[b1] : 16 * VX_PF_BLOCKS;
+            for (int p = 0; p < n1; p += BS, pf.nblk++) {
                 const int64_t blk = (int64_t)bt[b1 * bt_s + p / BS] * c_sb + h1 * c_sh;
-                for (int64_t e = 0; e < (int64_t)BS * c_ss; e += 32) {
-                    _mm_prefetch((const char*)(kc + blk + e), _MM_HINT_T1);
-                    _mm_prefetch((const char*)(vc + blk + e), _MM_HINT_T1);
-                }
+                pf.k[pf.nblk] = (const char*)(kc + blk);
+                pf.v[pf.nblk] = (const char*)(vc + blk);
             }
         }
 #define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
-                                scale, DV, amx)
+                                scale, DV, amx, &pf)
         switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
         case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
         case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;
