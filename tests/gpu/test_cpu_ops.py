@@ -33,8 +33,8 @@ needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C ski
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_skinny_gemm_matches_fp32_reference(rows: int, n: int, kind: str) -> None:
     """Every row count the kernels have a case for (VDPBF16PS / fp32 FMA up to 16 rows, AMX
-    tiles in calls of up to 64 rows, blocks of 16), a tail of output rows (N = 4g + 3, or whole 16-row tiles),
-    strided x, and bias: one bf16 rounding away from the fp32 result."""
+    tiles four 16-row blocks at a time up to 192 rows), a tail of output rows (N = 4g + 3, or
+    whole 16-row tiles), strided x, and bias: one bf16 rounding away from the fp32 result."""
     k = 608
     w = _weight(n, k)
     g = torch.Generator().manual_seed(2)
@@ -53,6 +53,22 @@ def test_skinny_gemm_matches_fp32_reference(rows: int, n: int, kind: str) -> Non
         want = x.float() @ w.float().T + bias.float()
     assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-7)
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [3, 20, 70])
+def test_skinny_gemm_any_row_stride_is_the_same(rows: int) -> None:
+    """x rows at an odd stride (not whole bf16 pairs: the AMX kernel re-lays x out element by
+    element instead of by pair gathers) give exactly the contiguous result."""
+    k, n = 576, 160
+    w = _weight(n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    if not gemv_fits(x, w):
+        pytest.skip(f"bf16 {rows} x {n}: not for the C kernels here")
+    odd = torch.empty(rows, k + 1, dtype=torch.bfloat16)[:, :k]
+    odd.copy_(x)
+    assert odd.stride(0) % 2 == 1
+    assert torch.equal(skinny_gemm(odd, w, None, None), skinny_gemm(x, w, None, None))
 
 
 @needs_gemv

@@ -13,7 +13,7 @@ paged decode attention -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-m
 
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
-in calls of 64. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+(one call). The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
 
 Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
@@ -67,15 +67,8 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
                            vx_bf16* y) {
     if (L->q && T <= quant_rows)
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
-    if (T > 2 && VX_STEP_AMX) {
-        for (int64_t a = 0; a < T; a += 64) {
-            const int m = T - a < 64 ? (int)(T - a) : 64;
-            const int rc = vx_gemm_amx_bf16(x + a * L->k, L->k, m, L->w, L->bias, y + a * L->n,
-                                            L->n, L->n, L->k);
-            if (rc) return rc;
-        }
-        return 0;
-    }
+    if (T > 2 && VX_STEP_AMX)
+        return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
 }
 /* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:

@@ -225,17 +225,19 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
     }
 }
 #ifdef VX_HAS_AMX
-/* bf16 GEMM for 1-64 rows on AMX tiles, computed transposed: C^T[n][m] = W[n][k] . X^T[k][m],
+/* bf16 GEMM for 1-192 rows on AMX tiles, computed transposed: C^T[n][m] = W[n][k] . X^T[k][m],
    so each A tile is 16 weight rows x 32 k loaded straight from W (row stride K), and only x
    is re-laid out (VNNI pairs, zero-padded to 16 rows per block, once per call). Up to four
-   C tiles (m blocks) share every A tile load: the weights stream once per call. The next
-   block of 16 weight rows is prefetched tile by tile. Needs vx_fast_amx(1) to have been
-   granted; returns -2 where it does not apply (the caller falls back). */
-#define VX_AMX_MAX_ROWS 64
+   C tiles (m blocks) share every A tile load; past 64 rows the next four m blocks take the
+   same 16 weight rows again while they are still in L1/L2, so the weights stream from memory
+   once per call whatever the rows. The next block of 16 weight rows is prefetched tile by
+   tile. Needs vx_fast_amx(1) to have been granted; returns -2 where it does not apply (the
+   caller falls back). */
+#define VX_AMX_MAX_ROWS 192
 static vx_bf16 vx_amx_xb[(VX_AMX_MAX_ROWS / 16) * (VX_GEMV_MAX_K / 32) * 512]
     __attribute__((aligned(64)));
 #define VX_AMX_STEP(T) \
-    _tile_loadd(5, xb + ((int64_t)(T) * KC + kc) * 512, 64); _tile_dpbf16ps(T, 4, 5);
+    _tile_loadd(5, xg + ((int64_t)(T) * KC + kc) * 512, 64); _tile_dpbf16ps(T, 4, 5);
 int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     if (!vx_amx_on || M < 1 || M > VX_AMX_MAX_ROWS || K % 32 || K > VX_GEMV_MAX_K || N % 16)
@@ -243,18 +245,36 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     const int MB = (M + 15) / 16;
     const int64_t KC = K / 32;
     vx_bf16* xb = vx_amx_xb;
-    /* xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}], zero past row M */
-    for (int mb = 0; mb < MB; mb++)
-        for (int64_t kc = 0; kc < KC; kc++) {
-            vx_bf16* t = xb + ((int64_t)mb * KC + kc) * 512;
-            for (int j = 0; j < 16; j++) {
-                const int m = mb * 16 + j;
-                for (int r = 0; r < 16; r++) {
-                    t[r * 32 + 2 * j] = m < M ? x[m * x_st + kc * 32 + 2 * r] : 0;
-                    t[r * 32 + 2 * j + 1] = m < M ? x[m * x_st + kc * 32 + 2 * r + 1] : 0;
-                }
+    /* xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}], zero past row M: per
+       16 x 32 block, a 16 x 16 transpose of bf16 pairs (one gather per r; rows past M masked) */
+    if (x_st % 2 == 0 && (int64_t)16 * x_st < ((int64_t)1 << 31)) {
+        const __m512i rowoff = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int)(x_st / 2)));
+        for (int mb = 0; mb < MB; mb++) {
+            const int left = M - mb * 16;
+            const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            for (int64_t kc = 0; kc < KC; kc++) {
+                const int* src = (const int*)(x + (int64_t)mb * 16 * x_st + kc * 32);
+                int* t = (int*)(xb + ((int64_t)mb * KC + kc) * 512);
+                for (int r = 0; r < 16; r++)
+                    _mm512_store_si512((void*)(t + 16 * r), _mm512_mask_i32gather_epi32(
+                        _mm512_setzero_si512(), valid, rowoff, src + r, 4));
             }
         }
+    } else {
+        for (int mb = 0; mb < MB; mb++)
+            for (int64_t kc = 0; kc < KC; kc++) {
+                vx_bf16* t = xb + ((int64_t)mb * KC + kc) * 512;
+                for (int j = 0; j < 16; j++) {
+                    const int m = mb * 16 + j;
+                    for (int r = 0; r < 16; r++) {
+                        t[r * 32 + 2 * j] = m < M ? x[m * x_st + kc * 32 + 2 * r] : 0;
+                        t[r * 32 + 2 * j + 1] = m < M ? x[m * x_st + kc * 32 + 2 * r + 1] : 0;
+                    }
+                }
+            }
+    }
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
@@ -265,33 +285,38 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
         for (int64_t nb = 0; nb < N / 16; nb++) {
             const vx_bf16* a = W + nb * 16 * K;
             const __m512 bv = bias ? vx_ld16_bf16(bias + nb * 16) : _mm512_setzero_ps();
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t kc = 0; kc < KC; kc++) {
-                if (nb + 1 < N / 16)
-                    for (int i = 0; i < 16; i++)
-                        _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
-                _tile_loadd(4, a + kc * 32, K * 2);
-                switch (MB) {
-                case 4: VX_AMX_STEP(3) /* fall through */
-                case 3: VX_AMX_STEP(2) /* fall through */
-                case 2: VX_AMX_STEP(1) /* fall through */
-                default: VX_AMX_STEP(0)
+            for (int mg = 0; mg < MB; mg += 4) {  /* four m blocks (C tiles) at a time */
+                const vx_bf16* xg = xb + (int64_t)mg * KC * 512;
+                const int mbn = MB - mg < 4 ? MB - mg : 4;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kc = 0; kc < KC; kc++) {
+                    if (mg == 0 && nb + 1 < N / 16)
+                        for (int i = 0; i < 16; i++)
+                            _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
+                    _tile_loadd(4, a + kc * 32, K * 2);
+                    switch (mbn) {
+                    case 4: VX_AMX_STEP(3) /* fall through */
+                    case 3: VX_AMX_STEP(2) /* fall through */
+                    case 2: VX_AMX_STEP(1) /* fall through */
+                    default: VX_AMX_STEP(0)
+                    }
                 }
-            }
-            for (int mb = 0; mb < MB; mb++) {
-                switch (mb) {
-                case 0: _tile_stored(0, c, 64); break;
-                case 1: _tile_stored(1, c, 64); break;
-                case 2: _tile_stored(2, c, 64); break;
-                default: _tile_stored(3, c, 64); break;
-                }
-                /* column j of c (16 n) is row m = mb * 16 + j of y: one gather, one store */
-                for (int j = 0; j < 16 && mb * 16 + j < M; j++) {
-                    const __m512 col = _mm512_add_ps(
-                        _mm512_i32gather_ps(_mm512_add_epi32(cols, _mm512_set1_epi32(j)), c, 4),
-                        bv);
-                    _mm256_storeu_si256((__m256i*)(y + (int64_t)(mb * 16 + j) * y_st + nb * 16),
-                                        (__m256i)_mm512_cvtneps_pbh(col));
+                for (int mb = 0; mb < mbn; mb++) {
+                    switch (mb) {
+                    case 0: _tile_stored(0, c, 64); break;
+                    case 1: _tile_stored(1, c, 64); break;
+                    case 2: _tile_stored(2, c, 64); break;
+                    default: _tile_stored(3, c, 64); break;
+                    }
+                    /* column j of c (16 n) is row m = (mg + mb) * 16 + j of y: a gather, a store */
+                    const int m0 = (mg + mb) * 16;
+                    for (int j = 0; j < 16 && m0 + j < M; j++) {
+                        const __m512 col = _mm512_add_ps(
+                            _mm512_i32gather_ps(_mm512_add_epi32(cols, _mm512_set1_epi32(j)), c, 4),
+                            bv);
+                        _mm256_storeu_si256((__m256i*)(y + (int64_t)(m0 + j) * y_st + nb * 16),
+                                            (__m256i)_mm512_cvtneps_pbh(col));
+                    }
                 }
             }
         }

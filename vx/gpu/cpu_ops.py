@@ -28,14 +28,13 @@ __all__ = [
 #: Rows up to which vx's C kernels (`vx.gpu.cpu_gemv_source`) replace the library GEMM, as
 #: measured on the full SmolLM2 set of matrices with cold weights (2-core Sapphire Rapids):
 #: - int8 weights: twice torch's `_weight_int8pack_mm` at 1-8 rows;
-#: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, 64 rows a call): 2x oneDNN's packed GEMM at 8-32
+#: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, up to 192 rows a call): 2x oneDNN's packed GEMM at 8-32
 #:   rows, 1.6x at 64 and 128, 1.2x at 192, slower at 256; VDPBF16PS (`vx_gemv_bf16`) is a
 #:   little faster at 1-2 rows;
 #: - bf16 without AMX: VDPBF16PS 2.8x oneDNN at 1 row, 1.4x at 8, 1.2x at 12, slower at 16;
 #:   without AVX512-BF16 (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
 GEMV_MAX_ROWS_INT8 = 8
 AMX_MAX_ROWS = 192
-_AMX_CALL_ROWS = 64  # the C kernel's limit (four 16-row C tiles)
 _DP_MAX_ROWS = 12
 _FMA_MAX_ROWS = 4
 _DP_PREFERRED_ROWS = 2
@@ -121,14 +120,9 @@ def skinny_gemm(
                 y.data_ptr(), n, n, k)  # fmt: skip
     else:
         if m > _DP_PREFERRED_ROWS and _gemv_state["amx"]:
-            for a in range(0, m, _AMX_CALL_ROWS):  # the weights stream once per 64 rows
-                xa, ya = x[a : a + _AMX_CALL_ROWS], y[a : a + _AMX_CALL_ROWS]
-                rc = lib.vx_gemm_amx_bf16(  # type: ignore[union-attr]
-                    xa.data_ptr(), x.stride(0), xa.shape[0], weight.data_ptr(), b,
-                    ya.data_ptr(), n, n, k,
-                )  # fmt: skip
-                if rc != 0:
-                    break
+            rc = lib.vx_gemm_amx_bf16(  # type: ignore[union-attr]
+                x.data_ptr(), x.stride(0), m, weight.data_ptr(), b, y.data_ptr(), n, n, k
+            )
         if rc != 0:
             rc = lib.vx_gemv_bf16(  # type: ignore[union-attr]
                 x.data_ptr(), x.stride(0), m, weight.data_ptr(), None, b, y.data_ptr(), n, n, k
