@@ -17,6 +17,7 @@ output ring and a non-zero exit, never a silent hang.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import signal
@@ -271,6 +272,10 @@ def run_engine_core(
     try:
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
         engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
+        # The block pool's objects (one per KV block) live as long as the engine: out of the
+        # collector's reach, a full collection during a step no longer walks them all.
+        gc.collect()
+        gc.freeze()
         output_ring.send(
             out_codec.encode(
                 messages.EngineReady(
