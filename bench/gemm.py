@@ -1,0 +1,153 @@
+"""Time the CPU skinny GEMMs alone: the working tree's C kernel, a baseline revision's, and
+torch's F.linear (oneDNN), interleaved in one run.
+
+Usage (always under the shared benchmark lock):
+
+    flock /tmp/vx-bench.lock .venv/bin/python bench/gemm.py [--rows 3,16,64,128,192]
+        [--baseline REV] [--rounds 11] [--threads 2]
+
+Shapes: SmolLM2-135M's four projections (qkv 960 x 576, o 576 x 576, gate-up 3072 x 576, down
+576 x 1536), each with its own weights per layer for 30 layers (120 matrices, 212 MB: they
+stream from memory, as in a model step). One "step" multiplies x of `rows` rows by all 120.
+Kernels: "new C" is `vx.gpu.cpu_ops.skinny_gemm`'s bf16 path in the working tree (AMX tiles
+from 3 rows where the CPU has them), "old C" the same from `--baseline` (its library built from
+that revision's source; a revision whose AMX kernel takes at most 64 rows a call is called as
+its caller did, 64 rows at a time), "oneDNN" torch's F.linear on the plain bf16 weights. The
+C results must be bit-identical (checked); each cell is the median ms per step over
+`--rounds` rounds, every kernel timed once per round, in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vx.gpu import kv_cache  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+DEFAULT_BASELINE = "b68744b"  # 64 rows per AMX call, x re-laid out element by element
+
+
+def c_kernel(lib: ctypes.CDLL, chunk: int):
+    """bf16 x [M, K] @ W[N, K].T through `lib`'s C kernels, as `skinny_gemm` routes them."""
+    amx = lib.vx_fast_amx(1)
+    fn_amx, fn_dp = lib.vx_gemm_amx_bf16, lib.vx_gemv_bf16
+    fn_amx.restype = fn_dp.restype = ctypes.c_int
+
+    def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        m, (n, k) = x.shape[0], w.shape
+        if amx and m > 2:
+            for a in range(0, m, chunk):
+                rows = min(chunk, m - a)
+                rc = fn_amx(
+                    ctypes.c_void_p(x[a].data_ptr()), ctypes.c_int64(x.stride(0)), rows,
+                    ctypes.c_void_p(w.data_ptr()), None, ctypes.c_void_p(y[a].data_ptr()),
+                    ctypes.c_int64(n), ctypes.c_int64(n), ctypes.c_int64(k),
+                )  # fmt: skip
+                assert rc == 0, rc
+        else:
+            rc = fn_dp(
+                ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.stride(0)), m,
+                ctypes.c_void_p(w.data_ptr()), None, None, ctypes.c_void_p(y.data_ptr()),
+                ctypes.c_int64(n), ctypes.c_int64(n), ctypes.c_int64(k),
+            )  # fmt: skip
+            assert rc == 0, rc
+
+    return run
+
+
+def _literals(rev: str, path: str) -> dict[str, object]:
+    """The module-level string and list literals of `path` at git revision `rev`."""
+    text = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
+    found = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return found
+
+
+def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
+    """`rev`'s C kernel library, built as its `vx.gpu.kv_cache` built it, and the rows per AMX
+    call its kernel takes."""
+    kern = _literals(rev, "vx/gpu/cpu_kernel_source.py")
+    gemv = _literals(rev, "vx/gpu/cpu_gemv_source.py")["GEMV_KERNEL_SOURCE"]
+    step = _literals(rev, "vx/gpu/cpu_decode_source.py").get("DECODE_STEP_SOURCE", "")
+    src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
+    with open(src, "w") as f:
+        f.write(kern["DECODE_KERNEL_SOURCE"] + gemv + step)  # type: ignore[operator]
+    subprocess.run(["cc", *kern["CFLAGS"], "-o", so, src], check=True)  # type: ignore[misc]
+    return ctypes.CDLL(so), 192 if "#define VX_AMX_MAX_ROWS 192" in gemv else 64  # type: ignore[operator]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="3,16,64,128,192")
+    p.add_argument("--baseline", default=DEFAULT_BASELINE)
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16) for n, k in SHAPES]
+        for _ in range(LAYERS)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        new_lib = kv_cache.load_cpu_kernels()
+        assert new_lib is not None and new_lib.vx_has_gemv(), "no C GEMM on this machine"
+        kernels = {
+            "old C": c_kernel(*baseline_lib(a.baseline, tmp)),
+            "new C": c_kernel(new_lib, 192),
+            "oneDNN": lambda x, w, y: torch.nn.functional.linear(x, w, out=y),
+        }
+        print(
+            f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step "
+            f"({LAYERS} x {len(SHAPES)} matrices, cold weights), median of {a.rounds}"
+        )
+        print(f"{'rows':>5} " + " ".join(f"{n:>9}" for n in kernels) + "   new/old  new/oneDNN")
+        for m in (int(r) for r in a.rows.split(",")):
+            xs = [torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in SHAPES]
+            outs = {
+                name: [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in SHAPES]
+                for name in kernels
+            }
+            for name, fn in kernels.items():  # warm-up and the bit-identity check
+                for i, w in enumerate(weights[0]):
+                    fn(xs[i], w, outs[name][i])
+            same = all(torch.equal(o, n) for o, n in zip(outs["old C"], outs["new C"], strict=True))
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for _ in range(a.rounds):
+                for name, fn in kernels.items():
+                    t0 = time.perf_counter()
+                    for layer in weights:
+                        for i, w in enumerate(layer):
+                            fn(xs[i], w, outs[name][i])
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            print(
+                f"{m:>5} " + " ".join(f"{med[n]:9.2f}" for n in kernels)
+                + f"   {med['new C'] / med['old C']:7.2f}  {med['new C'] / med['oneDNN']:10.2f}"
+                + ("" if same else "   (old and new C differ!)")
+            )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
