@@ -174,9 +174,21 @@ class EngineCore:
         logger.info("EngineCore %d shutting down", self.engine_index)
 
     def step(self) -> None:
-        """Schedule (up to the queue depth), then finish the oldest in-flight step."""
+        """Schedule (up to the queue depth), then finish the oldest in-flight step.
+
+        With async scheduling, step n+1 is scheduled while step n runs, except when step n
+        carries prefill tokens: such a step is long (a 1,024-token chunk takes hundreds of ms
+        on CPU), and a request arriving during it could otherwise only join step n+2, after
+        another whole step; the overlap given up there is the EngineCore's part of one step
+        boundary (well under a millisecond). Which tokens each request gets is the same
+        either way.
+        """
         t0 = time.perf_counter()
-        if len(self._in_flight) < self._depth and self.scheduler.has_unfinished_requests():
+        if (
+            len(self._in_flight) < self._depth
+            and self.scheduler.has_unfinished_requests()
+            and not (self._in_flight and _carries_prefill(self._in_flight[-1]))
+        ):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
                 self._workers.send(scheduler_output)
@@ -247,6 +259,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._workers.shutdown()
+
+
+def _carries_prefill(scheduler_output: messages.SchedulerOutput) -> bool:
+    """More tokens than requests: some request is in a prefill (or prefix-recompute) chunk."""
+    return scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
 
 
 def run_engine_core(

@@ -1,0 +1,96 @@
+"""The EngineCore's loop with async scheduling (`vx.core.engine_core.EngineCore.step`): step
+n+1 is scheduled while step n runs, except behind a step that carries prefill tokens, so that
+a request arriving during such a (long) step joins the very next one.
+
+Runs in: the test process, with in-memory stand-ins for the rings and the WorkerGroup (the
+real scheduler, and `FakeWorker` from the helpers for the model).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+
+from vx.core.engine_core import EngineCore
+from vx.messages import ModelRunnerOutput, SchedulerOutput
+
+from .helpers import FakeWorker, make_add_request, make_config
+
+
+class _Inbox:
+    def recv_nowait(self) -> bytes:
+        raise anyio.WouldBlock
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class _Workers:
+    """Runs each step at once but hands its result back only when asked (`recv_output`), the
+    moment the real EngineCore blocks on its workers; `during_step` runs just before, as if
+    a request had arrived while the step was running."""
+
+    def __init__(self) -> None:
+        self.model = FakeWorker()
+        self.sent: list[SchedulerOutput] = []
+        self.results: deque[ModelRunnerOutput] = deque()
+        self.max_in_flight = 0
+        self.during_step: Callable[[], None] | None = None
+
+    def send(self, out: SchedulerOutput) -> None:
+        self.sent.append(out)
+        self.results.append(self.model.execute(out))
+        self.max_in_flight = max(self.max_in_flight, len(self.results))
+
+    def recv_output(self) -> ModelRunnerOutput:
+        if self.during_step is not None:
+            hook, self.during_step = self.during_step, None
+            hook()
+        return self.results.popleft()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _engine() -> tuple[EngineCore, _Workers]:
+    config = make_config(async_scheduling=True, max_num_batched_tokens=64)
+    workers = _Workers()
+    engine = EngineCore(config, 0, _Inbox(), _Outbox(), workers, 64)  # type: ignore[arg-type]
+    return engine, workers
+
+
+def test_a_request_arriving_during_a_prefill_step_joins_the_next_step() -> None:
+    engine, workers = _engine()
+    engine.scheduler.add_request(make_add_request("a", list(range(1, 41)), max_tokens=8))
+    engine.step()  # schedules a's prefill, returns at once: the queue has room
+    assert len(workers.sent) == 1
+
+    def arrive() -> None:  # the EngineCore drains its input after the step, as in run()
+        engine.scheduler.add_request(make_add_request("b", list(range(100, 130)), max_tokens=8))
+
+    workers.during_step = arrive
+    engine.step()  # a prefill step is in flight: no step scheduled ahead of it
+    assert len(workers.sent) == 1 and not workers.results
+    engine.step()
+    second = workers.sent[1]
+    assert [r.req_id for r in second.scheduled_new_reqs] == ["b"]
+    assert second.num_scheduled_tokens == {"a": 1, "b": 30}
+
+
+def test_decode_steps_are_still_scheduled_ahead() -> None:
+    engine, workers = _engine()
+    engine.scheduler.add_request(make_add_request("a", list(range(1, 21)), max_tokens=6))
+    for _ in range(20):
+        if not engine.scheduler.has_unfinished_requests() and not engine._in_flight:
+            break
+        engine.step()
+    assert workers.max_in_flight == 2  # a decode step n+1 was sent before step n's result
+    tokens = [t for out in workers.sent for t in out.num_scheduled_tokens.values()]
+    assert tokens[0] == 20 and set(tokens[1:]) == {1}
