@@ -57,6 +57,7 @@ CASES = [
     (6, 2, 96, 16, [40, 300]),
     (16, 2, 256, 16, [19, 290]),
     (9, 3, 64, 8, [1, 9, 100, 300]),  # a block smaller than the 16-key groups
+    (9, 3, 64, 8, [5, 1100, 3]),  # next-item prefetch capped at 64 blocks (of 8 keys)
     (9, 3, 64, 32, [5, 33, 270]),
 ]
 

@@ -218,7 +218,7 @@ VX_INLINE __m512 vx_hsum16(const __m512* a) {
 /* The next (request, kv head) item's K and V blocks, fetched into L2 a few lines at a time
    while the current item computes: issued all at once, the prefetches filled the core's miss
    queue and stalled it until they had all landed, so memory and compute took turns. */
-#define VX_PF_BLOCKS 64  /* up to 1,024 keys of blocks of 16 */
+#define VX_PF_BLOCKS 64  /* at most 64 blocks (1,024 keys of blocks of 16) */
 typedef struct {
     const char* k[VX_PF_BLOCKS];
     const char* v[VX_PF_BLOCKS];
@@ -440,7 +440,7 @@ int vx_decode_attention_bf16_fast(
         if (w + 1 < (int64_t)B * Hkv) {  /* the next item's K and V: up to 1,024 keys */
             const int b1 = (int)((w + 1) / Hkv), h1 = (int)((w + 1) % Hkv);
             const int n1 = lens[b1] < 16 * VX_PF_BLOCKS ? lens[b1] : 16 * VX_PF_BLOCKS;
-            for (int p = 0; p < n1; p += BS, pf.nblk++) {
+            for (int p = 0; p < n1 && pf.nblk < VX_PF_BLOCKS; p += BS, pf.nblk++) {
                 const int64_t blk = (int64_t)bt[b1 * bt_s + p / BS] * c_sb + h1 * c_sh;
                 pf.k[pf.nblk] = (const char*)(kc + blk);
                 pf.v[pf.nblk] = (const char*)(vc + blk);
