@@ -42,6 +42,7 @@ from vx.gpu.kv_cache import (
     decode_kernel_fn,
     fast_decode_attention,
     load_cpu_kernels,
+    prefill_kernel_available,
     set_cpu_decode_kernel,
 )
 
@@ -107,6 +108,13 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # ── CPU prefill path ──
     prefills: list[PrefillChunk] = field(default_factory=list)
+    #: For the C prefill kernel (bf16 on AMX), one call for every chunk: [P] int32 first
+    #: token, query length and cached tokens of each chunk, and [P, blocks] int32 block table
+    #: rows; None where the kernel is not available here.
+    prefill_starts: torch.Tensor | None = None
+    prefill_lens: torch.Tensor | None = None
+    prefill_computed: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
     # ── Triton path ──
     #: [num_tiles] int32 request index and first query token (in the request) of each tile.
     tile_req: torch.Tensor | None = None
@@ -200,6 +208,11 @@ def build_attention_metadata(
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
         ids = torch.from_numpy(bt[i, :nblk].astype(np.int64))
         md.prefills.append(PrefillChunk(start, end, nc, ids, mask))
+    if md.prefills and prefill_kernel_available():
+        md.prefill_starts = torch.from_numpy(cu[num_decodes:num_reqs].astype(np.int32))
+        md.prefill_lens = torch.from_numpy(query_lens[num_decodes:].astype(np.int32))
+        md.prefill_computed = torch.from_numpy(num_computed[num_decodes:].astype(np.int32))
+        md.prefill_block_table = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:]))
     return md
 
 
@@ -254,14 +267,53 @@ def paged_attention(
         return triton_attention.paged_attention(q, k_cache, v_cache, attn_metadata, scale)
     write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
     md = attn_metadata
-    if not md.num_decodes and len(md.prefills) == 1:
-        return _prefill_attention(q, k, v, k_cache, v_cache, md.prefills[0], scale)
     out = q.new_empty(q.shape)
+    if md.prefills and _prefill_kernel(q, k_cache, v_cache, md, scale, out):
+        pass
+    elif not md.num_decodes and len(md.prefills) == 1:
+        return _prefill_attention(q, k, v, k_cache, v_cache, md.prefills[0], scale)
+    else:
+        for chunk in md.prefills:
+            out[chunk.start : chunk.end] = _prefill_attention(
+                q, k, v, k_cache, v_cache, chunk, scale
+            )
     if md.num_decodes:
         _decode_attention(q[: md.num_decodes], k_cache, v_cache, md, scale, out[: md.num_decodes])
-    for chunk in md.prefills:
-        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale)
     return out
+
+
+def _prefill_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Every prefill chunk in one call of the C kernel (bf16, AMX); False: not taken here."""
+    if (
+        md.prefill_starts is None
+        or q.dtype != torch.bfloat16
+        or k_cache.dtype != torch.bfloat16
+        or v_cache.dtype != torch.bfloat16
+        or q.stride(-1) != 1
+        or out.stride(-1) != 1
+        or k_cache.stride(-1) != 1
+        or v_cache.stride() != k_cache.stride()
+    ):
+        return False
+    lib = load_cpu_kernels()
+    assert lib is not None and md.prefill_block_table is not None
+    assert md.prefill_lens is not None and md.prefill_computed is not None
+    hkv, _, bs, d = k_cache.shape
+    bt = md.prefill_block_table
+    rc = lib.vx_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        bt.data_ptr(), bt.stride(0), md.prefill_starts.data_ptr(), md.prefill_lens.data_ptr(),
+        md.prefill_computed.data_ptr(), len(md.prefills), q.shape[1], hkv, d, bs, scale,
+    )  # fmt: skip
+    return rc == 0
 
 
 def _decode_attention(

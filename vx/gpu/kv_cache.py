@@ -38,6 +38,7 @@ from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
+from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ __all__ = [
     "load_cpu_kernels",
     "num_cpu_blocks",
     "num_gpu_blocks",
+    "prefill_kernel_available",
     "set_cpu_decode_kernel",
     "set_fast_decode_attention",
 ]
@@ -130,7 +132,9 @@ def allocate_kv_caches(
 
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
-_DECODE_KERNEL_SOURCE = DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + DECODE_STEP_SOURCE
+_DECODE_KERNEL_SOURCE = (
+    DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + DECODE_STEP_SOURCE + PREFILL_ATTENTION_SOURCE
+)
 _CFLAGS = CFLAGS
 
 _kernel_state: dict[str, object] = {}
@@ -164,6 +168,20 @@ def fast_decode_attention() -> bool:
     if fast is None:
         return os.environ.get("VX_CPU_ATTENTION_KERNEL", "fast") != "portable"
     return fast
+
+
+def prefill_kernel_available() -> bool:
+    """Whether bf16 prefill chunks on CPU use the C kernel (the fast kernels, with AMX);
+    ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them."""
+    if os.environ.get("VX_CPU_PREFILL_ATTENTION", "kernel") == "sdpa":
+        return False
+    lib = load_cpu_kernels()
+    return (
+        lib is not None
+        and fast_decode_attention()
+        and bool(lib.vx_has_fast_bf16())
+        and bool(lib.vx_fast_amx(-1))
+    )
 
 
 def decode_kernel_fn(dtype: torch.dtype, *, fast: bool = False):
@@ -259,6 +277,11 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
         lib.vx_rotary_bf16.restype = None
         lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.vx_prefill_attention_bf16.restype = ctypes.c_int
+    lib.vx_prefill_attention_bf16.argtypes = [
+        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
+        i32, i32, i32, i32, i32, ctypes.c_float,
+    ]  # fmt: skip
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,

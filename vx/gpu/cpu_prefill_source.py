@@ -1,0 +1,296 @@
+"""The C source of the CPU prefill attention (bf16, AMX), built into the same library as the
+decode kernels (`vx.gpu.kv_cache` appends it to `vx.gpu.cpu_kernel_source`'s, whose helpers
+it uses: `vx_exp16`, `vx_amx_load_tiles`, `VX_HAS_AMX`).
+
+Runs in: the Worker process. Kept apart from the decode kernels so each stays readable.
+"""
+
+from __future__ import annotations
+
+#: Causal attention of every prefill chunk of a step in one call, flash style, on AMX tiles.
+#: Layouts: q/out [T, Hq, D] with any row strides (chunk i owns rows [starts[i], starts[i] +
+#: lens[i])); caches [Hkv, NB, BS, D] (strides given), the chunk's own K/V already written;
+#: bt [nchunks, >= ceil(ctx / BS)] int32 (row i: chunk i's blocks); computed[i] cached tokens
+#: before chunk i, so query j of chunk i sits at position computed[i] + j and sees keys
+#: [0, computed[i] + j]. Any block size.
+#:
+#: Two passes, both on torch's OpenMP pool:
+#: 1. each (chunk, kv head, 32 keys) is copied out of the paged cache into the layouts
+#:    tdpbf16ps takes as its B operand: K^T pair-interleaved (row j, column n: key n's dims
+#:    2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
+#:    context are zero;
+#: 2. each (chunk, query head, 16 queries) runs over its keys 256 at a time: S = Q K^T into
+#:    tiles, then per query row the running max, exp (fp32) and sum, the probabilities
+#:    rounded to bf16 (as torch's flash attention does for bf16), then P V into tiles, and
+#:    the running output rescaled in fp32. Items run from the most keys down (dynamic
+#:    schedule), so the long causal rows do not end up last.
+#: Returns -2 where it does not apply (no AMX, D % 32, D > 256), -1 if scratch could not be
+#: allocated; the caller then uses SDPA.
+PREFILL_ATTENTION_SOURCE = r"""
+#ifdef VX_HAS_AMX
+#define VX_PCH 256  /* keys per softmax chunk */
+/* 2^x on 16 lanes for x <= 0: n = round(x), r = x - n in [-1/2, 1/2] exactly, 2^r by a
+   degree-6 polynomial fitted for relative error (9.6e-8 at most in fp32, about an ulp), 2^n by
+   scalef. Scores are kept in log2 units (scale * log2(e) folded into one multiply), which saves
+   the two-step ln 2 reduction of vx_exp16: the softmax's exps are most of this kernel's work.
+   Clamped at -125, so the result stays a normal float (>= 1.6e-38, never a denormal). */
+VX_INLINE __m512 vx_exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.534581242594868e-04f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3399930903688073e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618489071726799e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550328642129898e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022646248340607e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931471824645996e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+/* Chunk i's K^T and V tiles for kv head h, keys [32 pg, 32 pg + 32): 2 DV K tiles (two
+   groups of 16 keys, DV dim slices of 32) then 2 DV V tiles (D / 16 dim slices of 16). */
+VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
+                          const int32_t* btr, int64_t c_sb, int64_t c_ss, int BS, int ctx,
+                          int pg, int DV) {
+    const int D = 32 * DV;
+    const vx_bf16* kr[32];
+    const vx_bf16* vr[32];
+    for (int n = 0; n < 32; n++) {
+        const int key = 32 * pg + n;
+        if (key < ctx) {
+            const int64_t o = (int64_t)btr[key / BS] * c_sb + (int64_t)(key % BS) * c_ss;
+            kr[n] = kh + o; vr[n] = vh + o;
+        } else {
+            kr[n] = vr[n] = 0;
+        }
+    }
+    uint32_t* kt = dst;  /* [2][DV][16][16] */
+    for (int g = 0; g < 2; g++)
+        for (int s = 0; s < DV; s++) {
+            uint32_t* t = kt + (int64_t)(g * DV + s) * 256;
+            for (int n = 0; n < 16; n++) {
+                const vx_bf16* r = kr[16 * g + n];
+                if (r) {
+                    const __m512i x = _mm512_loadu_si512((const void*)(r + 32 * s));
+                    const __m512i idx = _mm512_add_epi32(
+                        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                            6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16)),
+                        _mm512_set1_epi32(n));
+                    _mm512_i32scatter_epi32(t, idx, x, 4);
+                } else {
+                    for (int j = 0; j < 16; j++) t[16 * j + n] = 0;
+                }
+            }
+        }
+    uint32_t* vt = dst + (int64_t)2 * DV * 256;  /* [D / 16][16][16] */
+    const __m512i il = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    for (int c = 0; c < D / 16; c++)
+        for (int j = 0; j < 16; j++) {
+            const vx_bf16 *a = vr[2 * j], *b = vr[2 * j + 1];
+            const __m512i x = a ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 16 * c)))
+                                : _mm512_setzero_si512();
+            const __m512i y = b ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b + 16 * c)))
+                                : _mm512_setzero_si512();
+            _mm512_store_si512((void*)(vt + (int64_t)c * 256 + 16 * j),
+                               _mm512_permutex2var_epi16(x, il, y));
+        }
+}
+/* One (chunk, query head, 16 queries) item: rows [t0, t0 + m) of the chunk. */
+VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
+                          const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
+    const int D = 32 * DV, ND = D / 16;
+    vx_bf16 qb[16][256] __attribute__((aligned(64)));
+    float sb[16][VX_PCH] __attribute__((aligned(64)));
+    vx_bf16 pb[16][VX_PCH] __attribute__((aligned(64)));
+    float ob[16][256] __attribute__((aligned(64)));
+    float acc[16][256] __attribute__((aligned(64)));
+    float mx[16] __attribute__((aligned(64))), sum[16], corr[16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) {
+        if (r < m) memcpy(qb[r], q + (int64_t)(t0 + r) * q_st, (size_t)D * 2);
+        else memset(qb[r], 0, (size_t)D * 2);
+        memset(acc[r], 0, sizeof(float) * D);
+        mx[r] = -INFINITY; sum[r] = 0.f;
+    }
+    const int kv_end = nc + t0 + m;
+    const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
+    for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
+        const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
+        const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
+        /* S = Q K^T, 16 keys a tile, into two accumulators in turn, each with its own K
+           tiles: tile registers are not renamed, so a load into a tile waits for the last
+           product that reads it. */
+        if (DV <= 2) {  /* Q in tiles 6 (and 7); the P V pass below uses them for V */
+            _tile_loadd(6, &qb[0][0], 512);
+            if (DV == 2) _tile_loadd(7, &qb[0][32], 512);
+        }
+        for (int g = 0; g < ng; g++) {
+            const int kb = c0 / 16 + g;
+            const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
+            if (DV <= 2) {
+                if (g & 1) {
+                    _tile_zero(1);
+                    _tile_loadd(4, kt, 64);
+                    if (DV == 2) _tile_loadd(5, kt + 256, 64);
+                    _tile_dpbf16ps(1, 6, 4);
+                    if (DV == 2) _tile_dpbf16ps(1, 7, 5);
+                    _tile_stored(1, &sb[0][16 * g], VX_PCH * 4);
+                } else {
+                    _tile_zero(0);
+                    _tile_loadd(2, kt, 64);
+                    if (DV == 2) _tile_loadd(3, kt + 256, 64);
+                    _tile_dpbf16ps(0, 6, 2);
+                    if (DV == 2) _tile_dpbf16ps(0, 7, 3);
+                    _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
+                }
+            } else {
+                _tile_zero(0);
+                for (int s = 0; s < DV; s++) {
+                    _tile_loadd(2, kt + s * 256, 64); _tile_loadd(6, &qb[0][32 * s], 512);
+                    _tile_dpbf16ps(0, 6, 2);
+                }
+                _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
+            }
+        }
+        /* Softmax, the 16 rows interleaved (one row at a time is a chain of dependent max,
+           reduce, exp and sum steps that leaves the core idle). Keys past a row's own
+           position, and past the chunk up to its last 32-key pair, get -inf first: exp
+           gives ~1.6e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max
+           term of 1. */
+        const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
+        for (int r = 0; r < 16; r++) {  /* rows past m (zero queries) too: no stale reads */
+            int nv = nc + t0 + r + 1 - c0;
+            nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
+            for (int t = nv / 16; t < 2 * np; t++) {
+                const int left = nv - 16 * t;
+                const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
+                _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
+            }
+        }
+        __m512 run[16];
+        for (int r = 0; r < 16; r++) run[r] = ninf;
+        for (int t = 0; t < 2 * np; t++)
+            for (int r = 0; r < 16; r++) run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[r][16 * t]));
+        float cm[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
+        {
+            const __m512 mo = _mm512_load_ps(mx);
+            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
+            _mm512_store_ps(corr, vx_exp2_16(_mm512_sub_ps(mo, mn)));  /* ~0 on the first chunk */
+            _mm512_store_ps(mx, mn);
+        }
+        for (int r = 0; r < 16; r++) {  /* keys within a row are independent: row by row */
+            const __m512 mv = _mm512_set1_ps(mx[r]);
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (int t = 0; t < np; t++) {
+                const __m512 e0 = vx_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
+                const __m512 e1 = vx_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
+                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
+                _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+            sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        }
+        /* O_chunk = P V, four 16-dim tiles at a time */
+        for (int d0 = 0; d0 < ND; d0 += 4) {
+            const int nt = ND - d0 < 4 ? ND - d0 : 4;
+            _tile_zero(0); if (nt > 1) _tile_zero(1);
+            if (nt > 2) _tile_zero(2); if (nt > 3) _tile_zero(3);
+            for (int p = 0; p < np; p++) {
+                const uint32_t* vt = packed + (c0 / 32 + p) * pair_dw + (int64_t)2 * DV * 256
+                                     + (int64_t)d0 * 256;
+                _tile_loadd(4, &pb[0][32 * p], VX_PCH * 2);  /* V in tiles 5, 6, 7 in turn */
+                _tile_loadd(5, vt, 64); _tile_dpbf16ps(0, 4, 5);
+                if (nt > 1) { _tile_loadd(6, vt + 256, 64); _tile_dpbf16ps(1, 4, 6); }
+                if (nt > 2) { _tile_loadd(7, vt + 512, 64); _tile_dpbf16ps(2, 4, 7); }
+                if (nt > 3) { _tile_loadd(5, vt + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+            }
+            _tile_stored(0, &ob[0][16 * d0], 1024);
+            if (nt > 1) _tile_stored(1, &ob[0][16 * d0 + 16], 1024);
+            if (nt > 2) _tile_stored(2, &ob[0][16 * d0 + 32], 1024);
+            if (nt > 3) _tile_stored(3, &ob[0][16 * d0 + 48], 1024);
+        }
+        for (int r = 0; r < m; r++) {
+            const __m512 cv = _mm512_set1_ps(corr[r]);
+            for (int d = 0; d < D; d += 16)
+                _mm512_store_ps(&acc[r][d], _mm512_fmadd_ps(_mm512_load_ps(&acc[r][d]), cv,
+                                                             _mm512_load_ps(&ob[r][d])));
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        const __m512 sv = _mm512_set1_ps(sum[r]);  /* divided, not times 1 / sum: torch's rounding */
+        vx_bf16* o = out + (int64_t)(t0 + r) * o_st;
+        for (int d = 0; d < D; d += 32)
+            _mm512_storeu_si512((void*)(o + d), (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_div_ps(_mm512_load_ps(&acc[r][d + 16]), sv),
+                _mm512_div_ps(_mm512_load_ps(&acc[r][d]), sv)));
+    }
+}
+#endif
+int vx_prefill_attention_bf16(
+        const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
+        const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
+        const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens,
+        const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale) {
+#ifdef VX_HAS_AMX
+    if (!vx_amx_on || D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
+    const int G = Hq / Hkv, DV = D / 32;
+    const int64_t pair_dw = (int64_t)4 * DV * 256;
+    /* per chunk: first packed pair group, first work item */
+    int64_t* pg0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
+    if (!pg0) return -1;
+    int64_t* it0 = pg0 + nchunks + 1;
+    pg0[0] = it0[0] = 0;
+    for (int i = 0; i < nchunks; i++) {
+        pg0[i + 1] = pg0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 31) / 32);
+        it0[i + 1] = it0[i] + (int64_t)Hq * ((lens[i] + 15) / 16);
+    }
+    uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)pg0[nchunks] * pair_dw * 4 + 64);
+    if (!packed) { free(pg0); return -1; }
+    const int64_t npg = pg0[nchunks], nit = it0[nchunks];
+    _Pragma("omp parallel") {
+    _Pragma("omp for schedule(static)")
+    for (int64_t w = 0; w < npg; w++) {
+        int i = 0;
+        while (pg0[i + 1] <= w) i++;
+        const int ctx = computed[i] + lens[i], per = (ctx + 31) / 32;
+        const int h = (int)((w - pg0[i]) / per), pg = (int)((w - pg0[i]) % per);
+        vx_pf_pack(packed + w * pair_dw, kc + h * c_sh, vc + h * c_sh, bt + i * bt_s, c_sb,
+                   c_ss, BS, ctx, pg, DV);
+    }
+    vx_amx_load_tiles(8);
+    _Pragma("omp for schedule(dynamic, 1)")
+    for (int64_t w = 0; w < nit; w++) {
+        int i = 0;
+        while (it0[i + 1] <= w) i++;
+        const int nq = (lens[i] + 15) / 16;
+        /* the last query tile (most keys) of each head first */
+        const int qt = nq - 1 - (int)((w - it0[i]) / Hq), hq = (int)((w - it0[i]) % Hq);
+        const int h = hq / G, t0 = 16 * qt;
+        const int m = lens[i] - t0 < 16 ? lens[i] - t0 : 16;
+        const int ctx = computed[i] + lens[i];
+        const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
+        const vx_bf16* qr = q + (int64_t)starts[i] * q_st + (int64_t)hq * q_sh;
+        vx_bf16* orow = out + (int64_t)starts[i] * o_st + (int64_t)hq * o_sh;
+#define VX_PF_ITEM(N) vx_pf_item(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, N)
+        switch (DV) {  /* one specialisation per D, so loops over D unroll */
+        case 1: VX_PF_ITEM(1); break; case 2: VX_PF_ITEM(2); break;
+        case 3: VX_PF_ITEM(3); break; case 4: VX_PF_ITEM(4); break;
+        default: VX_PF_ITEM(DV); break;
+        }
+#undef VX_PF_ITEM
+    }
+    _tile_release();
+    }
+    free(packed);
+    free(pg0);
+    return 0;
+#else
+    (void)q; (void)q_st; (void)q_sh; (void)out; (void)o_st; (void)o_sh; (void)kc; (void)vc;
+    (void)c_sh; (void)c_sb; (void)c_ss; (void)bt; (void)bt_s; (void)starts; (void)lens;
+    (void)computed; (void)nchunks; (void)Hq; (void)Hkv; (void)D; (void)BS; (void)scale;
+    return -2;
+#endif
+}
+"""
