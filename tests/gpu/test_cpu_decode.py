@@ -1,9 +1,10 @@
-"""The fused CPU decode step (vx.gpu.cpu_decode) against the module path: bit-identical logits.
+"""The fused CPU step (vx.gpu.cpu_decode) against the module path: bit-identical logits.
 
 Each case runs the same bf16 model through two PagedDrivers over the same requests: one with the
-fused step, one with it switched off (the per-layer modules). Prefill steps always take the
-module path; decode steps of 1, 2 (VDPBF16PS), 3-64 and 65-192 rows (AMX, one and two calls per
-GEMM) take the fused one, which must give the very same logits.
+fused step, one with it switched off (the per-layer modules). Decode steps of 1, 2 (VDPBF16PS),
+3-64 and 65-192 rows (AMX, one and two calls per GEMM) take the fused one, and so do prefill and
+mixed steps of up to 192 rows where the C prefill attention takes the chunks (AMX, head size a
+multiple of 32); it must give the very same logits.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
 from vx.gpu.cpu_decode import FusedDecode
+from vx.gpu.cpu_ops import bf16_max_rows
+from vx.gpu.kv_cache import prefill_kernel_available
 from vx.gpu.loader import load_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,8 +55,14 @@ class _Counting:
         return out
 
 
+def _prefill_fused(model, rows: int) -> bool:
+    """Whether a prefill step of `rows` rows takes the fused path on this machine."""
+    return prefill_kernel_available() and model.head_dim % 32 == 0 and rows <= bf16_max_rows()
+
+
 def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
-    """Prefill `batch` prompts, then decode; returns the fused steps taken."""
+    """Prefill `batch` prompts, then decode; returns the decode steps fused (the prefill step
+    is checked against `_prefill_fused`)."""
     counting = _Counting(fused)
     g = torch.Generator().manual_seed(batch)
     prompts = {
@@ -63,13 +72,17 @@ def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
     }  # fmt: skip
     a, b = PagedDriver(model, num_blocks=batch * 4 + 8), PagedDriver(model, num_blocks=batch * 4 + 8)
     step = prompts
-    for _ in range(steps + 1):
+    for i in range(steps + 1):
         model.model.fused_decode = counting
         la = a.step(step)
         model.model.fused_decode = None
         lb = b.step(step)
         for r in step:
             assert torch.equal(la[r], lb[r]), r
+        if i == 0:
+            rows = sum(len(p) for p in prompts.values())
+            assert counting.taken == _prefill_fused(model, rows), rows
+            counting.taken = 0
         step = {r: [int(la[r].argmax())] for r in step}
     return counting.taken
 
@@ -78,7 +91,7 @@ def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
 def test_fused_decode_equals_module_path(tmp_path, case: str) -> None:
     model, fused = _load(tmp_path, case)
     for batch in (1, 2, 3, 17):
-        assert _compare(model, fused, batch) == 3, batch  # the prefill step is not fused
+        assert _compare(model, fused, batch) == 3, batch
 
 
 def test_fused_decode_over_64_rows(tmp_path) -> None:
@@ -87,10 +100,34 @@ def test_fused_decode_over_64_rows(tmp_path) -> None:
     assert _compare(model, fused, 70, steps=2) == 2
 
 
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
+    """Decodes, a chunk after a cached prefix and a new prompt in one step."""
+    model, fused = _load(tmp_path, case)
+    if not _prefill_fused(model, 64):
+        pytest.skip("no C prefill attention here")
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(5)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    steps = [
+        {"a": tok(20), "b": tok(33)},
+        {"a": tok(1), "b": tok(17), "c": tok(40)},  # decode, chunk after 33 cached, new prompt
+        {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
+    ]
+    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
+    for step in steps:
+        model.model.fused_decode = counting
+        la = a.step_all(step)
+        model.model.fused_decode = None
+        lb = b.step_all(step)
+        for r in step:
+            assert torch.equal(la[r], lb[r]), r
+    assert counting.taken == len(steps)
+
+
 def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> None:
     model, fused = _load(tmp_path, "llama-d16")
-    # prefill and mixed steps: the module path (counted as not taken above); here a step with
-    # more rows than the skinny GEMM takes
+    # a step with more rows than the skinny GEMM takes
     import vx.gpu.cpu_decode as cd
 
     monkeypatch.setattr(cd, "bf16_max_rows", lambda: 2)

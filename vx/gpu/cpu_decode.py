@@ -1,5 +1,6 @@
-"""The fused CPU decode step: all decoder layers of a Llama-family model in one C call, for steps
-whose rows are all decodes.
+"""The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
+the skinny GEMM's rows (192 with AMX): decode rows, and prefill chunks where the C prefill
+attention takes them (bf16 on AMX, head size a multiple of 32).
 
 Runs in: each Worker process. The C side is `vx.gpu.cpu_decode_source` (built into the kernel
 library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
@@ -7,9 +8,9 @@ module path when it answers None.
 
 Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
 fused step is bit-identical to the module path (tests/gpu/test_cpu_decode.py checks it). `run`
-answers None, before touching anything, for every step it does not cover: rows that are not all
-decodes, more rows than the skinny GEMM takes (those go to oneDNN), int8 rows past the C int8
-kernel, or attention metadata without the C decode kernel. `build` answers None for a model it
+answers None, before touching anything, for every step it does not cover: more rows than the
+skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
+the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
 cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
 the kernels refuse). `VX_CPU_DECODE_STEP=0` turns it off.
 """
@@ -48,6 +49,8 @@ class _Step(ctypes.Structure):
         ("eps", _F32), ("scale", _F32),
         ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("pad_", _I32),
         ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
+        ("nd", _I64), ("np", _I64), ("p_starts", _P), ("p_lens", _P), ("p_computed", _P),
+        ("p_bt", _P), ("p_bt_s", _I64),
         ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
         ("act", _P),
     ]  # fmt: skip
@@ -130,9 +133,13 @@ class FusedDecode:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         md: Any,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers for a step of T decode rows: (last MLP output, residual), or None."""
-        t = x.shape[0]
-        if not (md.decode_kernel and md.num_decodes == t and not md.prefills) or t == 0:
+        """All layers for a step of T rows: (last MLP output, residual), or None."""
+        t, nd = x.shape[0], md.num_decodes
+        if t == 0 or (nd and not md.decode_kernel):
+            return None
+        hq, hkv, d = self._shape
+        # prefill chunks: only where the module path takes the same C kernel for them
+        if md.prefills and (md.prefill_starts is None or d % 32 or d > 256):
             return None
         if t > bf16_max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
             return None
@@ -148,9 +155,9 @@ class FusedDecode:
             for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
                 desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
             self._kv_key = key
-        hq, hkv, d = self._shape
         hkv_c, nb, bs, d_c = k0.shape
-        bt, lens = md.decode_block_table, md.decode_seq_lens
+        bt, lens = (md.decode_block_table, md.decode_seq_lens) if nd else (None, None)
+        pbt = md.prefill_block_table if md.prefills else None
         cos, sin = (c.reshape(t, -1) for c in rope)
         if hkv_c != hkv or d_c != d or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
@@ -162,9 +169,11 @@ class FusedDecode:
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
             int(self._has_fast and fast_decode_attention()), 0,
-            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), bt.data_ptr(),
-            bt.stride(0), lens.data_ptr(), x.data_ptr(), residual.data_ptr(),
-            *(b.data_ptr() for b in bufs),
+            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
+            bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
+            _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),
+            pbt.stride(0) if pbt is not None else 0,
+            x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
         )  # fmt: skip
         rc = self._lib.vx_llama_decode_bf16(
             ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step)

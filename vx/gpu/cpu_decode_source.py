@@ -1,5 +1,6 @@
-"""The C source of the fused CPU decode step: every decoder layer of a Llama-family model in one
-call, for batches of decode rows (one new token per request).
+"""The C source of the fused CPU step: every decoder layer of a Llama-family model in one call,
+for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
+attention takes them).
 
 Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
 attention and the skinny GEMM; `vx.gpu.cpu_decode` fills its structs and calls it).
@@ -9,7 +10,8 @@ Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the 
 the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
 kernels the module path calls (so the results are bit-identical), chained without Python:
 RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
-paged decode attention -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+paged attention (decode rows: the decode kernel; prefill chunks: `vx.gpu.cpu_prefill_source`'s
+kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
 
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
@@ -51,9 +53,15 @@ typedef struct {
     const vx_bf16* cos;     /* [T, D / 2] */
     const vx_bf16* sin;
     const int64_t* slots;   /* [T] */
-    const int32_t* bt;      /* [T, bt_s] */
+    const int32_t* bt;      /* [nd, bt_s] */
     int64_t bt_s;
-    const int32_t* lens;    /* [T] */
+    const int32_t* lens;    /* [nd] */
+    int64_t nd, np;         /* decode rows [0, nd), then np prefill chunks */
+    const int32_t* p_starts;   /* [np] the chunks, as `vx_prefill_attention_bf16` takes them */
+    const int32_t* p_lens;
+    const int32_t* p_computed;
+    const int32_t* p_bt;       /* [np, p_bt_s] */
+    int64_t p_bt_s;
     vx_bf16* x;             /* [T, H]: in, the embeddings; out, the last layer's MLP output */
     vx_bf16* residual;      /* [T, H]: out */
     vx_bf16* h;             /* scratch [T, H] */
@@ -93,8 +101,9 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
         }
     }
 }
-/* Every decoder layer for s->T decode rows. Returns 0, or the first kernel's error (the caller
-   validated the shapes, so an error means scratch could not be allocated). */
+/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, or
+   the first kernel's error (the caller validated the shapes, so an error means scratch could
+   not be allocated). */
 int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
     const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
@@ -114,19 +123,27 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
                     (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
                     (char*)L->k_cache, (char*)L->v_cache, c_sh * e, D * e, s->slots, (int)T,
                     (int)Hkv, s->NB * s->BS);
-        rc = -2;
+        rc = 0;
+        if (s->nd) {
+            rc = -2;
 #ifdef VX_HAS_FAST_BF16
-        if (s->fast)
-            rc = vx_decode_attention_bf16_fast(
-                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                s->BS * D, D, s->bt, s->bt_s, s->lens, (int)T, (int)Hq, (int)Hkv, (int)D,
-                (int)s->BS, s->scale, s->max_len);
+            if (s->fast)
+                rc = vx_decode_attention_bf16_fast(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    s->BS * D, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
 #endif
-        if (rc == -2)
-            rc = vx_decode_attention_bf16(
-                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                s->BS * D, D, s->bt, s->bt_s, s->lens, (int)T, (int)Hq, (int)Hkv, (int)D,
-                (int)s->BS, s->scale, s->max_len);
+            if (rc == -2)
+                rc = vx_decode_attention_bf16(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    s->BS * D, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
+        }
+        if (!rc && s->np)  /* the caller checked the kernel takes them (AMX, D % 32 == 0) */
+            rc = vx_prefill_attention_bf16(
+                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, s->BS * D,
+                D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
+                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
         if (rc) return rc;
         if ((rc = vx_linear_apply(&L->o, s->attn, T, s->quant_rows, s->x))) return rc;
         vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, T, H, s->eps);

@@ -133,7 +133,7 @@ def allocate_kv_caches(
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
 _DECODE_KERNEL_SOURCE = (
-    DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + DECODE_STEP_SOURCE + PREFILL_ATTENTION_SOURCE
+    DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + PREFILL_ATTENTION_SOURCE + DECODE_STEP_SOURCE
 )
 _CFLAGS = CFLAGS
 
