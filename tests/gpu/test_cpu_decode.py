@@ -140,3 +140,34 @@ def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> 
     assert _compare(model, fused, 17, steps=1) == 1  # past 16 rows: bf16, fused
     monkeypatch.setenv("VX_CPU_DECODE_STEP", "0")
     assert FusedDecode.build(model.model) is None
+
+
+def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> None:
+    """AMX switched off after the metadata was built: the C step answers -2 before writing
+    anything, `run` answers None, and the module path (SDPA) gives the same logits."""
+    from vx.gpu.kv_cache import load_cpu_kernels
+
+    model, fused = _load(tmp_path, "llama-d64")
+    if not _prefill_fused(model, 64):
+        pytest.skip("no C prefill attention here")
+    lib = load_cpu_kernels()
+    answers = []
+
+    class _AmxOffAtRun:
+        def run(self, *args):
+            lib.vx_fast_amx(0)
+            try:
+                out = fused.run(*args)
+            finally:
+                lib.vx_fast_amx(1)
+            answers.append(out)
+            return out
+
+    prompt = {"a": list(range(3, 40))}
+    a, b = PagedDriver(model, num_blocks=8), PagedDriver(model, num_blocks=8)
+    model.model.fused_decode = _AmxOffAtRun()
+    la = a.step_all(prompt)
+    model.model.fused_decode = None
+    lb = b.step_all(prompt)
+    assert answers == [None]
+    torch.testing.assert_close(la["a"], lb["a"], atol=0.2, rtol=0.05)  # SDPA vs the C kernel

@@ -153,6 +153,9 @@ def build_attention_metadata(
     np.cumsum(query_lens, out=cu[1:])
     max_seq_len = int(seq_lens.max()) if num_reqs else 0
     num_blocks_used = -(-max_seq_len // block_size)
+    # the C kernels read these rows as given: a narrower table would be read past its rows
+    if block_table.shape[1] < num_blocks_used:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns, {num_blocks_used} needed")
     bt = np.ascontiguousarray(block_table[:, :num_blocks_used], dtype=np.int32)
 
     md = AttentionMetadata(

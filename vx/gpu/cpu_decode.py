@@ -139,7 +139,7 @@ class FusedDecode:
             return None
         hq, hkv, d = self._shape
         # prefill chunks: only where the module path takes the same C kernel for them
-        if md.prefills and (md.prefill_starts is None or d % 32 or d > 256):
+        if md.prefills and (md.prefill_starts is None or d % 32 or d > 256 or hq % hkv):
             return None
         if t > bf16_max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
             return None
@@ -178,6 +178,8 @@ class FusedDecode:
         rc = self._lib.vx_llama_decode_bf16(
             ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step)
         )
+        if rc == -2:  # prefill chunks the C kernel declines now: nothing was written
+            return None
         if rc != 0:
             raise MemoryError("the fused CPU decode step could not allocate scratch")
         return x, residual

@@ -101,14 +101,17 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
         }
     }
 }
-/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, or
-   the first kernel's error (the caller validated the shapes, so an error means scratch could
-   not be allocated). */
+/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
+   (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the
+   caller validated the shapes, so an error means scratch could not be allocated). */
 int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
     const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
     const int64_t c_sh = s->NB * s->BS * D;
     int rc;
+    /* the prefill kernel would decline them (AMX switched off since the metadata was built):
+       -2 before anything is written, and the caller takes the module path */
+    if (s->np && (!VX_STEP_AMX || D % 32 || D > 256 || Hq % Hkv)) return -2;
     for (int l = 0; l < n_layers; l++) {
         const vx_layer* L = layers + l;
         if (l == 0) {  /* the embeddings are the first residual */

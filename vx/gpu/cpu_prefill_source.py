@@ -1,6 +1,6 @@
 """The C source of the CPU prefill attention (bf16, AMX), built into the same library as the
 decode kernels (`vx.gpu.kv_cache` appends it to `vx.gpu.cpu_kernel_source`'s, whose helpers
-it uses: `vx_exp16`, `vx_amx_load_tiles`, `VX_HAS_AMX`).
+it uses: `vx_expf`, `vx_amx_load_tiles`, `vx_amx_on`, `VX_INLINE`, `VX_HAS_AMX`).
 
 Runs in: the Worker process. Kept apart from the decode kernels so each stays readable.
 """
@@ -22,9 +22,10 @@ from __future__ import annotations
 #: 2. each (chunk, query head, 16 queries) runs over its keys 256 at a time: S = Q K^T into
 #:    tiles, then per query row the running max, exp (fp32) and sum, the probabilities
 #:    rounded to bf16 (as torch's flash attention does for bf16), then P V into tiles, and
-#:    the running output rescaled in fp32. Items run from the most keys down (dynamic
-#:    schedule), so the long causal rows do not end up last.
-#: Returns -2 where it does not apply (no AMX, D % 32, D > 256), -1 if scratch could not be
+#:    the running output rescaled in fp32. Within a chunk, items run from the most keys down
+#:    (dynamic schedule), so its long causal rows do not end up last (chunks in list order).
+#: Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
+#: writing anything; -1 if scratch could not be
 #: allocated; the caller then uses SDPA.
 PREFILL_ATTENTION_SOURCE = r"""
 #ifdef VX_HAS_AMX
@@ -33,7 +34,7 @@ PREFILL_ATTENTION_SOURCE = r"""
    degree-6 polynomial fitted for relative error (9.6e-8 at most in fp32, about an ulp), 2^n by
    scalef. Scores are kept in log2 units (scale * log2(e) folded into one multiply), which saves
    the two-step ln 2 reduction of vx_exp16: the softmax's exps are most of this kernel's work.
-   Clamped at -125, so the result stays a normal float (>= 1.6e-38, never a denormal). */
+   Clamped at -125, so the result stays a normal float (>= 2^-125 ~ 2.4e-38, never a denormal). */
 VX_INLINE __m512 vx_exp2_16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -157,7 +158,7 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
         /* Softmax, the 16 rows interleaved (one row at a time is a chain of dependent max,
            reduce, exp and sum steps that leaves the core idle). Keys past a row's own
            position, and past the chunk up to its last 32-key pair, get -inf first: exp
-           gives ~1.6e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max
+           gives ~2.4e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max
            term of 1. */
         const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
         for (int r = 0; r < 16; r++) {  /* rows past m (zero queries) too: no stale reads */
@@ -195,8 +196,10 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
         /* O_chunk = P V, four 16-dim tiles at a time */
         for (int d0 = 0; d0 < ND; d0 += 4) {
             const int nt = ND - d0 < 4 ? ND - d0 : 4;
-            _tile_zero(0); if (nt > 1) _tile_zero(1);
-            if (nt > 2) _tile_zero(2); if (nt > 3) _tile_zero(3);
+            _tile_zero(0);
+            if (nt > 1) _tile_zero(1);
+            if (nt > 2) _tile_zero(2);
+            if (nt > 3) _tile_zero(3);
             for (int p = 0; p < np; p++) {
                 const uint32_t* vt = packed + (c0 / 32 + p) * pair_dw + (int64_t)2 * DV * 256
                                      + (int64_t)d0 * 256;
