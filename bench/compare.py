@@ -6,7 +6,10 @@ Usage:
 
 For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
 random token-id prompts of --input-len tokens, --output-len tokens with ignore_eos, greedy) at
-each concurrency, stop it. Prints one table with vx's ratio to each peer per concurrency and
+each concurrency, stop it. With --interleave every server is up for the whole run (each on its
+own port, idle while another is measured) and each concurrency is measured on every server in
+turn, the order reversed from one concurrency to the next: the machine's speed drifts by tens
+of percent over a run, and this puts each ratio's two figures minutes, not half a run, apart. Prints one table with vx's ratio to each peer per concurrency and
 writes the raw figures as JSON (--json). The peers are set up by `shared/peers/peers.sh`
 (`vllm-setup`, `setup`); a peer that is not set up is skipped with a message.
 """
@@ -14,6 +17,7 @@ writes the raw figures as JSON (--json). The peers are set up by `shared/peers/p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -108,14 +112,17 @@ class Server:
 
 def servers(args: argparse.Namespace) -> list[Server]:
     vx_port, vllm_port, llama_port = 8100, 8101, 8102
-    vx_cmd = [sys.executable, "-m", "vx", "serve", args.model, "--port", str(vx_port),
-              "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64"]
+    def vx_cmd(port: int) -> list[str]:
+        return [sys.executable, "-m", "vx", "serve", args.model, "--port", str(port),
+                "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64"]
+
     out = [Server("vx", f"http://127.0.0.1:{vx_port}", "smollm2-135m",
-                  vx_cmd + args.vx_args.split(), None)]
-    for variant in args.vx_variant:
+                  vx_cmd(vx_port) + args.vx_args.split(), None)]
+    for i, variant in enumerate(args.vx_variant):
         name, _, extra = variant.partition("=")
-        out.append(Server(f"vx {name}", f"http://127.0.0.1:{vx_port}", "smollm2-135m",
-                          vx_cmd + extra.split(), None))
+        port = vx_port + 3 + i if args.interleave else vx_port  # all up at once: own ports
+        out.append(Server(f"vx {name}", f"http://127.0.0.1:{port}", "smollm2-135m",
+                          vx_cmd(port) + extra.split(), None))
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:
         if (PEER_DIR / "vllmcpu/bin/python").exists():
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. 'int8=--quantization int8'")
     p.add_argument("--peers-first", action="store_true",
                    help="run the peers before vx (default: vx first)")
+    p.add_argument("--interleave", action="store_true",
+                   help="all servers up at once; each concurrency on each server in turn")
     p.add_argument("--json", default=None, help="write all figures here")
     p.add_argument("--from-json", default=None, help="no load: report and plot a saved run")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -174,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         order = [s for s in order if not s.name.startswith("vx")] + [
             s for s in order if s.name.startswith("vx")
         ]
+    if args.interleave and order:
+        run_interleaved(order, concs, args, results)
+        order = []
     for server in order:
         if args.json:  # what is measured so far survives a later server's failure
             with open(args.json, "w") as f:
@@ -195,6 +207,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot_comparison(results, concs, args.plot)
     return 0
+
+
+def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namespace,
+                    results: dict[str, dict[int, list[dict]]]) -> None:
+    """Every server up at once; each (repeat, concurrency) measured on each in turn, the
+    order reversed every time, so drift between the two figures of a ratio stays small."""
+    with contextlib.ExitStack() as stack:
+        models = {}
+        for server in order:
+            stack.enter_context(server)
+            models[server.name] = server.model or served_model(server.url)
+            run_load(server.url, models[server.name], 1, args)  # warm-up (compiles, caches)
+        # The idle servers share the machine with the one measured: say what they cost.
+        busy = _machine_busy(5.0)
+        print(f"all {len(order)} servers idle: {busy:.1%} of the machine busy", file=sys.stderr)
+        turn = 0
+        for _ in range(args.repeats):
+            for conc in concs:
+                for server in order if turn % 2 == 0 else order[::-1]:
+                    r = run_load(server.url, models[server.name], conc, args)
+                    results.setdefault(server.name, {}).setdefault(conc, []).append(r)
+                    print(f"{server.name} c={conc}: {r['output_throughput']:.1f} tok/s, "
+                          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
+                          f"ITL p50 {r['itl_ms']['p50']:.1f} ms", file=sys.stderr)
+                    if args.json:
+                        with open(args.json, "w") as f:
+                            json.dump(results, f, indent=1)
+                turn += 1
+
+
+def _machine_busy(seconds: float) -> float:
+    """Share of all CPUs' time not idle over `seconds` (from /proc/stat)."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = snap()
+    time.sleep(seconds)
+    t1, i1 = snap()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
 
 
 def plot_comparison(results: dict[str, dict[int, list[dict]]], concs: list[int], path: str) -> None:
