@@ -7,7 +7,7 @@ Usage:
 For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
 random token-id prompts of --input-len tokens, --output-len tokens with ignore_eos, greedy) at
 each concurrency, stop it. With --interleave every server is up for the whole run (each on its
-own port, idle while another is measured) and each concurrency is measured on every server in
+own port, paused with SIGSTOP while another is measured) and each concurrency is measured on every server in
 turn, the order reversed from one concurrency to the next: the machine's speed drifts by tens
 of percent over a run, and this puts each ratio's two figures minutes, not half a run, apart. Prints one table with vx's ratio to each peer per concurrency and
 writes the raw figures as JSON (--json). The peers are set up by `shared/peers/peers.sh`
@@ -73,10 +73,25 @@ class Server:
     """A server started for the run and stopped after it."""
 
     def __init__(self, name: str, url: str, model: str, start: list[str], stop: list[str] | None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, pidfile: pathlib.Path | None = None) -> None:
         self.name, self.url, self.model = name, url, model
         self._start, self._stop, self._env = start, stop, env
         self._proc: subprocess.Popen | None = None
+        self._pidfile = pidfile
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) the server's whole process tree: an idle server left running
+        can still poll (vLLM's idles at ~12% of this machine), which the measured one pays."""
+        root = self._proc.pid if self._proc is not None else None
+        if root is None and self._pidfile is not None and self._pidfile.exists():
+            root = int(self._pidfile.read_text().split()[0])
+        if root is None:
+            return
+        for pid in _process_tree(root):
+            try:
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> Server:
         env = dict(os.environ, **(self._env or {}))
@@ -129,7 +144,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
             env = {"VLLM_PORT": str(vllm_port)}
             out.append(Server("vLLM", f"http://127.0.0.1:{vllm_port}", "",
                               ["bash", str(PEERS_SH), "vllm-start"],
-                              ["bash", str(PEERS_SH), "vllm-stop"], env))
+                              ["bash", str(PEERS_SH), "vllm-stop"], env,
+                              PEER_DIR / f"vllm.{vllm_port}.pid"))
         else:
             print("vLLM peer not set up (peers.sh vllm-setup); skipping", file=sys.stderr)
     if "llamacpp" in peers:
@@ -138,7 +154,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
             for variant in ("bf16", "q4_1") if "llamacpp-q4_1" in peers else ("bf16",):
                 out.append(Server(f"llama.cpp {variant}", f"http://127.0.0.1:{llama_port}", "",
                                   ["bash", str(PEERS_SH), "start", variant],
-                                  ["bash", str(PEERS_SH), "stop"], env))
+                                  ["bash", str(PEERS_SH), "stop"], env,
+                                  PEER_DIR / f"llama-server.{llama_port}.pid"))
         else:
             print("llama.cpp peer not built (peers.sh setup); skipping", file=sys.stderr)
     return out
@@ -217,16 +234,25 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
         models = {}
         for server in order:
             stack.enter_context(server)
+            # continued before it is stopped (a stopped process holds its SIGTERM)
+            stack.callback(server.pause, False)
             models[server.name] = server.model or served_model(server.url)
             run_load(server.url, models[server.name], 1, args)  # warm-up (compiles, caches)
-        # The idle servers share the machine with the one measured: say what they cost.
         busy = _machine_busy(5.0)
-        print(f"all {len(order)} servers idle: {busy:.1%} of the machine busy", file=sys.stderr)
+        for server in order:
+            server.pause(True)
+        paused = _machine_busy(5.0)
+        print(f"all {len(order)} servers idle: {busy:.1%} of the machine busy; "
+              f"paused (SIGSTOP, as while another is measured): {paused:.1%}", file=sys.stderr)
         turn = 0
         for _ in range(args.repeats):
             for conc in concs:
                 for server in order if turn % 2 == 0 else order[::-1]:
-                    r = run_load(server.url, models[server.name], conc, args)
+                    server.pause(False)
+                    try:
+                        r = run_load(server.url, models[server.name], conc, args)
+                    finally:
+                        server.pause(True)
                     results.setdefault(server.name, {}).setdefault(conc, []).append(r)
                     print(f"{server.name} c={conc}: {r['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
@@ -235,6 +261,26 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
                         with open(args.json, "w") as f:
                             json.dump(results, f, indent=1)
                 turn += 1
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and its descendants (from /proc), children after parents."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
 
 
 def _machine_busy(seconds: float) -> float:
