@@ -51,7 +51,9 @@ def wait_health(url: str, proc: subprocess.Popen | None, timeout_s: float) -> No
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
-def run_load(url: str, model: str, conc: int, args: argparse.Namespace) -> dict:
+def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: int = 0) -> dict:
+    """One `vx bench serve` run. Each (concurrency, repeat) has its own seed, so no level
+    reuses another's prompts (a reused prompt is a prefix-cache hit, not the workload)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     num_prompts = max(conc * args.prompts_per_client, args.min_prompts)
@@ -60,7 +62,7 @@ def run_load(url: str, model: str, conc: int, args: argparse.Namespace) -> dict:
         "--base-url", url, "--model", model,
         "--concurrency", str(conc), "--num-prompts", str(num_prompts),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-        "--seed", "0", "--json", out,
+        "--seed", str(seed), "--json", out,
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
@@ -211,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             model = server.model or served_model(server.url)
             run_load(server.url, model, 1, args)  # warm-up (compiles, caches)
             for conc in concs:
-                for _ in range(args.repeats):
-                    r = run_load(server.url, model, conc, args)
+                for rep in range(args.repeats):
+                    r = run_load(server.url, model, conc, args, _seed(conc, rep))
                     results.setdefault(server.name, {}).setdefault(conc, []).append(r)
                     print(f"{server.name} c={conc}: {r['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms",
@@ -245,12 +247,13 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
         print(f"all {len(order)} servers idle: {busy:.1%} of the machine busy; "
               f"paused (SIGSTOP, as while another is measured): {paused:.1%}", file=sys.stderr)
         turn = 0
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             for conc in concs:
                 for server in order if turn % 2 == 0 else order[::-1]:
                     server.pause(False)
                     try:
-                        r = run_load(server.url, models[server.name], conc, args)
+                        r = run_load(server.url, models[server.name], conc, args,
+                                     _seed(conc, rep))
                     finally:
                         server.pause(True)
                     results.setdefault(server.name, {}).setdefault(conc, []).append(r)
@@ -261,6 +264,11 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
                         with open(args.json, "w") as f:
                             json.dump(results, f, indent=1)
                 turn += 1
+
+
+def _seed(conc: int, rep: int) -> int:
+    """The prompts' seed of one (concurrency, repeat); 0 is the warm-up's."""
+    return 1000 * (rep + 1) + conc
 
 
 def _process_tree(root: int) -> list[int]:
