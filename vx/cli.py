@@ -50,6 +50,9 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="concurrent sequences per step (default: 1024 on cuda, 256 on cpu)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 1024 on CPU; 8192 on cuda, 16384 on 160+ GiB)")
+    p.add_argument("--small-step-tokens", type=int, default=None,
+                   help="while fewer than 48 requests run, at most this many tokens a step "
+                        "(default: 192 for the CPU server when the budget is not given; 0: off)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")
@@ -83,6 +86,18 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="seconds a stream may wait for a client that stopped reading")
 
 
+def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
+    """The CPU server's small steps (192 tokens while fewer than 48 requests run: 32 clients of
+    128-token prompts got their first tokens in 0.3-0.4x the time at the same throughput, 64
+    clients lost ~10% throughput with them, docs/performance.md), unless told otherwise."""
+    given = getattr(args, "small_step_tokens", None)
+    if given is not None:
+        return given
+    if offline or args.device != "cpu" or args.max_num_batched_tokens is not None:
+        return 0
+    return 192
+
+
 def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
     from vx.gpu.device import resolve_scheduler_defaults  # no torch import
 
@@ -111,6 +126,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             async_scheduling=args.async_scheduling,
+            small_step_tokens=_small_step_tokens(args, offline),
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -49,6 +49,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompts longer than this are chunked at this size even when budget remains (0: off).
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
+    #: While fewer than `small_step_running` requests run, a step takes at most this many tokens
+    #: (0: off). The CPU server sets 192, the fused C step's rows: with few streams running,
+    #: small prefill chunks give a burst's first prompts their first tokens sooner at the same
+    #: rate per token; with many running, full-budget steps spread each step's decode work
+    #: (attention over every running request's KV, the LM head) over more prefill tokens.
+    small_step_tokens: int = 0
+    small_step_running: int = 48
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +85,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_num_seqs must be at least 1")
         if s.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if s.small_step_tokens < 0:
+            raise ValueError("small_step_tokens must be >= 0 (0: off)")
         if c.block_size != BLOCK_SIZE:
             raise ValueError(f"block_size must be {BLOCK_SIZE}")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:

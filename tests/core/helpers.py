@@ -29,6 +29,8 @@ def make_config(
     async_scheduling: bool = False,
     enable_prefix_caching: bool = True,
     max_model_len: int | None = 256,
+    small_step_tokens: int = 0,
+    small_step_running: int = 48,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
@@ -38,6 +40,8 @@ def make_config(
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             async_scheduling=async_scheduling,
+            small_step_tokens=small_step_tokens,
+            small_step_running=small_step_running,
         ),
     )
 

@@ -325,3 +325,36 @@ def test_request_repr_keeps_the_prompt_out_of_logs() -> None:
     s.add_request(make_add_request("secret", [31337, 4242]))
     text = repr(s.requests["secret"])
     assert "31337" not in text and "secret" in text
+
+
+def test_small_steps_while_few_requests_run() -> None:
+    """`small_step_tokens` caps a step while fewer than `small_step_running` requests run; from
+    that many on, steps take the full budget again."""
+    s = make_scheduler(128, max_num_batched_tokens=64, small_step_tokens=20, small_step_running=3)
+    for i in range(5):
+        s.add_request(make_add_request(f"r{i}", list(range(30 * i, 30 * i + 30)), max_tokens=50))
+    out = s.schedule()  # nothing runs yet: 20 tokens
+    assert out.num_scheduled_tokens == {"r0": 20}
+    s.update_from_output(out, result(out))
+    out = s.schedule()  # r0 runs (1 < 3): 20 tokens again, r0's rest first
+    assert out.num_scheduled_tokens == {"r0": 10, "r1": 10}
+    s.update_from_output(out, result(out, {"r0": [5]}))
+    big = 0
+    for _ in range(10):
+        running_before = len(s.running)
+        out = s.schedule()
+        if running_before < 3:
+            assert out.total_num_scheduled_tokens <= 20
+        elif out.total_num_scheduled_tokens > 20:
+            big += 1
+        done = {r for r in out.num_scheduled_tokens if s.requests[r].num_computed_tokens
+                >= s.requests[r].num_tokens}  # fmt: skip
+        s.update_from_output(out, result(out, {r: [5] for r in done}))
+    assert big, "no full-budget step once 3 requests ran"
+    check(s)
+
+
+def test_small_steps_off_by_default() -> None:
+    s = make_scheduler(64, max_num_batched_tokens=64)
+    s.add_request(make_add_request("a", list(range(100))))
+    assert s.schedule().total_num_scheduled_tokens == 64

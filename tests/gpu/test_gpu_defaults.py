@@ -240,3 +240,13 @@ def test_determine_num_blocks_h200_and_nothing_left(monkeypatch):
     assert num == (int(H200_TORCH * 0.92) - weights - 2 * GiB) // (2 * 1024**2)
     with pytest.raises(RuntimeError, match="no memory left"):
         _cuda_runner(monkeypatch, 20 * GiB, weights, 4 * GiB).determine_num_blocks()
+
+
+def test_small_steps_only_for_the_cpu_server_by_default():
+    assert cli.engine_config_from_args(_serve_args()).scheduler.small_step_tokens == 192
+    for args in (("--max-num-batched-tokens", "1000"), ("--small-step-tokens", "0")):
+        assert cli.engine_config_from_args(_serve_args(*args)).scheduler.small_step_tokens == 0
+    given = _serve_args("--max-num-batched-tokens", "1000", "--small-step-tokens", "64")
+    assert cli.engine_config_from_args(given).scheduler.small_step_tokens == 64
+    offline = cli.engine_config_from_args(_serve_args(), offline=True)
+    assert offline.scheduler.small_step_tokens == 0

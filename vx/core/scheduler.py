@@ -58,7 +58,8 @@ class Scheduler:
     Invariants:
     - every request in `requests` is in exactly one of `waiting` (WAITING or PREEMPTED, no
       blocks) or `running` (RUNNING, holds blocks for its computed tokens);
-    - a step never schedules more than `max_num_batched_tokens` tokens, `running` never holds
+    - a step never schedules more than `max_num_batched_tokens` tokens (`small_step_tokens`
+      while fewer than `small_step_running` requests run, where set), `running` never holds
       more than `max_num_seqs` requests, and no request ever grows past `max_model_len`;
     - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
       blocks at once and queues the id for the next output's `finished_req_ids`;
@@ -74,6 +75,8 @@ class Scheduler:
         self.block_size = config.cache.block_size
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.small_step_tokens = sched.small_step_tokens
+        self.small_step_running = sched.small_step_running
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.async_scheduling = sched.async_scheduling
         self.enable_caching = config.cache.enable_prefix_caching
@@ -151,6 +154,9 @@ class Scheduler:
         """Build the next step: running requests first, then admissions from `waiting`."""
         step_id = next(self._step_ids)
         budget = self.max_num_batched_tokens
+        if self.small_step_tokens and len(self.running) < self.small_step_running:
+            budget = min(budget, self.small_step_tokens)
+        step_budget = budget
         threshold = self.long_prefill_token_threshold
         is_async = self.async_scheduling
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -209,7 +215,7 @@ class Scheduler:
                 step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens
             )
 
-        total = self.max_num_batched_tokens - budget
+        total = step_budget - budget
         output = SchedulerOutput(
             step_id,
             new_reqs,
