@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import httpx
+from idle_cpu import tree  # bench/ is this script's directory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PEERS_SH = pathlib.Path(os.environ.get("VX_PEERS_SH", ROOT.parent / "shared/peers/peers.sh"))
@@ -89,7 +90,7 @@ class Server:
             root = int(self._pidfile.read_text().split()[0])
         if root is None:
             return
-        for pid in _process_tree(root):
+        for pid in tree(root):  # bench/idle_cpu.py's: the root and its descendants
             try:
                 os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
             except ProcessLookupError:
@@ -269,26 +270,6 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
 def _seed(conc: int, rep: int) -> int:
     """The prompts' seed of one (concurrency, repeat); 0 is the warm-up's."""
     return 1000 * (rep + 1) + conc
-
-
-def _process_tree(root: int) -> list[int]:
-    """`root` and its descendants (from /proc), children after parents."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def _machine_busy(seconds: float) -> float:
