@@ -60,6 +60,17 @@ def _prefill_fused(model, rows: int) -> bool:
     return prefill_kernel_available() and model.head_dim % 32 == 0 and rows <= bf16_max_rows()
 
 
+def _step_both(model, counting: _Counting, a: PagedDriver, b: PagedDriver, step: dict) -> dict:
+    """One step through `a` with the fused path offered and `b` without: equal logits."""
+    model.model.fused_decode = counting
+    la = a.step_all(step)
+    model.model.fused_decode = None
+    lb = b.step_all(step)
+    for r in step:
+        assert torch.equal(la[r], lb[r]), r
+    return {r: x[-1] for r, x in la.items()}
+
+
 def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
     """Prefill `batch` prompts, then decode; returns the decode steps fused (the prefill step
     is checked against `_prefill_fused`)."""
@@ -73,12 +84,7 @@ def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
     a, b = PagedDriver(model, num_blocks=batch * 4 + 8), PagedDriver(model, num_blocks=batch * 4 + 8)
     step = prompts
     for i in range(steps + 1):
-        model.model.fused_decode = counting
-        la = a.step(step)
-        model.model.fused_decode = None
-        lb = b.step(step)
-        for r in step:
-            assert torch.equal(la[r], lb[r]), r
+        la = _step_both(model, counting, a, b, step)
         if i == 0:
             rows = sum(len(p) for p in prompts.values())
             assert counting.taken == _prefill_fused(model, rows), rows
@@ -116,12 +122,7 @@ def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
     ]
     a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
     for step in steps:
-        model.model.fused_decode = counting
-        la = a.step_all(step)
-        model.model.fused_decode = None
-        lb = b.step_all(step)
-        for r in step:
-            assert torch.equal(la[r], lb[r]), r
+        _step_both(model, counting, a, b, step)
     assert counting.taken == len(steps)
 
 

@@ -131,21 +131,16 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
             const int kb = c0 / 16 + g;
             const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
             if (DV <= 2) {
-                if (g & 1) {
-                    _tile_zero(1);
-                    _tile_loadd(4, kt, 64);
-                    if (DV == 2) _tile_loadd(5, kt + 256, 64);
-                    _tile_dpbf16ps(1, 6, 4);
-                    if (DV == 2) _tile_dpbf16ps(1, 7, 5);
-                    _tile_stored(1, &sb[0][16 * g], VX_PCH * 4);
-                } else {
-                    _tile_zero(0);
-                    _tile_loadd(2, kt, 64);
-                    if (DV == 2) _tile_loadd(3, kt + 256, 64);
-                    _tile_dpbf16ps(0, 6, 2);
-                    if (DV == 2) _tile_dpbf16ps(0, 7, 3);
-                    _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
-                }
+#define VX_S_GROUP(ACC, K0, K1) do { \
+                    _tile_zero(ACC); \
+                    _tile_loadd(K0, kt, 64); \
+                    if (DV == 2) _tile_loadd(K1, kt + 256, 64); \
+                    _tile_dpbf16ps(ACC, 6, K0); \
+                    if (DV == 2) _tile_dpbf16ps(ACC, 7, K1); \
+                    _tile_stored(ACC, &sb[0][16 * g], VX_PCH * 4); \
+                } while (0)
+                if (g & 1) VX_S_GROUP(1, 4, 5); else VX_S_GROUP(0, 2, 3);
+#undef VX_S_GROUP
             } else {
                 _tile_zero(0);
                 for (int s = 0; s < DV; s++) {
