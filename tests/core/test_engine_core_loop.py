@@ -94,3 +94,32 @@ def test_decode_steps_are_still_scheduled_ahead() -> None:
     assert workers.max_in_flight == 2  # a decode step n+1 was sent before step n's result
     tokens = [t for out in workers.sent for t in out.num_scheduled_tokens.values()]
     assert tokens[0] == 20 and set(tokens[1:]) == {1}
+
+
+def test_profile_steps_splits_decode_and_prefill_steps(caplog) -> None:
+    """`--profile-steps` logs every 200 steps: the host share, and the decode-only steps apart
+    from those that carry prefill tokens (their counts, rows, tokens and time)."""
+    import logging
+
+    import msgspec
+
+    engine, workers = _engine()
+    engine.config = msgspec.structs.replace(engine.config, profile_steps=True)
+    for i in range(10):  # 10 prompts of 20 tokens, 210 new tokens each
+        engine.scheduler.add_request(
+            make_add_request(f"r{i}", list(range(1 + i, 21 + i)), max_tokens=210)
+        )
+    with caplog.at_level(logging.INFO, logger="vx.core.engine_core"):
+        for _ in range(400):
+            if not engine.scheduler.has_unfinished_requests() and not engine._in_flight:
+                break
+            engine.step()
+    kinds = {"decode": 0, "prefill": 0}
+    for out in workers.sent[:200]:
+        rows = len(out.num_scheduled_tokens)
+        kinds["decode" if out.total_num_scheduled_tokens == rows else "prefill"] += 1
+    lines = [r.getMessage() for r in caplog.records if "profile over 200 steps" in r.getMessage()]
+    assert len(workers.sent) >= 200 and len(lines) == 1, (len(workers.sent), lines)
+    assert f"decode steps {kinds['decode']}:" in lines[0]
+    assert f"prefill steps {kinds['prefill']}:" in lines[0]
+    assert kinds["prefill"] > 0 and "host share" in lines[0]

@@ -3,6 +3,7 @@ fp32 references and the torch paths they replace."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from vx.gpu.cpu_ops import (
     fused_silu_and_mul,
     gemv_fits,
     gemv_kernels,
+    skinny_argmax,
     skinny_gemm,
 )
 from vx.gpu.layers import RMSNorm, silu_and_mul
@@ -87,6 +89,32 @@ def test_skinny_gemm_routing() -> None:
         got = linear(x[:rows], w, None, packed=False, plain=w)
         want = torch.nn.functional.linear(x[:rows], w)
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [3, 16, 17, 64, 65, 150, 192])
+def test_skinny_argmax_is_the_argmax_of_skinny_gemm(rows: int) -> None:
+    """The greedy ids without the logits: the argmax of exactly the bf16 values
+    `skinny_gemm` writes, for every row count the AMX kernel has a case for; ties (duplicate
+    weight rows, one pair straddling the two threads' halves of N) go to the first index, a
+    NaN beats every number, as in numpy's argmax. None where `skinny_gemm` is not on AMX."""
+    n, k = 4096, 576
+    w = _weight(n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    if skinny_argmax(x, w) is None:
+        assert not gemv_fits(x, w) or not gemv_kernels().vx_fast_amx(-1)  # type: ignore[union-attr]
+        pytest.skip("no AMX skinny GEMM here")
+    # make rows 0-1 tie: the winner for row 0 copied to an earlier and a later index
+    best0 = int(np.argmax(skinny_gemm(x, w, None, None).float().numpy()[0]))
+    w[5], w[n - 7], w[n // 2 - 1], w[n // 2 + 3] = w[best0], w[best0], w[best0], w[best0]
+    w[100] = float("nan") if rows > 16 else w[100]  # the NaN case on the larger shapes
+    logits = skinny_gemm(x, w, None, None).float().numpy()
+    got = skinny_argmax(x, w)
+    assert got is not None and got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got[0] == (100 if rows > 16 else 5)
+    assert skinny_argmax(x[:2], w) is None  # 1-2 rows: VDPBF16PS, not AMX
+    assert skinny_argmax(x.float(), w.float()) is None
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -384,3 +384,37 @@ def test_runner_bf16_close_to_fp32(tiny_llama):
         outs[dtype] = sim.run(["r"], 16, 8)["r"]
     agree = sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"], strict=True))
     assert agree >= 4
+
+
+def test_runner_greedy_ids_from_the_lm_head_equal_the_logits_path(tiny_llama, monkeypatch):
+    """Plain greedy batches take their tokens from the LM head's argmax kernel (CPU bf16 on
+    AMX) without forming the logits: the same tokens as the logits path, step by step; a
+    batch with a logprobs request takes the logits path."""
+    outs, calls = {}, []
+    for fused in (True, False):
+        runner = make_runner(tiny_llama, dtype="bfloat16")
+        model = runner._model
+        real = model.greedy_ids
+        if fused:
+            monkeypatch.setattr(
+                model, "greedy_ids", lambda h, real=real: calls.append(len(h)) or real(h)
+            )
+        else:
+            monkeypatch.setattr(model, "greedy_ids", lambda h: None)
+        sim = Sim(runner)
+        names = [f"r{i}" for i in range(5)]
+        for i, name in enumerate(names):
+            sim.add(name, PROMPT[: 6 + i])
+        sim.add("lp", PROMPT[:9], params=SamplingParams.create(temperature=0.0, logprobs=2))
+        outs[fused] = list(sim.run(names, 12, 8).values())
+        if fused:
+            n = len(calls)
+            lp = sim.run(["lp"], 12, 4)["lp"]
+            assert len(lp) == 4 and len(calls) == n  # logprobs: the logits path
+    assert outs[True] == outs[False]
+    if not any(
+        c is not None
+        for c in [real(torch.zeros(5, model.lm_head.weight.shape[1], dtype=torch.bfloat16))]
+    ):
+        pytest.skip("no AMX LM head kernel here: both runs took the logits path")
+    assert calls and max(calls) == 5

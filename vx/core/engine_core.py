@@ -222,7 +222,7 @@ class EngineCore:
         )
         t3 = time.perf_counter()
         if self.config.profile_steps:
-            self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s)
+            self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
 
     def _make_stats(
         self,
@@ -234,26 +234,48 @@ class EngineCore:
             self.scheduler.make_stats(), step_time_s=result.execute_time_s or wait_s
         )
 
-    def _profile(self, schedule_s: float, wait_s: float, update_s: float, exec_s: float) -> None:
+    def _profile(
+        self,
+        schedule_s: float,
+        wait_s: float,
+        update_s: float,
+        exec_s: float,
+        step: messages.SchedulerOutput,
+    ) -> None:
         p = self._prof
         p["steps"] += 1
         p["schedule"] += schedule_s
         p["wait"] += wait_s
         p["update"] += update_s
         p["execute"] += exec_s
+        # Steps that carry prefill tokens apart from decode-only ones: the two cost very
+        # differently, and where the time goes under load is their mix.
+        rows = len(step.num_scheduled_tokens)
+        kind = "decode" if step.total_num_scheduled_tokens == rows else "prefill"
+        p[kind] += 1
+        p[kind + "_s"] += exec_s
+        p[kind + "_rows"] += rows
+        p[kind + "_tokens"] += step.total_num_scheduled_tokens
         if p["steps"] >= 200:
             n = p["steps"]
             host = p["schedule"] + p["update"]
             total = host + p["wait"]
             logger.info(
                 "profile over %d steps: schedule %.0f us, update+emit %.0f us, wait %.2f ms "
-                "(worker execute %.2f ms); host share %.1f%%",
+                "(worker execute %.2f ms); host share %.1f%%; %s",
                 n,
                 1e6 * p["schedule"] / n,
                 1e6 * p["update"] / n,
                 1e3 * p["wait"] / n,
                 1e3 * p["execute"] / n,
                 100.0 * host / total if total else 0.0,
+                "; ".join(
+                    f"{k} steps {p[k]:.0f}: {p[k + '_rows'] / p[k]:.1f} requests, "
+                    f"{p[k + '_tokens'] / p[k]:.0f} tokens, {1e3 * p[k + '_s'] / p[k]:.1f} ms "
+                    f"each, {p[k + '_s']:.2f} s in all"
+                    for k in ("decode", "prefill")
+                    if p[k]
+                ),
             )
             p.clear()
 
@@ -288,7 +310,9 @@ def run_engine_core(
     engine: EngineCore | None = None
     try:
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
-        engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
+        engine = EngineCore(
+            config, engine_index, input_ring, output_ring, workers, ready.num_blocks
+        )
         # The block pool's objects (one per KV block) live as long as the engine: out of the
         # collector's reach, a full collection during a step no longer walks them all.
         gc.collect()

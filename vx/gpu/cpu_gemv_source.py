@@ -24,6 +24,7 @@ GEMV_KERNEL_SOURCE = r"""
 #define VX_GEMV_PD 4096
 #define VX_GEMV_MAX_ROWS_DP 16
 #if defined(__AVX512F__)
+#include <omp.h>
 static float vx_gemv_x[VX_GEMV_MAX_ROWS * VX_GEMV_MAX_K] __attribute__((aligned(64)));
 
 static inline __m512 vx_w16_i8(const int8_t* p) {
@@ -238,15 +239,40 @@ static vx_bf16 vx_amx_xb[(VX_AMX_MAX_ROWS / 16) * (VX_GEMV_MAX_K / 32) * 512]
     __attribute__((aligned(64)));
 #define VX_AMX_STEP(T) \
     _tile_loadd(5, xg + ((int64_t)(T) * KC + kc) * 512, 64); _tile_dpbf16ps(T, 4, 5);
-int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
-                     const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
-    if (!vx_amx_on || M < 1 || M > VX_AMX_MAX_ROWS || K % 32 || K > VX_GEMV_MAX_K || N % 16)
-        return -2;
+/* C^T tiles 0 .. mbn-1 = W[16 rows at a] . (x blocks xg)^T over all of K; prefetch: the next 16
+   weight rows, tile by tile. Tiles 0-3 C^T, 4 A (weights), 5 B (x), configured by the caller. */
+static inline __attribute__((always_inline)) void vx_amx_block(
+        const vx_bf16* a, int64_t K, const vx_bf16* xg, int mbn, int prefetch) {
+    const int64_t KC = K / 32;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        if (prefetch)
+            for (int i = 0; i < 16; i++)
+                _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
+        _tile_loadd(4, a + kc * 32, K * 2);
+        switch (mbn) {
+        case 4: VX_AMX_STEP(3) /* fall through */
+        case 3: VX_AMX_STEP(2) /* fall through */
+        case 2: VX_AMX_STEP(1) /* fall through */
+        default: VX_AMX_STEP(0)
+        }
+    }
+}
+/* C^T tile mb (0-3) into c [16 n][16 m] fp32. */
+static inline __attribute__((always_inline)) void vx_amx_store_c(int mb, float* c) {
+    switch (mb) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+    }
+}
+/* x [M, K] into the B tiles' layout, xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}],
+   zero past row M: per 16 x 32 block, a 16 x 16 transpose of bf16 pairs (one gather per r;
+   rows past M masked). */
+static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_bf16* xb) {
     const int MB = (M + 15) / 16;
     const int64_t KC = K / 32;
-    vx_bf16* xb = vx_amx_xb;
-    /* xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}], zero past row M: per
-       16 x 32 block, a 16 x 16 transpose of bf16 pairs (one gather per r; rows past M masked) */
     if (x_st % 2 == 0 && (int64_t)16 * x_st < ((int64_t)1 << 31)) {
         const __m512i rowoff = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -275,6 +301,15 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                 }
             }
     }
+}
+int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
+                     const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    if (!vx_amx_on || M < 1 || M > VX_AMX_MAX_ROWS || K % 32 || K > VX_GEMV_MAX_K || N % 16)
+        return -2;
+    const int MB = (M + 15) / 16;
+    const int64_t KC = K / 32;
+    vx_bf16* xb = vx_amx_xb;
+    vx_amx_pack_x(x, x_st, M, K, xb);
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
@@ -288,26 +323,9 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
             for (int mg = 0; mg < MB; mg += 4) {  /* four m blocks (C tiles) at a time */
                 const vx_bf16* xg = xb + (int64_t)mg * KC * 512;
                 const int mbn = MB - mg < 4 ? MB - mg : 4;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kc = 0; kc < KC; kc++) {
-                    if (mg == 0 && nb + 1 < N / 16)
-                        for (int i = 0; i < 16; i++)
-                            _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
-                    _tile_loadd(4, a + kc * 32, K * 2);
-                    switch (mbn) {
-                    case 4: VX_AMX_STEP(3) /* fall through */
-                    case 3: VX_AMX_STEP(2) /* fall through */
-                    case 2: VX_AMX_STEP(1) /* fall through */
-                    default: VX_AMX_STEP(0)
-                    }
-                }
+                vx_amx_block(a, K, xg, mbn, mg == 0 && nb + 1 < N / 16);
                 for (int mb = 0; mb < mbn; mb++) {
-                    switch (mb) {
-                    case 0: _tile_stored(0, c, 64); break;
-                    case 1: _tile_stored(1, c, 64); break;
-                    case 2: _tile_stored(2, c, 64); break;
-                    default: _tile_stored(3, c, 64); break;
-                    }
+                    vx_amx_store_c(mb, c);
                     /* column j of c (16 n) is row m = (mg + mb) * 16 + j of y: a gather, a store */
                     const int m0 = (mg + mb) * 16;
                     for (int j = 0; j < 16 && m0 + j < M; j++) {
@@ -324,7 +342,86 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     }
     return 0;
 }
+/* The greedy token of each of M rows: out[m] = the first n with the largest bf16(x[m] . W[n]),
+   the logits vx_gemm_amx_bf16 would write (same tiles, same rounding), never stored; a NaN
+   counts above every number, as in numpy's argmax. Returns -2 where vx_gemm_amx_bf16 would,
+   -1 if scratch could not be allocated. */
+int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, int64_t N,
+                       int64_t K, int64_t* out) {
+    if (!vx_amx_on || M < 1 || M > VX_AMX_MAX_ROWS || K % 32 || K > VX_GEMV_MAX_K || N % 16)
+        return -2;
+    const int MB = (M + 15) / 16, nt = omp_get_max_threads();
+    const int64_t KC = K / 32;
+    /* per thread, per row: the best value so far and its n (-1: none yet) */
+    float* best = (float*)aligned_alloc(64, sizeof(float) * (size_t)nt * VX_AMX_MAX_ROWS);
+    int32_t* arg = (int32_t*)aligned_alloc(64, sizeof(int32_t) * (size_t)nt * VX_AMX_MAX_ROWS);
+    if (!best || !arg) { free(best); free(arg); return -1; }
+    for (int i = 0; i < nt * VX_AMX_MAX_ROWS; i++) { best[i] = -INFINITY; arg[i] = -1; }
+    vx_bf16* xb = vx_amx_xb;
+    vx_amx_pack_x(x, x_st, M, K, xb);
+    int used = 1;
+    _Pragma("omp parallel if (N * K >= 262144)") {
+        vx_amx_load_tiles(6);
+        float c[16 * 16] __attribute__((aligned(64)));
+        const int t = omp_get_thread_num();
+        float* bv = best + (int64_t)t * VX_AMX_MAX_ROWS;
+        int32_t* bi = arg + (int64_t)t * VX_AMX_MAX_ROWS;
+        if (t == 0) used = omp_get_num_threads();
+        _Pragma("omp for schedule(static)")  /* each thread a contiguous range of n, in order */
+        for (int64_t nb = 0; nb < N / 16; nb++) {
+            const vx_bf16* a = W + nb * 16 * K;
+            for (int mg = 0; mg < MB; mg += 4) {
+                const vx_bf16* xg = xb + (int64_t)mg * KC * 512;
+                const int mbn = MB - mg < 4 ? MB - mg : 4;
+                vx_amx_block(a, K, xg, mbn, mg == 0 && nb + 1 < N / 16);
+                for (int mb = 0; mb < mbn; mb++) {
+                    vx_amx_store_c(mb, c);
+                    /* row r of c is n = nb * 16 + r for 16 rows m of x: one vector per n */
+                    const int m0 = (mg + mb) * 16;
+                    __m512 v_best = _mm512_load_ps(bv + m0);
+                    __m512i v_arg = _mm512_load_si512((const void*)(bi + m0));
+                    for (int r = 0; r < 16; r++) {
+                        const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r));
+                        const __m512 v = _mm512_castsi512_ps(
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+                        /* strictly greater (the first maximum stays), or the first NaN */
+                        const __mmask16 take =
+                            _mm512_cmp_ps_mask(v, v_best, _CMP_GT_OQ) |
+                            (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
+                             _mm512_cmp_ps_mask(v_best, v_best, _CMP_ORD_Q)) |
+                            _mm512_cmpeq_epi32_mask(v_arg, _mm512_set1_epi32(-1));
+                        v_best = _mm512_mask_mov_ps(v_best, take, v);
+                        v_arg = _mm512_mask_mov_epi32(v_arg, take,
+                                                      _mm512_set1_epi32((int)(nb * 16 + r)));
+                    }
+                    _mm512_store_ps(bv + m0, v_best);
+                    _mm512_store_si512((void*)(bi + m0), v_arg);
+                }
+            }
+        }
+        _tile_release();
+    }
+    /* threads in order (their n ranges ascend): a later one wins only by the same rule */
+    for (int m = 0; m < M; m++) {
+        float b = best[m];
+        int32_t i = arg[m];
+        for (int th = 1; th < used; th++) {
+            const float v = best[(int64_t)th * VX_AMX_MAX_ROWS + m];
+            const int32_t j = arg[(int64_t)th * VX_AMX_MAX_ROWS + m];
+            if (j >= 0 && (i < 0 || v > b || (isnan(v) && !isnan(b)))) { b = v; i = j; }
+        }
+        out[m] = i;
+    }
+    free(best);
+    free(arg);
+    return 0;
+}
 #else
+int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, int64_t N,
+                       int64_t K, int64_t* out) {
+    (void)x; (void)x_st; (void)M; (void)W; (void)N; (void)K; (void)out;
+    return -2;
+}
 int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     (void)x; (void)x_st; (void)M; (void)W; (void)bias; (void)y; (void)y_st; (void)N; (void)K;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "fused_silu_and_mul",
     "gemv_fits",
     "gemv_kernels",
+    "skinny_argmax",
     "skinny_gemm",
 ]
 
@@ -130,6 +132,25 @@ def skinny_gemm(
     if rc != 0:
         raise RuntimeError(f"vx skinny GEMM refused {tuple(x.shape)} @ {tuple(weight.shape)}")
     return y
+
+
+def skinny_argmax(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
+    """argmax over n of `skinny_gemm(x, weight)` [M, N] (its bf16 values, the first maximum),
+    without the [M, N] product: the greedy tokens straight from the LM head. None where
+    `skinny_gemm` would not take the AMX kernel for x (the caller computes the logits).
+    """
+    m, (n, k) = x.shape[0], weight.shape
+    if not (gemv_fits(x, weight) and m > _DP_PREFERRED_ROWS and _gemv_state["amx"]):
+        return None
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or x.stride(1) != 1:
+        return None
+    out = np.empty(m, dtype=np.int64)
+    rc = gemv_kernels().vx_argmax_amx_bf16(  # type: ignore[union-attr]
+        x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.ctypes.data
+    )
+    if rc == -1:
+        raise MemoryError("vx skinny argmax could not allocate scratch")
+    return out if rc == 0 else None
 
 
 def _cpu_bf16_rows(x: torch.Tensor) -> bool:

@@ -265,6 +265,8 @@ def _build_kernels() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, i64, i32, ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.vx_gemm_amx_bf16.restype = ctypes.c_int
         lib.vx_gemm_amx_bf16.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i64, i64, i64]
+        lib.vx_argmax_amx_bf16.restype = ctypes.c_int
+        lib.vx_argmax_amx_bf16.argtypes = [ptr, i64, i32, ptr, i64, i64, ptr]
         lib.vx_add_rms_norm_bf16.restype = None
         lib.vx_add_rms_norm_bf16.argtypes = [
             ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +32,7 @@ from vx.gpu.cpu_ops import (
     fused_silu_and_mul,
     gemv_fits,
     gemv_kernels,
+    skinny_argmax,
     skinny_gemm,
 )
 from vx.gpu.quantization import (
@@ -384,6 +386,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
             self.packed = True
+
+    def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
+        """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
+        where the C kernel gets it without forming the logits; None elsewhere."""
+        if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
+            return None
+        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+            return None  # compute_logits takes the quantized weight there
+        return skinny_argmax(hidden, self.plain)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""

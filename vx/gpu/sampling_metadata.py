@@ -115,25 +115,32 @@ class SamplingMetadata:
         placeholders) are ignored by the penalties, logit_bias and min_tokens.
         """
         num_rows = len(params)
-        # The fast path: one pass over the rows, no tensors.
-        for p, out in zip(params, output_token_ids, strict=True):
-            if (
-                p.temperature >= GREEDY_EPSILON
-                or p.logprobs is not None
-                or p.logit_bias
-                or p.min_tokens > len(out)
-                or p.presence_penalty
-                or p.frequency_penalty
-                or p.repetition_penalty != 1.0
-            ):
-                break
-        else:
+        if argmax_only(params, output_token_ids):  # the fast path: no tensors
             return cls(
                 num_rows=num_rows, vocab_size=vocab_size, is_argmax_only=True, all_greedy=True
             )
         return _build_full(
             cls, params, prompt_token_ids, output_token_ids, eos_token_ids, vocab_size, device
         )
+
+
+def argmax_only(
+    params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]
+) -> bool:
+    """Whether sampling these rows is one argmax of the raw logits: greedy, no logprobs, no
+    logit_bias or penalties, min_tokens already reached (one pass over the rows)."""
+    for p, out in zip(params, output_token_ids, strict=True):
+        if (
+            p.temperature >= GREEDY_EPSILON
+            or p.logprobs is not None
+            or p.logit_bias
+            or p.min_tokens > len(out)
+            or p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+        ):
+            return False
+    return True
 
 
 def _build_full(

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -280,6 +281,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
+
+    def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
+        """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""
+        return self.lm_head.greedy_ids(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
