@@ -90,9 +90,13 @@ def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
     kern = _literals(rev, "vx/gpu/cpu_kernel_source.py")
     gemv = _literals(rev, "vx/gpu/cpu_gemv_source.py")["GEMV_KERNEL_SOURCE"]
     step = _literals(rev, "vx/gpu/cpu_decode_source.py").get("DECODE_STEP_SOURCE", "")
+    try:  # the fused step calls the prefill kernel from the revision that added it on
+        pre = _literals(rev, "vx/gpu/cpu_prefill_source.py")["PREFILL_ATTENTION_SOURCE"]
+    except subprocess.CalledProcessError:
+        pre = ""
     src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
     with open(src, "w") as f:
-        f.write(kern["DECODE_KERNEL_SOURCE"] + gemv + step)  # type: ignore[operator]
+        f.write(kern["DECODE_KERNEL_SOURCE"] + gemv + pre + step)  # type: ignore[operator]
     subprocess.run(["cc", *kern["CFLAGS"], "-o", so, src], check=True)  # type: ignore[misc]
     return ctypes.CDLL(so), 192 if "#define VX_AMX_MAX_ROWS 192" in gemv else 64  # type: ignore[operator]
 

@@ -289,7 +289,6 @@ VX_INLINE void vx_fast_item(
 #define VX_QK_GROUP(T, ACC, KT) do { \
                 const vx_bf16* kr = kh + off[(T) * 16]; \
                 if ((T) + VX_PF < ng) vx_prefetch_rows(kh, off + ((T) + VX_PF) * 16, 16, DV); \
-                vx_prefetch_rows(vh, off + (T) * 16, 16, DV); \
                 vx_pf_step(pf, 16 * pq); \
                 _tile_zero(ACC); \
                 if (DV <= 2) { \
@@ -306,6 +305,10 @@ VX_INLINE void vx_fast_item(
             for (; t + 1 < ng; t += 2) { VX_QK_GROUP(t, 0, 1); VX_QK_GROUP(t + 1, 3, 4); }
             if (t < ng) VX_QK_GROUP(t, 0, 1);
 #undef VX_QK_GROUP
+            /* V rows go to L1 only now, for p.V's first keys (p.V fetches the rest 32 keys
+               ahead): fetched during q.k as well, a chunk's V (up to 32 KB) and K pushed each
+               other out of L1 before use. 64 requests x 1,024 keys: 0.79-0.91 of the time. */
+            vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
             const __m512i rows = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                 _mm512_set1_epi32(16));
