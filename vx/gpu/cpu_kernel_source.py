@@ -307,7 +307,7 @@ VX_INLINE void vx_fast_item(
 #undef VX_QK_GROUP
             /* V rows go to L1 only now, for p.V's first keys (p.V fetches the rest 32 keys
                ahead): fetched during q.k as well, a chunk's V (up to 32 KB) and K pushed each
-               other out of L1 before use. 64 requests x 1,024 keys: 0.79-0.91 of the time. */
+               other out of L1 before use. 64 requests x 1,024 keys: 0.85-0.91 of the time. */
             vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
             const __m512i rows = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
