@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts-per-client", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup-concurrency", default="8,32,64", metavar="C,C",
+                   help="besides c = 1, warm each server up once at these (not counted; '' none)")
     p.add_argument("--vx-args", default="", help="extra flags for vx serve")
     p.add_argument("--vx-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run vx with these extra flags, as 'vx NAME' (repeatable), "
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(results, f, indent=1)
         with server:
             model = server.model or served_model(server.url)
-            run_load(server.url, model, 1, args)  # warm-up (compiles, caches)
+            warm_up(server.url, model, args)
             for conc in concs:
                 for rep in range(args.repeats):
                     r = run_load(server.url, model, conc, args, _seed(conc, rep))
@@ -240,7 +242,7 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
             # continued before it is stopped (a stopped process holds its SIGTERM)
             stack.callback(server.pause, False)
             models[server.name] = server.model or served_model(server.url)
-            run_load(server.url, models[server.name], 1, args)  # warm-up (compiles, caches)
+            warm_up(server.url, models[server.name], args)
         busy = _machine_busy(5.0)
         for server in order:
             server.pause(True)
@@ -268,8 +270,18 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
 
 
 def _seed(conc: int, rep: int) -> int:
-    """The prompts' seed of one (concurrency, repeat); 0 is the warm-up's."""
+    """The prompts' seed of one (concurrency, repeat); 0 and 500 + c are the warm-up's."""
     return 1000 * (rep + 1) + conc
+
+
+def warm_up(url: str, model: str, args: argparse.Namespace) -> None:
+    """One pass at c = 1, then one at each --warmup-concurrency level, none of them counted:
+    a server's first run at a new batch size pays one-time costs (vLLM's CPU build ran its
+    first c = 32 and c = 64 passes at 0.65-0.8x the speed of the next, vx within noise), which
+    belong to start-up, not to the steady state the ratios compare."""
+    run_load(url, model, 1, args)
+    for conc in (int(c) for c in args.warmup_concurrency.split(",") if c):
+        run_load(url, model, conc, args, 500 + conc)
 
 
 def _machine_busy(seconds: float) -> float:
