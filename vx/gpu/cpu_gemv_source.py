@@ -267,6 +267,23 @@ static inline __attribute__((always_inline)) void vx_amx_store_c(int mb, float* 
     default: _tile_stored(3, c, 64); break;
     }
 }
+/* This thread's share of W's 16-row blocks nb (a static range, in order), and for each, every
+   C^T tile of x's rows: the tile into c, then the caller's code with nb and m0 (the tile's
+   first row of x) in scope. Needs N, K, W, xb, MB, KC and c. */
+#define VX_AMX_FOR_TILES(...) \
+    _Pragma("omp for schedule(static)") \
+    for (int64_t nb = 0; nb < N / 16; nb++) { \
+        for (int mg = 0; mg < MB; mg += 4) {  /* four m blocks (C tiles) at a time */ \
+            const int mbn = MB - mg < 4 ? MB - mg : 4; \
+            vx_amx_block(W + nb * 16 * K, K, xb + (int64_t)mg * KC * 512, mbn, \
+                         mg == 0 && nb + 1 < N / 16); \
+            for (int mb = 0; mb < mbn; mb++) { \
+                const int m0 = (mg + mb) * 16; \
+                vx_amx_store_c(mb, c); \
+                __VA_ARGS__ \
+            } \
+        } \
+    }
 /* x [M, K] into the B tiles' layout, xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}],
    zero past row M: per 16 x 32 block, a 16 x 16 transpose of bf16 pairs (one gather per r;
    rows past M masked). */
@@ -316,28 +333,16 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
         const __m512i cols = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(16));
-        _Pragma("omp for schedule(static)")
-        for (int64_t nb = 0; nb < N / 16; nb++) {
-            const vx_bf16* a = W + nb * 16 * K;
+        VX_AMX_FOR_TILES({
+            /* column j of c (16 n) is row m = m0 + j of y: a gather, a store */
             const __m512 bv = bias ? vx_ld16_bf16(bias + nb * 16) : _mm512_setzero_ps();
-            for (int mg = 0; mg < MB; mg += 4) {  /* four m blocks (C tiles) at a time */
-                const vx_bf16* xg = xb + (int64_t)mg * KC * 512;
-                const int mbn = MB - mg < 4 ? MB - mg : 4;
-                vx_amx_block(a, K, xg, mbn, mg == 0 && nb + 1 < N / 16);
-                for (int mb = 0; mb < mbn; mb++) {
-                    vx_amx_store_c(mb, c);
-                    /* column j of c (16 n) is row m = (mg + mb) * 16 + j of y: a gather, a store */
-                    const int m0 = (mg + mb) * 16;
-                    for (int j = 0; j < 16 && m0 + j < M; j++) {
-                        const __m512 col = _mm512_add_ps(
-                            _mm512_i32gather_ps(_mm512_add_epi32(cols, _mm512_set1_epi32(j)), c, 4),
-                            bv);
-                        _mm256_storeu_si256((__m256i*)(y + (int64_t)(m0 + j) * y_st + nb * 16),
-                                            (__m256i)_mm512_cvtneps_pbh(col));
-                    }
-                }
+            for (int j = 0; j < 16 && m0 + j < M; j++) {
+                const __m512 col = _mm512_add_ps(
+                    _mm512_i32gather_ps(_mm512_add_epi32(cols, _mm512_set1_epi32(j)), c, 4), bv);
+                _mm256_storeu_si256((__m256i*)(y + (int64_t)(m0 + j) * y_st + nb * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(col));
             }
-        }
+        })
         _tile_release();
     }
     return 0;
@@ -367,38 +372,28 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
         float* bv = best + (int64_t)t * VX_AMX_MAX_ROWS;
         int32_t* bi = arg + (int64_t)t * VX_AMX_MAX_ROWS;
         if (t == 0) used = omp_get_num_threads();
-        _Pragma("omp for schedule(static)")  /* each thread a contiguous range of n, in order */
-        for (int64_t nb = 0; nb < N / 16; nb++) {
-            const vx_bf16* a = W + nb * 16 * K;
-            for (int mg = 0; mg < MB; mg += 4) {
-                const vx_bf16* xg = xb + (int64_t)mg * KC * 512;
-                const int mbn = MB - mg < 4 ? MB - mg : 4;
-                vx_amx_block(a, K, xg, mbn, mg == 0 && nb + 1 < N / 16);
-                for (int mb = 0; mb < mbn; mb++) {
-                    vx_amx_store_c(mb, c);
-                    /* row r of c is n = nb * 16 + r for 16 rows m of x: one vector per n */
-                    const int m0 = (mg + mb) * 16;
-                    __m512 v_best = _mm512_load_ps(bv + m0);
-                    __m512i v_arg = _mm512_load_si512((const void*)(bi + m0));
-                    for (int r = 0; r < 16; r++) {
-                        const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r));
-                        const __m512 v = _mm512_castsi512_ps(
-                            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-                        /* strictly greater (the first maximum stays), or the first NaN */
-                        const __mmask16 take =
-                            _mm512_cmp_ps_mask(v, v_best, _CMP_GT_OQ) |
-                            (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
-                             _mm512_cmp_ps_mask(v_best, v_best, _CMP_ORD_Q)) |
-                            _mm512_cmpeq_epi32_mask(v_arg, _mm512_set1_epi32(-1));
-                        v_best = _mm512_mask_mov_ps(v_best, take, v);
-                        v_arg = _mm512_mask_mov_epi32(v_arg, take,
-                                                      _mm512_set1_epi32((int)(nb * 16 + r)));
-                    }
-                    _mm512_store_ps(bv + m0, v_best);
-                    _mm512_store_si512((void*)(bi + m0), v_arg);
-                }
+        /* each thread a contiguous range of n, in order */
+        VX_AMX_FOR_TILES({
+            /* row r of c is n = nb * 16 + r for 16 rows m of x: one vector per n */
+            __m512 v_best = _mm512_load_ps(bv + m0);
+            __m512i v_arg = _mm512_load_si512((const void*)(bi + m0));
+            for (int r = 0; r < 16; r++) {
+                const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r));
+                const __m512 v = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+                /* strictly greater (the first maximum stays), or the first NaN */
+                const __mmask16 take =
+                    _mm512_cmp_ps_mask(v, v_best, _CMP_GT_OQ) |
+                    (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
+                     _mm512_cmp_ps_mask(v_best, v_best, _CMP_ORD_Q)) |
+                    _mm512_cmpeq_epi32_mask(v_arg, _mm512_set1_epi32(-1));
+                v_best = _mm512_mask_mov_ps(v_best, take, v);
+                v_arg = _mm512_mask_mov_epi32(v_arg, take,
+                                              _mm512_set1_epi32((int)(nb * 16 + r)));
             }
-        }
+            _mm512_store_ps(bv + m0, v_best);
+            _mm512_store_si512((void*)(bi + m0), v_arg);
+        })
         _tile_release();
     }
     /* threads in order (their n ranges ascend): a later one wins only by the same rule */
