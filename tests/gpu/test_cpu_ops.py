@@ -95,16 +95,17 @@ def test_skinny_gemm_routing() -> None:
 @pytest.mark.parametrize("rows", [3, 16, 17, 64, 65, 150, 192])
 def test_skinny_argmax_is_the_argmax_of_skinny_gemm(rows: int) -> None:
     """The greedy ids without the logits: the argmax of exactly the bf16 values
-    `skinny_gemm` writes, for every row count the AMX kernel has a case for; ties (duplicate
-    weight rows, one pair straddling the two threads' halves of N) go to the first index, a
-    NaN beats every number, as in numpy's argmax. None where `skinny_gemm` is not on AMX."""
+    `skinny_gemm` writes, for every row count the AMX kernel has a case for; a tie (row 0's
+    best weight row copied to indices in both threads' halves of N) goes to the first index
+    (up to 16 rows); a NaN beats every number, as in numpy's argmax (past 16 rows). None where
+    `skinny_gemm` is not on AMX."""
     n, k = 4096, 576
     w = _weight(n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     if skinny_argmax(x, w) is None:
         assert not gemv_fits(x, w) or not gemv_kernels().vx_fast_amx(-1)  # type: ignore[union-attr]
         pytest.skip("no AMX skinny GEMM here")
-    # make rows 0-1 tie: the winner for row 0 copied to an earlier and a later index
+    # row 0's winner copied to an earlier index and around the middle of N
     best0 = int(np.argmax(skinny_gemm(x, w, None, None).float().numpy()[0]))
     w[5], w[n - 7], w[n // 2 - 1], w[n // 2 + 3] = w[best0], w[best0], w[best0], w[best0]
     w[100] = float("nan") if rows > 16 else w[100]  # the NaN case on the larger shapes

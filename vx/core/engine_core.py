@@ -310,9 +310,7 @@ def run_engine_core(
     engine: EngineCore | None = None
     try:
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
-        engine = EngineCore(
-            config, engine_index, input_ring, output_ring, workers, ready.num_blocks
-        )
+        engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
         # The block pool's objects (one per KV block) live as long as the engine: out of the
         # collector's reach, a full collection during a step no longer walks them all.
         gc.collect()
