@@ -26,7 +26,7 @@ cd "$ROOT"
 
 # Importable names of what vx needs beyond the image (see pyproject.toml), and their wheels.
 NEEDED_MODULES="msgspec starlette hypercorn h2 orjson gguf anyio"
-WHEELS="msgspec orjson starlette hypercorn h2 hpack hyperframe priority wsproto h11 gguf anyio"
+WHEELS="msgspec orjson starlette hypercorn h2 hpack hyperframe priority wsproto h11 gguf anyio typing_extensions"
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
   mkdir -p .whl
@@ -95,12 +95,13 @@ if ! "$PY" -c "import torch, msgspec, vx.config; assert torch.cuda.is_available(
   exit 1
 fi
 
-run_section env 60 "$PY" bench/gpu_check.py env --results "$RES"
+run_section env 45 "$PY" bench/gpu_check.py env --results "$RES"
+run_section triton 75 "$PY" bench/gpu_check.py triton --results "$RES"
 
 pytest_section() {
   local rc=0 line
   "$PY" -m pytest -q -m gpu tests/gpu/test_gpu_marked.py -p no:cacheprovider \
-    -o addopts="-ra -p anyio" > "$OUTDIR/pytest-run.log" 2>&1 || rc=$?
+    -o addopts="-ra -p anyio" --timeout 60 > "$OUTDIR/pytest-run.log" 2>&1 || rc=$?
   cat "$OUTDIR/pytest-run.log"
   line=$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$OUTDIR/pytest-run.log" | tail -n 1 || true)
   printf '{"section": "pytest", "check": "pytest -m gpu", "result": "%s", "status": "%s"}\n' \
@@ -109,10 +110,8 @@ pytest_section() {
 }
 export PY RES OUTDIR ROOT PYTHONPATH
 export -f fail_row pytest_section
-run_section pytest 150 pytest_section
-run_section triton 120 "$PY" bench/gpu_check.py triton --results "$RES"
-run_section parity 150 "$PY" bench/gpu_check.py parity --results "$RES" ${VX_SMOLLM2_DIR:+--model "$VX_SMOLLM2_DIR"}
-run_section decode 200 "$PY" bench/gpu_check.py decode --results "$RES"
+run_section pytest 120 pytest_section
+run_section parity 90 "$PY" bench/gpu_check.py parity --results "$RES" ${VX_SMOLLM2_DIR:+--model "$VX_SMOLLM2_DIR"}
 
 serve_section() {
   local model label="" ids=()
@@ -147,7 +146,8 @@ serve_section() {
   kill -KILL -- -"$spid" 2>/dev/null || true
 }
 export -f serve_section
-run_section serve 200 serve_section
+run_section serve 120 serve_section
+run_section decode 120 "$PY" bench/gpu_check.py decode --results "$RES"
 
 "$PY" bench/gpu_check.py table --results "$RES" || cat "$RES"
 echo "total ${SECONDS}s; results in $RES"

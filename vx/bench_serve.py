@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,19 @@ async def make_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> l
     return prompts
 
 
+async def _sse_lines(r: httpx.Response) -> AsyncIterator[bytes]:
+    """The lines of an event stream, split at LF (a CR before it dropped) as the SSE grammar
+    says, and not at every break str.splitlines knows (httpx's `aiter_lines`), which would cut
+    a data line whose JSON holds a raw U+2028 or U+0085 in two."""
+    buf = b""
+    async for chunk in r.aiter_bytes():
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if buf:
+        yield buf.removesuffix(b"\r")
+
+
 async def one_request(
     client: httpx.AsyncClient, args: argparse.Namespace, prompt: Any
 ) -> RequestResult:
@@ -121,11 +135,11 @@ async def one_request(
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in _sse_lines(r):
+                if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
-                if payload == "[DONE]":
+                if payload == b"[DONE]":
                     break
                 data = decoder.decode(payload)
                 if data.get("error"):

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import anyio
+import httpx
 import pytest
 
 from tests.http.conftest import running_app
@@ -62,3 +63,17 @@ async def test_bench_serve_reports_failures(tokenizer: Tokenizer) -> None:
         s = await bench_serve.run(args)
         assert s["failed"] == 2 and "HTTP 400" in s["errors"][0]
         assert not h.engine.adds()
+
+
+async def test_sse_lines_split_at_lf_only() -> None:
+    """The load generator's line reader: a raw U+2028 or U+0085 inside a data line (other
+    servers send them raw) stays in its line; CRLF ends are trimmed; chunk edges don't matter."""
+
+    async def chunks():
+        yield b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}\r'
+        yield b"\n\r\ndata: [DO"
+        yield b"NE]\n\nlast"
+
+    r = httpx.Response(200, content=chunks())
+    lines = [line async for line in bench_serve._sse_lines(r)]
+    assert lines == [b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}', b"", b"data: [DONE]", b"", b"last"]

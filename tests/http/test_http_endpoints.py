@@ -149,6 +149,27 @@ async def test_completion_stream(tokenizer: Tokenizer) -> None:
         assert len(tokens) == usage["usage"]["completion_tokens"]
 
 
+async def test_stream_escapes_the_line_breaks_splitlines_knows(tokenizer: Tokenizer) -> None:
+    """U+2028, U+2029 and U+0085 in the text go out escaped, so a reader that splits at every
+    break str.splitlines knows (httpx's `aiter_lines`, found cutting a data line in two by a
+    GPU run) still gets whole JSON lines, and the text is unchanged."""
+    reply = "a\u2028b\x85c\u2029d \u2019e"
+    async with running_app(tokenizer, reply=reply) as h, h.http() as c:
+        body = {"prompt": "Hello", "max_tokens": 64, "stream": True}
+        for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"chat": 1})):
+            if extra:
+                body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+            async with c.stream("POST", path, json=body) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            events = [msgspec.json.decode(line[len("data: ") :]) for line in lines[:-1]]
+            if extra:
+                text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+            else:
+                text = "".join(e["choices"][0]["text"] for e in events)
+            assert text == reply
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stop_string(tokenizer: Tokenizer, stream: bool) -> None:
     async with running_app(tokenizer, step_s=0.001) as h, h.http() as c:

@@ -43,7 +43,23 @@ SSE_HEADERS = [
 Write = Callable[[bytes], Awaitable[None]]
 
 
+# U+0085, U+2028 and U+2029 may stand raw in JSON and in an SSE data line, but line readers
+# built on str.splitlines (httpx's `aiter_lines`, and the SSE clients built on it) break a line
+# at them and hand the client half a JSON object. Escaped, the JSON means the same.
+_LINE_BREAKS_TO_ESCAPE = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
 def sse_event(payload: bytes) -> bytes:
+    """One `data:` event. `payload` is JSON; the only bytes changed are the three line breaks
+    above, which in JSON text can only stand inside strings, so escaping them keeps its value
+    and leaves CR and LF (escaped by every JSON encoder) as the only line ends in the event."""
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:
+        for raw, escaped in _LINE_BREAKS_TO_ESCAPE:
+            payload = payload.replace(raw, escaped)
     return b"data: " + payload + b"\n\n"
 
 
