@@ -3,7 +3,7 @@
 Usage (always under the shared benchmark lock):
 
     flock /tmp/vx-bench.lock .venv/bin/python bench/forward.py [--threads 2] [--repeats 3]
-        [--quantization int8|int4]
+        [--quantization int8|int4] [--no-settle]
 
 Model: SmolLM2-135M (`vx.gpu.resolve.resolve_model("smollm2-135m")`) in bf16, or with
 `--random` a random model of the same shapes (timings do not depend on the weights).
@@ -12,7 +12,10 @@ Cases: decode steps at batch 1, 16 and 64 with 256 tokens of KV per request, and
 prefill asks for the last position's logits only (`logits_to_keep=1`, as `generate` does), so
 both sides skip the LM head over the prompt. Each case: one warm-up, then `--repeats` timed
 steps per side, interleaved; the table shows medians and vx / HF. `--quantization` runs vx
-with weight-only int8/int4 linears (vx.gpu.quantization) against HF in bf16.
+with weight-only int8/int4 linears (vx.gpu.quantization) against HF in bf16. Before timing,
+the process settles as the Worker does before its first step (glibc malloc keeps freed memory,
+so activations are not fresh zeroed pages every step; `gc.freeze`); HF's forward, in the same
+process, gets the same. `--no-settle` leaves malloc alone, as before 2026-11-30 evening.
 """
 
 from __future__ import annotations
@@ -179,6 +182,9 @@ def main() -> int:
         help="OMP_WAIT_POLICY=PASSIVE (both sides): on a machine whose cores are shared, "
         "spinning OpenMP threads slow 2-thread steps down by up to 10x",
     )
+    ap.add_argument(
+        "--no-settle", action="store_true", help="skip the Worker's settling (malloc tuning)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -207,6 +213,12 @@ def main() -> int:
     runner = ModelRunner(config)
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks()[0])
+    if not args.no_settle:
+        # As the Worker does before its first step (malloc keeps freed memory, gc.freeze); it is
+        # process-wide, so HF's forward in this process gets it too.
+        from vx.gpu.worker import _settle_for_steps
+
+        _settle_for_steps("cpu")
     driver = Driver(runner, num_blocks)
 
     rows = []
