@@ -415,3 +415,40 @@ def test_runner_greedy_ids_from_the_lm_head_equal_the_logits_path(tiny_llama, mo
     if real(torch.zeros(5, model.lm_head.weight.shape[1], dtype=torch.bfloat16)) is None:
         pytest.skip("no AMX LM head kernel here: both runs took the logits path")
     assert calls and max(calls) == 5
+
+
+def test_runner_last_layer_runs_past_attention_on_the_sampled_rows_only(tiny_llama, hf):
+    """A step's last layer runs its o_proj and MLP on the rows that sample a token and no
+    other (none at all for a step of mid-prompt chunks), every other layer on every row; the
+    tokens stay HF's. A request wanting prompt logprobs keeps every row."""
+    runner = make_runner(tiny_llama)
+    layers = runner._model.model.layers
+    rows = {"first": [], "last": []}
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        layer.mlp.register_forward_hook(lambda m, a, out, name=name: rows[name].append(len(a[0])))
+    sim = Sim(runner)
+    prompts = {"a": PROMPT[:23], "b": PROMPT[5:45], "c": PROMPT[:3]}
+    for rid, p in prompts.items():
+        sim.add(rid, p)
+    active, got = list(prompts), {}
+    while active:
+        plan = {}
+        for rid in active:
+            r = sim.reqs[rid]
+            plan[rid] = min(8, len(r["prompt"]) + len(r["outputs"]) - r["computed"])
+        rows["first"].clear(), rows["last"].clear()
+        out = sim.step(plan)
+        sampled = sum(1 for t in out.sampled_token_ids if t)
+        assert rows["first"] == [sum(plan.values())]
+        assert rows["last"] == ([sampled] if sampled else [])
+        for rid in list(active):
+            if len(sim.reqs[rid]["outputs"]) >= 6:
+                active.remove(rid)
+                sim.finished.append(rid)
+                got[rid] = sim.reqs[rid]["outputs"][:6]
+    assert got == {rid: hf_greedy(hf, p, 6) for rid, p in prompts.items()}
+    sim.add("lp", PROMPT[:20], params=SamplingParams.create(temperature=0.0, prompt_logprobs=1))
+    rows["last"].clear()
+    out = sim.step({"lp": 20})
+    assert rows["last"] == [20]
+    assert out.prompt_logprobs and len(out.prompt_logprobs["lp"].ranks) == 19

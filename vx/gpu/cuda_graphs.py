@@ -269,12 +269,14 @@ class CudaGraphRunner:
         positions: torch.Tensor,
         kv_caches: list,
         md: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The model's forward for this step: a graph replay when one fits, else eager."""
-        size = self.padded_size(md)
+        """The model's forward for this step: a graph replay when one fits, else eager.
+        `keep` (rows to return; see LlamaModel.forward) always runs eagerly."""
+        size = self.padded_size(md) if keep is None else None
         graph = self.graphs.get(size) if size is not None else None
         if graph is None or kv_caches is not self.kv_caches:
-            return self.model(input_ids, positions, kv_caches, md)
+            return self.model(input_ids, positions, kv_caches, md, keep)
         fill_padded_decode_inputs(
             self.static, size, input_ids, positions, md.slot_mapping, md.seq_lens, md.block_table
         )

@@ -251,15 +251,24 @@ class ModelRunner:
         inputs = self.prepare_inputs(so)
         model = self._model
         forward = model if self.cuda_graphs is None else self.cuda_graphs.forward
-        hidden = forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        sample_idx = inputs.sample_idx
+        last = inputs.query_start[sample_idx] + inputs.query_lens[sample_idx] - 1
+        wants_prompt_logprobs = self._wants_prompt_logprobs(inputs)
+        # Only the sampled rows' hidden states are used, unless prompt logprobs need them
+        # all: the last layer then runs past its attention on those rows alone.
+        last_rows = torch.from_numpy(last).to(self.device)
+        keep = None
+        if not wants_prompt_logprobs and last.size < inputs.input_ids.shape[0]:
+            keep = last_rows
+        hidden = forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
+        )
 
         num_reqs = len(inputs.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs_out: list[Logprobs | None] | None = None
-        sample_idx = inputs.sample_idx
         if sample_idx.size:
-            last = inputs.query_start[sample_idx] + inputs.query_lens[sample_idx] - 1
-            hidden_last = hidden[torch.from_numpy(last).to(self.device)]
+            hidden_last = hidden if keep is not None else hidden[last_rows]
             rows = inputs.rows[sample_idx]
             sampled = self._greedy_ids(hidden_last, rows)
             if sampled is None:
@@ -272,7 +281,7 @@ class ModelRunner:
                 sampled_lists[j] = [tok]
         # Requests advance by what was scheduled (the next diff sets the same value again).
         batch.num_computed_tokens[inputs.rows] = inputs.num_computed + inputs.query_lens
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden) if wants_prompt_logprobs else None
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=inputs.req_ids,
@@ -423,6 +432,12 @@ class ModelRunner:
                 )
         return sampled, result
 
+    def _wants_prompt_logprobs(self, inputs: StepInputs) -> bool:
+        batch = self.input_batch
+        assert batch is not None
+        wants = batch.wants_prompt_logprobs
+        return any(wants[r] for r in inputs.rows.tolist())
+
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor
     ) -> dict[str, Logprobs] | None:
@@ -436,7 +451,7 @@ class ModelRunner:
         batch = self.input_batch
         assert batch is not None
         wants = batch.wants_prompt_logprobs
-        if not any(wants[r] for r in inputs.rows.tolist()):
+        if not self._wants_prompt_logprobs(inputs):
             return None
         from vx.gpu.sampler import compute_logprobs_rows
 

@@ -131,8 +131,14 @@ class LlamaAttention(nn.Module):
         self.attn_fn = attn_fn
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or the rows `keep` only (every row's K/V is written)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         qk_size = self.q_size + self.kv_size
@@ -142,7 +148,12 @@ class LlamaAttention(nn.Module):
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        if keep is not None:
+            if keep.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            o = o[keep]
+        return self.o_proj(o)
 
 
 class LlamaMLP(nn.Module):
@@ -175,14 +186,21 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: KVCache,
         attn_metadata: Any,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`keep`: the rows (of T) to carry past the attention; the others' K/V are written,
+        and nothing after the attention needs them (the last layer of a step)."""
         # The residual add of the previous block is fused into this block's first norm.
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, kv_cache, attn_metadata)
+        h = self.self_attn(rope, h, kv_cache, attn_metadata, keep)
+        if keep is not None:
+            residual = residual[keep]
+            if keep.numel() == 0:
+                return h, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -207,18 +225,27 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: Any,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """[T, hidden] final hidden states, or [len(keep), hidden] for the rows `keep` of T:
+        the last layer then runs its o_proj, MLP and norms on those rows alone (as llama.cpp
+        does for the rows it needs no output of). Every layer writes every row's K/V."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions)  # cos, sin [T, 1, D/2], shared by every layer
         if self.fused_decode is _UNBUILT:  # after loading: the weights are final by now
             self.fused_decode = FusedDecode.build(self) if x.device.type == "cpu" else None
-        if self.fused_decode is not None:  # all layers in one C call (a CPU decode step)
+        if self.fused_decode is not None and keep is None:  # all layers in one C call
             fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata)
             if fused is not None:
                 return self.norm(*fused)[0]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, attn_metadata)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(
+                rope, x, residual, kv_cache, attn_metadata, keep if i == last else None
+            )
+        if x.shape[0] == 0:
+            return x
         x, _ = self.norm(x, residual)
         return x
 
@@ -274,9 +301,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: Any,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T] ids and positions -> [T, hidden] final hidden states."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        """[T] ids and positions -> [T, hidden] final hidden states (rows `keep` only, if
+        given: see LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
