@@ -3,8 +3,9 @@
 Runs in: its own process (the CLI), against vx, vLLM or llama.cpp's server alike. In the style
 of `vllm bench serve`: `--num-prompts` fixed random prompts of `--input-len` tokens, each asking
 for exactly `--output-len` tokens (`ignore_eos`, greedy), sent to /v1/completions with
-`stream: true` by `--concurrency` clients over HTTP/1.1 (httpx). Prompts go as token-id lists by
-default, so every server sees the same lengths whatever its tokenizer's whims.
+`stream: true` by `--concurrency` clients over HTTP/1.1 (`vx.bench_client`, or httpx with
+`--client httpx`). Prompts go as token-id lists by default, so every server sees the same
+lengths whatever its tokenizer's whims.
 
 Reports request and token throughput and p50/p90/p99 of TTFT (time to the first streamed
 choice), ITL (gap between streamed chunks, as vLLM's bench measures it), TPOT ((e2e - ttft) /
@@ -31,6 +32,8 @@ from typing import Any
 import anyio
 import httpx
 import msgspec
+
+from vx.bench_client import HTTPStatusError, LeanClient
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -112,8 +115,48 @@ async def _sse_lines(r: httpx.Response) -> AsyncIterator[bytes]:
         yield buf.removesuffix(b"\r")
 
 
+class _Events:
+    """Folds one response's SSE data payloads into its RequestResult.
+
+    Invariant: after the first error or `[DONE]`, `ended` is set and later payloads are
+    ignored; `chunks` counts the payloads that carried choices."""
+
+    def __init__(self, res: RequestResult, start: float) -> None:
+        self.res, self.start, self.last = res, start, start
+        self.chunks = 0
+        self.ended = False
+        self.decoder = _DECODER
+
+    def __call__(self, payload: bytes, now: float) -> None:
+        if self.ended:
+            return
+        if payload == b"[DONE]":
+            self.ended = True
+            return
+        res = self.res
+        data = self.decoder.decode(payload)
+        if data.get("error"):
+            res.error = str(data["error"])[:200]
+            self.ended = True
+            return
+        if data.get("choices"):
+            if self.chunks == 0:
+                res.ttft_s = now - self.start
+            else:
+                res.itl_s.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+        usage = data.get("usage")
+        if usage:
+            res.output_tokens = int(usage.get("completion_tokens") or 0)
+            res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
+
+
+_DECODER = msgspec.json.Decoder()
+
+
 async def one_request(
-    client: httpx.AsyncClient, args: argparse.Namespace, prompt: Any
+    client: httpx.AsyncClient | LeanClient, args: argparse.Namespace, prompt: Any
 ) -> RequestResult:
     body = {
         "model": args.model,
@@ -126,44 +169,34 @@ async def one_request(
         "stream_options": {"include_usage": True},
     }
     res = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
-    decoder = msgspec.json.Decoder()
     start = time.perf_counter()
-    last = start
-    chunks = 0
+    events = _Events(res, start)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in _sse_lines(r):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                data = decoder.decode(payload)
-                if data.get("error"):
-                    res.error = str(data["error"])[:200]
+        if isinstance(client, LeanClient):
+            await client.stream_post(
+                "/v1/completions", msgspec.json.encode(body), events, args.timeout
+            )
+        else:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return res
-                if data.get("choices"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        res.ttft_s = now - start
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
-                usage = data.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    res.prompt_tokens = int(usage.get("prompt_tokens") or res.prompt_tokens)
-    except (httpx.HTTPError, ValueError, msgspec.DecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
+                async for line in _sse_lines(r):
+                    if line.startswith(b"data:"):
+                        events(line[5:].strip(), time.perf_counter())
+                    if events.ended:
+                        break
+    except (
+        httpx.HTTPError, HTTPStatusError, OSError, TimeoutError, ValueError, msgspec.DecodeError
+    ) as e:  # fmt: skip
+        res.error = f"{type(e).__name__}: {e}" if not isinstance(e, HTTPStatusError) else str(e)
+        return res
+    if res.error:
         return res
     res.e2e_s = time.perf_counter() - start
     if res.output_tokens == 0:
-        res.output_tokens = chunks  # a server without usage in streams: one token per chunk
-    res.ok = chunks > 0
+        res.output_tokens = events.chunks  # a server without usage in streams: one per chunk
+    res.ok = events.chunks > 0
     if not res.ok:
         res.error = "no streamed output"
     return res
@@ -188,15 +221,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         results: list[RequestResult] = []
         queue = list(reversed(prompts))
+        streamer: httpx.AsyncClient | LeanClient = client
+        if args.client == "lean":
+            streamer = LeanClient(args.base_url, headers)
 
         async def worker() -> None:
             while queue:
-                results.append(await one_request(client, args, queue.pop()))
+                results.append(await one_request(streamer, args, queue.pop()))
 
         start = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(args.concurrency, len(prompts))):
-                tg.start_soon(worker)
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(args.concurrency, len(prompts))):
+                    tg.start_soon(worker)
+        finally:
+            if isinstance(streamer, LeanClient):
+                streamer.close()
         duration = time.perf_counter() - start
     return summarize(args, results, duration)
 
@@ -329,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests first")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--client", choices=["lean", "httpx"], default="lean",
+                   help="the streaming requests' client: lean (vx.bench_client, an asyncio "
+                   "protocol per connection, least CPU per token) or httpx")  # fmt: skip
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw TTFT/ITL distributions and throughput vs concurrency")  # fmt: skip
