@@ -49,11 +49,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompts longer than this are chunked at this size even when budget remains (0: off).
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
-    #: While fewer than `small_step_running` requests run, a step takes at most this many tokens
-    #: (0: off). The CPU server sets 192, the fused C step's rows: with few streams running,
-    #: small prefill chunks give a burst's first prompts their first tokens sooner at the same
-    #: rate per token; with many running, full-budget steps spread each step's decode work
-    #: (attention over every running request's KV, the LM head) over more prefill tokens.
+    #: While fewer than `small_step_running` requests are held (running or waiting), a step
+    #: takes at most this many tokens (0: off). The CPU server sets 192, the fused C step's
+    #: rows: with few streams, small prefill chunks give a burst's first prompts their first
+    #: tokens sooner at the same rate per token; with many, full-budget steps spread each
+    #: step's decode work (attention over every running request's KV, the LM head) over more
+    #: prefill tokens. Waiting requests count: a burst of 64 arrivals admitted 192 tokens a
+    #: step took several seconds to get them all running (~15% of c = 64 throughput).
     small_step_tokens: int = 0
     small_step_running: int = 48
 

@@ -327,30 +327,37 @@ def test_request_repr_keeps_the_prompt_out_of_logs() -> None:
     assert "31337" not in text and "secret" in text
 
 
-def test_small_steps_while_few_requests_run() -> None:
-    """`small_step_tokens` caps a step while fewer than `small_step_running` requests run; from
-    that many on, steps take the full budget again."""
+def test_small_steps_while_few_requests_are_held() -> None:
+    """`small_step_tokens` caps a step while fewer than `small_step_running` requests are held,
+    running or waiting; a burst of that many takes the full budget from its first step, and
+    the cap comes back once the engine holds fewer again."""
     s = make_scheduler(128, max_num_batched_tokens=64, small_step_tokens=20, small_step_running=3)
-    for i in range(5):
-        s.add_request(make_add_request(f"r{i}", list(range(30 * i, 30 * i + 30)), max_tokens=50))
-    out = s.schedule()  # nothing runs yet: 20 tokens
+    for i in range(2):
+        s.add_request(make_add_request(f"r{i}", list(range(30 * i, 30 * i + 30)), max_tokens=4))
+    out = s.schedule()  # two held: 20 tokens
     assert out.num_scheduled_tokens == {"r0": 20}
     s.update_from_output(out, result(out))
-    out = s.schedule()  # r0 runs (1 < 3): 20 tokens again, r0's rest first
+    out = s.schedule()  # r0's rest first, then r1
     assert out.num_scheduled_tokens == {"r0": 10, "r1": 10}
     s.update_from_output(out, result(out, {"r0": [5]}))
-    big = 0
-    for _ in range(10):
-        running_before = len(s.running)
-        out = s.schedule()
-        if running_before < 3:
-            assert out.total_num_scheduled_tokens <= 20
-        elif out.total_num_scheduled_tokens > 20:
-            big += 1
+    for i in range(2, 5):  # a burst: five held
+        prompt = list(range(30 * i, 30 * i + 30))
+        s.add_request(make_add_request(f"r{i}", prompt, max_tokens=4 * i))
+    out = s.schedule()
+    assert out.total_num_scheduled_tokens == 64
+    for _ in range(60):  # until they finish one by one and one (with "late": two) is held
         done = {r for r in out.num_scheduled_tokens if s.requests[r].num_computed_tokens
                 >= s.requests[r].num_tokens}  # fmt: skip
         s.update_from_output(out, result(out, {r: [5] for r in done}))
-    assert big, "no full-budget step once 3 requests ran"
+        check(s)
+        if len(s.running) + len(s.waiting) < 2:
+            break
+        out = s.schedule()
+    else:
+        raise AssertionError("the burst never drained")
+    s.add_request(make_add_request("late", list(range(900, 930)), max_tokens=4))
+    out = s.schedule()  # few held again: the late prompt comes 20 tokens at most
+    assert 0 < out.num_scheduled_tokens["late"] <= 20 and out.total_num_scheduled_tokens <= 20
     check(s)
 
 

@@ -59,7 +59,8 @@ class Scheduler:
     - every request in `requests` is in exactly one of `waiting` (WAITING or PREEMPTED, no
       blocks) or `running` (RUNNING, holds blocks for its computed tokens);
     - a step never schedules more than `max_num_batched_tokens` tokens (`small_step_tokens`
-      while fewer than `small_step_running` requests run, where set), `running` never holds
+      while fewer than `small_step_running` requests are held, running or waiting, where
+      set), `running` never holds
       more than `max_num_seqs` requests, and no request ever grows past `max_model_len`;
     - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
       blocks at once and queues the id for the next output's `finished_req_ids`;
@@ -154,7 +155,11 @@ class Scheduler:
         """Build the next step: running requests first, then admissions from `waiting`."""
         step_id = next(self._step_ids)
         budget = self.max_num_batched_tokens
-        if self.small_step_tokens and len(self.running) < self.small_step_running:
+        # Small steps while the engine holds few requests, running or waiting: a burst of as
+        # many as small_step_running is admitted at the full budget from its first step.
+        if self.small_step_tokens and (
+            len(self.running) + len(self.waiting) < self.small_step_running
+        ):
             budget = min(budget, self.small_step_tokens)
         step_budget = budget
         threshold = self.long_prefill_token_threshold
