@@ -51,9 +51,9 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 1024 on CPU; 8192 on cuda, 16384 on 160+ GiB)")
     p.add_argument("--small-step-tokens", type=int, default=None,
-                   help="while fewer than 48 requests are held (running or waiting), at most "
-                        "this many tokens a step (default: 192 for the CPU server when the "
-                        "budget is not given; 0: off)")
+                   help="while fewer than 48 requests run and are held (running or waiting), "
+                        "at most this many tokens a step (default: 192 for the CPU server when "
+                        "the budget is not given, with 512 while a burst of 48 waits; 0: off)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")
@@ -88,10 +88,10 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
-    """The CPU server's small steps (192 tokens while fewer than 48 requests are held: 32
-    clients of 128-token prompts get their first tokens in 0.3-0.4x the time at the same
-    throughput; 64 clients, held 64 at a time, take full steps, docs/performance.md), unless
-    told otherwise."""
+    """The CPU server's small steps (192 tokens while fewer than 48 requests run and are held:
+    32 clients of 128-token prompts get their first tokens in 0.3-0.4x the time at the same
+    throughput; a burst of 64 comes in 512 tokens a step, then full steps,
+    docs/performance.md), unless told otherwise."""
     given = getattr(args, "small_step_tokens", None)
     if given is not None:
         return given
@@ -129,6 +129,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             max_num_batched_tokens=budget,
             async_scheduling=args.async_scheduling,
             small_step_tokens=_small_step_tokens(args, offline),
+            burst_step_tokens=512 if _small_step_tokens(args, offline) else 0,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -49,15 +49,19 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompts longer than this are chunked at this size even when budget remains (0: off).
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
-    #: While fewer than `small_step_running` requests are held (running or waiting), a step
-    #: takes at most this many tokens (0: off). The CPU server sets 192, the fused C step's
-    #: rows: with few streams, small prefill chunks give a burst's first prompts their first
-    #: tokens sooner at the same rate per token; with many, full-budget steps spread each
-    #: step's decode work (attention over every running request's KV, the LM head) over more
-    #: prefill tokens. Waiting requests count: a burst of 64 arrivals admitted 192 tokens a
-    #: step took several seconds to get them all running (~15% of c = 64 throughput).
+    #: While fewer than `small_step_running` requests run and fewer are held (running or
+    #: waiting), a step takes at most this many tokens (0: off). The CPU server sets 192, the
+    #: fused C step's rows: with few streams, small prefill chunks give a burst's first
+    #: prompts their first tokens sooner at the same rate per token; with many, full-budget
+    #: steps spread each step's decode work (attention over every running request's KV, the
+    #: LM head) over more prefill tokens.
     small_step_tokens: int = 0
     small_step_running: int = 48
+    #: While fewer than `small_step_running` run but that many are held (a burst waits), a
+    #: step takes at most this many tokens (0: the full budget). The CPU server sets 512: a
+    #: burst of 64 arrivals admitted at 192 tokens a step took seconds to get running (~15%
+    #: of c = 64 throughput); at the full 1,024, the same throughput with TTFT p50 ~1.5x.
+    burst_step_tokens: int = 0
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +93,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("max_num_batched_tokens must be at least 1")
         if s.small_step_tokens < 0:
             raise ValueError("small_step_tokens must be >= 0 (0: off)")
+        if s.burst_step_tokens < 0:
+            raise ValueError("burst_step_tokens must be >= 0 (0: the full budget)")
         if c.block_size != BLOCK_SIZE:
             raise ValueError(f"block_size must be {BLOCK_SIZE}")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:

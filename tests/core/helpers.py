@@ -31,6 +31,7 @@ def make_config(
     max_model_len: int | None = 256,
     small_step_tokens: int = 0,
     small_step_running: int = 48,
+    burst_step_tokens: int = 0,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
@@ -42,6 +43,7 @@ def make_config(
             async_scheduling=async_scheduling,
             small_step_tokens=small_step_tokens,
             small_step_running=small_step_running,
+            burst_step_tokens=burst_step_tokens,
         ),
     )
 

@@ -327,11 +327,15 @@ def test_request_repr_keeps_the_prompt_out_of_logs() -> None:
     assert "31337" not in text and "secret" in text
 
 
-def test_small_steps_while_few_requests_are_held() -> None:
-    """`small_step_tokens` caps a step while fewer than `small_step_running` requests are held,
-    running or waiting; a burst of that many takes the full budget from its first step, and
-    the cap comes back once the engine holds fewer again."""
-    s = make_scheduler(128, max_num_batched_tokens=64, small_step_tokens=20, small_step_running=3)
+@pytest.mark.parametrize("burst", [0, 40])
+def test_small_steps_while_few_requests_are_held(burst: int) -> None:
+    """`small_step_tokens` caps a step while fewer than `small_step_running` requests run and
+    are held (running or waiting); a burst of that many takes `burst_step_tokens` (0: the full
+    budget) until that many run, and the small cap comes back once fewer are held again."""
+    s = make_scheduler(
+        128, max_num_batched_tokens=64, small_step_tokens=20, small_step_running=3,
+        burst_step_tokens=burst,
+    )  # fmt: skip
     for i in range(2):
         s.add_request(make_add_request(f"r{i}", list(range(30 * i, 30 * i + 30)), max_tokens=4))
     out = s.schedule()  # two held: 20 tokens
@@ -343,8 +347,8 @@ def test_small_steps_while_few_requests_are_held() -> None:
     for i in range(2, 5):  # a burst: five held
         prompt = list(range(30 * i, 30 * i + 30))
         s.add_request(make_add_request(f"r{i}", prompt, max_tokens=4 * i))
-    out = s.schedule()
-    assert out.total_num_scheduled_tokens == 64
+    out = s.schedule()  # two running, five held: a burst step
+    assert out.total_num_scheduled_tokens == (burst or 64)
     for _ in range(60):  # until they finish one by one and one (with "late": two) is held
         done = {r for r in out.num_scheduled_tokens if s.requests[r].num_computed_tokens
                 >= s.requests[r].num_tokens}  # fmt: skip

@@ -243,9 +243,11 @@ def test_determine_num_blocks_h200_and_nothing_left(monkeypatch):
 
 
 def test_small_steps_only_for_the_cpu_server_by_default():
-    assert cli.engine_config_from_args(_serve_args()).scheduler.small_step_tokens == 192
+    sched = cli.engine_config_from_args(_serve_args()).scheduler
+    assert (sched.small_step_tokens, sched.burst_step_tokens) == (192, 512)
     for args in (("--max-num-batched-tokens", "1000"), ("--small-step-tokens", "0")):
-        assert cli.engine_config_from_args(_serve_args(*args)).scheduler.small_step_tokens == 0
+        sched = cli.engine_config_from_args(_serve_args(*args)).scheduler
+        assert (sched.small_step_tokens, sched.burst_step_tokens) == (0, 0)
     given = _serve_args("--max-num-batched-tokens", "1000", "--small-step-tokens", "64")
     assert cli.engine_config_from_args(given).scheduler.small_step_tokens == 64
     offline = cli.engine_config_from_args(_serve_args(), offline=True)

@@ -58,9 +58,9 @@ class Scheduler:
     Invariants:
     - every request in `requests` is in exactly one of `waiting` (WAITING or PREEMPTED, no
       blocks) or `running` (RUNNING, holds blocks for its computed tokens);
-    - a step never schedules more than `max_num_batched_tokens` tokens (`small_step_tokens`
-      while fewer than `small_step_running` requests are held, running or waiting, where
-      set), `running` never holds
+    - a step never schedules more than `max_num_batched_tokens` tokens (where set, while
+      fewer than `small_step_running` run: `small_step_tokens` if fewer are held, running or
+      waiting, else `burst_step_tokens`), `running` never holds
       more than `max_num_seqs` requests, and no request ever grows past `max_model_len`;
     - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
       blocks at once and queues the id for the next output's `finished_req_ids`;
@@ -78,6 +78,7 @@ class Scheduler:
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.small_step_tokens = sched.small_step_tokens
         self.small_step_running = sched.small_step_running
+        self.burst_step_tokens = sched.burst_step_tokens
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.async_scheduling = sched.async_scheduling
         self.enable_caching = config.cache.enable_prefix_caching
@@ -155,12 +156,13 @@ class Scheduler:
         """Build the next step: running requests first, then admissions from `waiting`."""
         step_id = next(self._step_ids)
         budget = self.max_num_batched_tokens
-        # Small steps while the engine holds few requests, running or waiting: a burst of as
-        # many as small_step_running is admitted at the full budget from its first step.
-        if self.small_step_tokens and (
-            len(self.running) + len(self.waiting) < self.small_step_running
-        ):
-            budget = min(budget, self.small_step_tokens)
+        if self.small_step_tokens and len(self.running) < self.small_step_running:
+            # Few running: small steps, unless a burst waits (as many held as
+            # small_step_running): then burst steps, so it is all running sooner.
+            if len(self.running) + len(self.waiting) < self.small_step_running:
+                budget = min(budget, self.small_step_tokens)
+            elif self.burst_step_tokens:
+                budget = min(budget, self.burst_step_tokens)
         step_budget = budget
         threshold = self.long_prefill_token_threshold
         is_async = self.async_scheduling
