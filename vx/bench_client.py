@@ -9,8 +9,8 @@ length-delimited bodies, SSE lines split at LF as the SSE grammar says), and eac
 arrival time is the time of the read that completed it, as with any streaming client.
 
 Invariants: one request at a time per connection, which is reused (keep-alive) until the server
-closes it or a request fails; `request()` always returns (or raises TimeoutError), it never
-leaves a request half-read on a connection that is used again.
+closes it or a request fails; `stream_post()` returns after a whole response or raises, and a
+connection is only reused after a whole 200 response, so no request is left half-read on it.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ class _Conn(asyncio.Protocol):
 
     def start(self, head: bytes, body: bytes, on_event: OnEvent) -> asyncio.Future[None]:
         assert self.transport is not None
+        self.status = 0  # no response yet (stream_post retries a reused connection on that)
+        if self.transport.is_closing():  # lost since it went idle
+            raise ConnectionError("the connection was closed while idle")
         self.buf = bytearray()
         self.lines = bytearray()  # body bytes not yet split into SSE lines
         self.state = "head"
         self.remaining = 0
-        self.status = 0
         self.keep_alive = True
         self.error_body = bytearray()
         self.on_event = on_event
@@ -172,16 +174,27 @@ class LeanClient:
         """Sends `body`, calls `on_event` per SSE data line until the response ends. Raises
         HTTPStatusError for a status other than 200, ConnectionError, ValueError (a response
         it cannot parse) or TimeoutError."""
-        conn = None
-        while self._idle and conn is None:
-            c = self._idle.pop()
-            conn = c if c.open else None
-        if conn is None:
-            loop = asyncio.get_running_loop()
-            _, conn = await loop.create_connection(_Conn, self.host, self.port)
         head = (
             f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
         ).encode()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.open:
+                continue
+            try:
+                return await self._send(conn, head, body, on_event, timeout)
+            except ConnectionError:
+                # A kept-alive connection the server closed before answering (its idle
+                # timeout): the request never started there, so it goes on a fresh one.
+                if conn.status:
+                    raise
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Conn, self.host, self.port)
+        await self._send(conn, head, body, on_event, timeout)
+
+    async def _send(
+        self, conn: _Conn, head: bytes, body: bytes, on_event: OnEvent, timeout: float
+    ) -> None:
         ok = False
         try:
             async with asyncio.timeout(timeout):

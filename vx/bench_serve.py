@@ -125,7 +125,6 @@ class _Events:
         self.res, self.start, self.last = res, start, start
         self.chunks = 0
         self.ended = False
-        self.decoder = _DECODER
 
     def __call__(self, payload: bytes, now: float) -> None:
         if self.ended:
@@ -134,7 +133,7 @@ class _Events:
             self.ended = True
             return
         res = self.res
-        data = self.decoder.decode(payload)
+        data = _DECODER.decode(payload)
         if data.get("error"):
             res.error = str(data["error"])[:200]
             self.ended = True
@@ -222,7 +221,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results: list[RequestResult] = []
         queue = list(reversed(prompts))
         streamer: httpx.AsyncClient | LeanClient = client
-        if args.client == "lean":
+        if args.client == "lean" and args.base_url.startswith("http://"):
             streamer = LeanClient(args.base_url, headers)
 
         async def worker() -> None:
@@ -371,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--client", choices=["lean", "httpx"], default="lean",
                    help="the streaming requests' client: lean (vx.bench_client, an asyncio "
-                   "protocol per connection, least CPU per token) or httpx")  # fmt: skip
+                   "protocol per connection, least CPU per token; plain http only, https "
+                   "goes through httpx) or httpx")  # fmt: skip
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw TTFT/ITL distributions and throughput vs concurrency")  # fmt: skip

@@ -109,6 +109,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         max_num_batched_tokens=args.max_num_batched_tokens,
         offline=offline,
     )
+    small_step_tokens = _small_step_tokens(args, offline)
     config = EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -128,8 +129,8 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             async_scheduling=args.async_scheduling,
-            small_step_tokens=_small_step_tokens(args, offline),
-            burst_step_tokens=512 if _small_step_tokens(args, offline) else 0,
+            small_step_tokens=small_step_tokens,
+            burst_step_tokens=512 if small_step_tokens else 0,
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -27,6 +27,8 @@ RESPONSES = {
     "close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + SSE,
     "error": b"HTTP/1.1 429 Too Many\r\nContent-Length: 7\r\n\r\nbusy...",
     "cut": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(SSE, 7)[:40],
+    # a keep-alive response, then the server closes the idle connection (its idle timeout)
+    "idle-close": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(SSE, 7),
 }
 
 
@@ -49,14 +51,14 @@ class Server:
                 for i in range(0, len(data), self.step):
                     writer.write(data[i : i + self.step])
                     await writer.drain()
-                if self.kind in ("close", "cut"):
+                if self.kind in ("close", "cut", "idle-close"):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         writer.close()
 
 
-async def _run(kind: str, step: int, requests: int = 2) -> tuple[Server, list]:
+async def _run(kind: str, step: int, requests: int = 2, stale: bool = False) -> tuple[Server, list]:
     server = Server(kind, step)
     srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
@@ -64,6 +66,11 @@ async def _run(kind: str, step: int, requests: int = 2) -> tuple[Server, list]:
     got: list = []
     try:
         for _ in range(requests):
+            if stale and client._idle:  # the close is seen, but the race is lost: reused
+                conn = client._idle[0]
+                while conn.open:
+                    await asyncio.sleep(0.001)
+                conn.open = True
             events: list[bytes] = []
             try:
                 await client.stream_post(
@@ -100,3 +107,13 @@ async def test_error_status_and_a_server_that_leaves(anyio_backend: str) -> None
     server, got = await _run("cut", 5)
     assert all(isinstance(e, ConnectionError) for e in got)
     assert server.connections == 2  # a failed connection is not reused
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_kept_alive_connection_the_server_closed_is_not_a_failure(anyio_backend: str):
+    """The next request goes on a fresh connection, whether the close has been seen yet or
+    the request is written into the closed one first."""
+    for stale in (False, True):
+        server, got = await _run("idle-close", 4096, requests=3, stale=stale)
+        assert got == [EVENTS] * 3
+        assert server.connections == 3

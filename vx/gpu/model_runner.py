@@ -446,13 +446,12 @@ class ModelRunner:
         A chunk covering positions [s, e) yields rows for prompt tokens s+1 .. min(e, P-1):
         row p is the logprob of prompt token p+1 given tokens <= p, so the rows of all chunks
         together cover prompt tokens 1 .. P-1 (token 0 has none). Positions served from the
-        prefix cache are not recomputed and so get no row.
+        prefix cache are not recomputed and so get no row. Called only for steps with a
+        request that wants them (`_wants_prompt_logprobs`).
         """
         batch = self.input_batch
         assert batch is not None
         wants = batch.wants_prompt_logprobs
-        if not self._wants_prompt_logprobs(inputs):
-            return None
         from vx.gpu.sampler import compute_logprobs_rows
 
         result: dict[str, Logprobs] = {}
