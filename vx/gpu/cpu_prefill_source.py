@@ -48,6 +48,21 @@ VX_INLINE __m512 vx_exp2_16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+/* vx_exp2_16 with a degree-3 polynomial (fitted for relative error on [-1/2, 1/2]: 7.5e-5 at
+   most, 50x below the bf16 rounding every probability gets before P V), for the softmax's
+   probabilities, whose exps are about a third of this kernel's time: 10% less time for a
+   2,048-token prompt than the degree-6 one. The running-max correction keeps vx_exp2_16 (it
+   compounds over the chunks of a row). */
+VX_INLINE __m512 vx_exp2_16_p(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(5.5171627551317215e-02f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.426111400127411e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.932609677314758e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999280571937561e-01f));
+    return _mm512_scalef_ps(p, n);
+}
 /* Chunk i's K^T and V tiles for kv head h, keys [32 pg, 32 pg + 32): 2 DV K tiles (two
    groups of 16 keys, DV dim slices of 32) then 2 DV V tiles (D / 16 dim slices of 16). */
 VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
@@ -181,8 +196,8 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
             const __m512 mv = _mm512_set1_ps(mx[r]);
             __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
             for (int t = 0; t < np; t++) {
-                const __m512 e0 = vx_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
-                const __m512 e1 = vx_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
+                const __m512 e0 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
+                const __m512 e1 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
                 s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
                 _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
