@@ -19,7 +19,8 @@ from __future__ import annotations
 #:    tdpbf16ps takes as its B operand: K^T pair-interleaved (row j, column n: key n's dims
 #:    2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
 #:    context are zero;
-#: 2. each (chunk, query head, 16 queries) runs over its keys 256 at a time: S = Q K^T into
+#: 2. each (chunk, query head, 32 queries; 16 where D > 64) runs over its keys 256 at a
+#:    time: S = Q K^T into
 #:    tiles, then per query row the running max, exp (fp32) and sum, the probabilities
 #:    rounded to bf16 (as torch's flash attention does for bf16), then P V into tiles, and
 #:    the running output rescaled in fp32. Within a chunk, items run from the most keys down
@@ -240,6 +241,113 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
                 _mm512_div_ps(_mm512_load_ps(&acc[r][d]), sv)));
     }
 }
+/* Two query tiles (32 rows, [t0, t0 + m), m <= 32) of one (chunk, query head) item, for
+   D <= 64 (DV <= 2): each K and V tile, loaded once, serves both row tiles (the 16-row item
+   loads each once per 16 rows, and those loads from L2 were what its tile products waited on).
+   The same arithmetic as vx_pf_item, row by row. Tiles: S phase 0, 1 (S of rows 0-15, 16-31),
+   2, 3 (K), 4, 5 (Q rows 0-15, dims 0-31, 32-63), 6, 7 (Q rows 16-31); P V phase 0-3 (O of
+   row tile i, dim tile j of the pass: 2 i + j), 4, 5 (P of rows 0-15, 16-31), 6, 7 (V). */
+VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
+                            const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
+    const int D = 32 * DV, ND = D / 16;
+    vx_bf16 qb[32][64] __attribute__((aligned(64)));
+    float sb[32][VX_PCH] __attribute__((aligned(64)));
+    vx_bf16 pb[32][VX_PCH] __attribute__((aligned(64)));
+    float ob[32][64] __attribute__((aligned(64)));
+    float acc[32][64] __attribute__((aligned(64)));
+    float mx[32] __attribute__((aligned(64))), sum[32], corr[32] __attribute__((aligned(64)));
+    for (int r = 0; r < 32; r++) {
+        if (r < m) memcpy(qb[r], q + (int64_t)(t0 + r) * q_st, (size_t)D * 2);
+        else memset(qb[r], 0, (size_t)D * 2);
+        memset(acc[r], 0, sizeof(float) * D);
+        mx[r] = -INFINITY; sum[r] = 0.f;
+    }
+    const int kv_end = nc + t0 + m;
+    const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
+    const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
+    for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
+        const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
+        const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
+        _tile_loadd(4, &qb[0][0], 128);
+        _tile_loadd(6, &qb[16][0], 128);
+        if (DV == 2) { _tile_loadd(5, &qb[0][32], 128); _tile_loadd(7, &qb[16][32], 128); }
+        for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a step, both row tiles */
+            const int kb = c0 / 16 + g;
+            const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
+            _tile_zero(0); _tile_zero(1);
+            _tile_loadd(2, kt, 64);
+            if (DV == 2) _tile_loadd(3, kt + 256, 64);
+            _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 6, 2);
+            if (DV == 2) { _tile_dpbf16ps(0, 5, 3); _tile_dpbf16ps(1, 7, 3); }
+            _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
+            _tile_stored(1, &sb[16][16 * g], VX_PCH * 4);
+        }
+        for (int r = 0; r < 32; r++) {  /* causal and past-the-chunk keys: -inf (vx_pf_item) */
+            int nv = nc + t0 + r + 1 - c0;
+            nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
+            for (int t = nv / 16; t < 2 * np; t++) {
+                const int left = nv - 16 * t;
+                const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
+                _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
+            }
+        }
+        for (int h = 0; h < 32; h += 16) {  /* the running max, 16 rows interleaved */
+            __m512 run[16];
+            for (int r = 0; r < 16; r++) run[r] = ninf;
+            for (int t = 0; t < 2 * np; t++)
+                for (int r = 0; r < 16; r++)
+                    run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[h + r][16 * t]));
+            float cm[16] __attribute__((aligned(64)));
+            for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
+            const __m512 mo = _mm512_load_ps(mx + h);
+            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
+            _mm512_store_ps(corr + h, vx_exp2_16(_mm512_sub_ps(mo, mn)));
+            _mm512_store_ps(mx + h, mn);
+        }
+        for (int r = 0; r < 32; r++) {
+            const __m512 mv = _mm512_set1_ps(mx[r]);
+            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+            for (int t = 0; t < np; t++) {
+                const __m512 e0 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
+                const __m512 e1 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
+                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
+                _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+            sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        }
+        for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int p = 0; p < np; p++) {
+                const uint32_t* vt = packed + (c0 / 32 + p) * pair_dw + (int64_t)2 * DV * 256
+                                     + (int64_t)d0 * 256;
+                _tile_loadd(4, &pb[0][32 * p], VX_PCH * 2);
+                _tile_loadd(5, &pb[16][32 * p], VX_PCH * 2);
+                _tile_loadd(6, vt, 64);
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, vt + 256, 64);
+                _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, &ob[0][16 * d0], 256);
+            _tile_stored(1, &ob[0][16 * d0 + 16], 256);
+            _tile_stored(2, &ob[16][16 * d0], 256);
+            _tile_stored(3, &ob[16][16 * d0 + 16], 256);
+        }
+        for (int r = 0; r < m; r++) {
+            const __m512 cv = _mm512_set1_ps(corr[r]);
+            for (int d = 0; d < D; d += 16)
+                _mm512_store_ps(&acc[r][d], _mm512_fmadd_ps(_mm512_load_ps(&acc[r][d]), cv,
+                                                             _mm512_load_ps(&ob[r][d])));
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        const __m512 sv2 = _mm512_set1_ps(sum[r]);  /* divided, as vx_pf_item */
+        vx_bf16* o = out + (int64_t)(t0 + r) * o_st;
+        for (int d = 0; d < D; d += 32)
+            _mm512_storeu_si512((void*)(o + d), (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_div_ps(_mm512_load_ps(&acc[r][d + 16]), sv2),
+                _mm512_div_ps(_mm512_load_ps(&acc[r][d]), sv2)));
+    }
+}
 #endif
 int vx_prefill_attention_bf16(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
@@ -249,6 +357,7 @@ int vx_prefill_attention_bf16(
 #ifdef VX_HAS_AMX
     if (!vx_amx_on || D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
     const int G = Hq / Hkv, DV = D / 32;
+    const int QR = DV <= 2 ? 32 : 16;  /* query rows per item: vx_pf_item32 where it applies */
     const int64_t pair_dw = (int64_t)4 * DV * 256;
     /* per chunk: first packed pair group, first work item */
     int64_t* pg0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
@@ -257,7 +366,7 @@ int vx_prefill_attention_bf16(
     pg0[0] = it0[0] = 0;
     for (int i = 0; i < nchunks; i++) {
         pg0[i + 1] = pg0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 31) / 32);
-        it0[i + 1] = it0[i] + (int64_t)Hq * ((lens[i] + 15) / 16);
+        it0[i + 1] = it0[i] + (int64_t)Hq * ((lens[i] + QR - 1) / QR);
     }
     uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)pg0[nchunks] * pair_dw * 4 + 64);
     if (!packed) { free(pg0); return -1; }
@@ -277,16 +386,20 @@ int vx_prefill_attention_bf16(
     for (int64_t w = 0; w < nit; w++) {
         int i = 0;
         while (it0[i + 1] <= w) i++;
-        const int nq = (lens[i] + 15) / 16;
+        const int nq = (lens[i] + QR - 1) / QR;
         /* the last query tile (most keys) of each head first */
         const int qt = nq - 1 - (int)((w - it0[i]) / Hq), hq = (int)((w - it0[i]) % Hq);
-        const int h = hq / G, t0 = 16 * qt;
-        const int m = lens[i] - t0 < 16 ? lens[i] - t0 : 16;
+        const int h = hq / G, t0 = QR * qt;
+        const int m = lens[i] - t0 < QR ? lens[i] - t0 : QR;
         const int ctx = computed[i] + lens[i];
         const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
         const vx_bf16* qr = q + (int64_t)starts[i] * q_st + (int64_t)hq * q_sh;
         vx_bf16* orow = out + (int64_t)starts[i] * o_st + (int64_t)hq * o_sh;
 #define VX_PF_ITEM(N) vx_pf_item(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, N)
+        if (QR == 32) {
+            if (DV == 1) vx_pf_item32(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, 1);
+            else vx_pf_item32(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, 2);
+        } else
         switch (DV) {  /* one specialisation per D, so loops over D unroll */
         case 1: VX_PF_ITEM(1); break; case 2: VX_PF_ITEM(2); break;
         case 3: VX_PF_ITEM(3); break; case 4: VX_PF_ITEM(4); break;
