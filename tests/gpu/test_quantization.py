@@ -211,3 +211,25 @@ def test_smollm2_quantized_top1_agreement(monkeypatch) -> None:
     )
     assert min(v for k, v in report.items() if k.startswith("int8")) >= 0.93, report
     assert min(v for k, v in report.items() if k.startswith("int4")) >= 0.85, report
+
+
+def test_prepack_lays_weights_out_for_the_rows_onednn_sees(monkeypatch) -> None:
+    """Where vx's AMX GEMM takes every step of up to AMX_MAX_ROWS rows, oneDNN sees only longer
+    ones, so its packed layout is picked for those; elsewhere for one row (small decode
+    batches). Either layout multiplies the same (within bf16 accumulation order)."""
+    from vx.gpu import quantization as q
+
+    monkeypatch.setattr(q, "bf16_max_rows", lambda: q.AMX_MAX_ROWS)
+    large = q.prepack_batch_hint()
+    assert large > q.AMX_MAX_ROWS
+    monkeypatch.setattr(q, "bf16_max_rows", lambda: 12)
+    assert q.prepack_batch_hint() == 1
+    w = _weight(576, 576)
+    if not q.cpu_prepack_enabled(w):
+        pytest.skip("no oneDNN bf16 on this machine")
+    x = _weight(300, 576, seed=1) * 20
+    want = x.float() @ w.float().T
+    for rows in (1, large):
+        monkeypatch.setattr(q, "prepack_batch_hint", lambda rows=rows: rows)
+        got = q.linear(x, q.prepack(w), None, packed=True).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
