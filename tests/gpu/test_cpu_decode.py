@@ -172,3 +172,34 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
     lb = b.step_all(prompt)
     assert answers == [None]
     torch.testing.assert_close(la["a"], lb["a"], atol=0.2, rtol=0.05)  # SDPA vs the C kernel
+
+
+def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
+    """Through the ModelRunner a prefill step asks for the sampled rows only (`keep`); the
+    fused step still takes it (its last layer on every row, the rows cut after), with the
+    module path's tokens. Without this a step of up to 192 rows ran ~14 Python-level ops a
+    layer: 10-14 ms more a 32-192-token prefill for SmolLM2."""
+    from tests.gpu.test_model_runner import Sim, make_runner
+
+    arch, overrides, _ = CASES["llama-d64"]
+    path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
+    runs = {}
+    for fused_on in (True, False):
+        runner = make_runner(path, dtype="bfloat16")
+        model = runner._model.model
+        sim = Sim(runner)
+        sim.add("a", list(range(5, 45)))
+        sim.add("b", list(range(7, 30)))
+        sim.step({"a": 1})  # builds the fused step
+        counting = None
+        if fused_on:
+            if model.fused_decode is None or not _prefill_fused(runner._model, 64):
+                pytest.skip("no fused CPU step with the C prefill attention here")
+            model.fused_decode = counting = _Counting(model.fused_decode)
+        else:
+            model.fused_decode = None
+        outs = [sim.step({"a": 39, "b": 16}), sim.step({"a": 1, "b": 7}), sim.step({"a": 1, "b": 1})]
+        runs[fused_on] = [o.sampled_token_ids for o in outs]
+        if counting is not None:
+            assert counting.taken == 3
+    assert runs[True] == runs[False]
