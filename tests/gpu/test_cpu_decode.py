@@ -198,7 +198,8 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
             model.fused_decode = counting = _Counting(model.fused_decode)
         else:
             model.fused_decode = None
-        outs = [sim.step({"a": 39, "b": 16}), sim.step({"a": 1, "b": 7}), sim.step({"a": 1, "b": 1})]
+        plans = ({"a": 39, "b": 16}, {"a": 1, "b": 7}, {"a": 1, "b": 1})
+        outs = [sim.step(plan) for plan in plans]
         runs[fused_on] = [o.sampled_token_ids for o in outs]
         if counting is not None:
             assert counting.taken == 3
