@@ -115,6 +115,82 @@ VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
                                _mm512_permutex2var_epi16(x, il, y));
         }
 }
+/* One chunk's softmax for 16 rows of an item (sb, pb, mx, sum and corr point at the first of
+   them; row r has nv0 + r valid keys in the chunk), the rows interleaved (one row at a time is a
+   chain of dependent max, reduce, exp and sum steps that leaves the core idle). Keys past a
+   row's own position, and past the chunk up to its last 32-key pair, get -inf first: exp gives
+   ~2.4e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max term of 1. Rows
+   past the item's queries (zero queries) too: no stale reads. Then the running max and its
+   correction, the probabilities (rounded to bf16, into pb) and the running sums. */
+VX_INLINE void vx_pf_softmax16(float (*sb)[VX_PCH], vx_bf16 (*pb)[VX_PCH], float* mx, float* sum,
+                               float* corr, int nv0, int cnt, int np, __m512 sv) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < 16; r++) {
+        int nv = nv0 + r;
+        nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
+        for (int t = nv / 16; t < 2 * np; t++) {
+            const int left = nv - 16 * t;
+            const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
+            _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
+        }
+    }
+    __m512 run[16];
+    for (int r = 0; r < 16; r++) run[r] = ninf;
+    for (int t = 0; t < 2 * np; t++)
+        for (int r = 0; r < 16; r++) run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[r][16 * t]));
+    float cm[16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
+    {
+        const __m512 mo = _mm512_load_ps(mx);
+        const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
+        _mm512_store_ps(corr, vx_exp2_16(_mm512_sub_ps(mo, mn)));  /* ~0 on the first chunk */
+        _mm512_store_ps(mx, mn);
+    }
+    for (int r = 0; r < 16; r++) {  /* keys within a row are independent: row by row */
+        const __m512 mv = _mm512_set1_ps(mx[r]);
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int t = 0; t < np; t++) {
+            const __m512 e0 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
+            const __m512 e1 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
+            s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
+            _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+}
+/* An item's state before its first chunk: R query rows copied in (rows past m zero, row
+   stride ldq), the output accumulators (stride lda) at 0, no max, no sum. */
+VX_INLINE void vx_pf_init(vx_bf16* qb, int ldq, float* acc, int lda, float* mx, float* sum,
+                          int R, const vx_bf16* q, int64_t q_st, int t0, int m, int D) {
+    for (int r = 0; r < R; r++) {
+        if (r < m) memcpy(qb + r * ldq, q + (int64_t)(t0 + r) * q_st, (size_t)D * 2);
+        else memset(qb + r * ldq, 0, (size_t)D * 2);
+        memset(acc + r * lda, 0, sizeof(float) * D);
+        mx[r] = -INFINITY; sum[r] = 0.f;
+    }
+}
+/* After a chunk's P V: acc = acc * corr + ob for rows [0, m) (row strides in floats). */
+VX_INLINE void vx_pf_rescale(float* acc, int lda, const float* ob, int ldo, const float* corr,
+                             int m, int D) {
+    for (int r = 0; r < m; r++) {
+        const __m512 cv = _mm512_set1_ps(corr[r]);
+        for (int d = 0; d < D; d += 16)
+            _mm512_store_ps(acc + r * lda + d, _mm512_fmadd_ps(_mm512_load_ps(acc + r * lda + d),
+                                                               cv, _mm512_load_ps(ob + r * ldo + d)));
+    }
+}
+/* Rows [t0, t0 + m) of out = acc / sum in bf16 (divided, not times 1 / sum: torch's rounding). */
+VX_INLINE void vx_pf_store(const float* acc, int lda, const float* sum, vx_bf16* out,
+                           int64_t o_st, int t0, int m, int D) {
+    for (int r = 0; r < m; r++) {
+        const __m512 sv = _mm512_set1_ps(sum[r]);
+        vx_bf16* o = out + (int64_t)(t0 + r) * o_st;
+        for (int d = 0; d < D; d += 32)
+            _mm512_storeu_si512((void*)(o + d), (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_div_ps(_mm512_load_ps(acc + r * lda + d + 16), sv),
+                _mm512_div_ps(_mm512_load_ps(acc + r * lda + d), sv)));
+    }
+}
 /* One (chunk, query head, 16 queries) item: rows [t0, t0 + m) of the chunk. */
 VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
                           const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
@@ -125,12 +201,7 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
     float ob[16][256] __attribute__((aligned(64)));
     float acc[16][256] __attribute__((aligned(64)));
     float mx[16] __attribute__((aligned(64))), sum[16], corr[16] __attribute__((aligned(64)));
-    for (int r = 0; r < 16; r++) {
-        if (r < m) memcpy(qb[r], q + (int64_t)(t0 + r) * q_st, (size_t)D * 2);
-        else memset(qb[r], 0, (size_t)D * 2);
-        memset(acc[r], 0, sizeof(float) * D);
-        mx[r] = -INFINITY; sum[r] = 0.f;
-    }
+    vx_pf_init(&qb[0][0], 256, &acc[0][0], 256, mx, sum, 16, q, q_st, t0, m, D);
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
     for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
@@ -166,44 +237,8 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
                 _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
             }
         }
-        /* Softmax, the 16 rows interleaved (one row at a time is a chain of dependent max,
-           reduce, exp and sum steps that leaves the core idle). Keys past a row's own
-           position, and past the chunk up to its last 32-key pair, get -inf first: exp
-           gives ~2.4e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max
-           term of 1. */
-        const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
-        for (int r = 0; r < 16; r++) {  /* rows past m (zero queries) too: no stale reads */
-            int nv = nc + t0 + r + 1 - c0;
-            nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
-            for (int t = nv / 16; t < 2 * np; t++) {
-                const int left = nv - 16 * t;
-                const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
-                _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
-            }
-        }
-        __m512 run[16];
-        for (int r = 0; r < 16; r++) run[r] = ninf;
-        for (int t = 0; t < 2 * np; t++)
-            for (int r = 0; r < 16; r++) run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[r][16 * t]));
-        float cm[16] __attribute__((aligned(64)));
-        for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
-        {
-            const __m512 mo = _mm512_load_ps(mx);
-            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
-            _mm512_store_ps(corr, vx_exp2_16(_mm512_sub_ps(mo, mn)));  /* ~0 on the first chunk */
-            _mm512_store_ps(mx, mn);
-        }
-        for (int r = 0; r < 16; r++) {  /* keys within a row are independent: row by row */
-            const __m512 mv = _mm512_set1_ps(mx[r]);
-            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-            for (int t = 0; t < np; t++) {
-                const __m512 e0 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
-                const __m512 e1 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
-                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
-                _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            }
-            sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-        }
+        const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
+        vx_pf_softmax16(sb, pb, mx, sum, corr, nc + t0 + 1 - c0, cnt, np, sv);
         /* O_chunk = P V, four 16-dim tiles at a time */
         for (int d0 = 0; d0 < ND; d0 += 4) {
             const int nt = ND - d0 < 4 ? ND - d0 : 4;
@@ -225,21 +260,9 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
             if (nt > 2) _tile_stored(2, &ob[0][16 * d0 + 32], 1024);
             if (nt > 3) _tile_stored(3, &ob[0][16 * d0 + 48], 1024);
         }
-        for (int r = 0; r < m; r++) {
-            const __m512 cv = _mm512_set1_ps(corr[r]);
-            for (int d = 0; d < D; d += 16)
-                _mm512_store_ps(&acc[r][d], _mm512_fmadd_ps(_mm512_load_ps(&acc[r][d]), cv,
-                                                             _mm512_load_ps(&ob[r][d])));
-        }
+        vx_pf_rescale(&acc[0][0], 256, &ob[0][0], 256, corr, m, D);
     }
-    for (int r = 0; r < m; r++) {
-        const __m512 sv = _mm512_set1_ps(sum[r]);  /* divided, not times 1 / sum: torch's rounding */
-        vx_bf16* o = out + (int64_t)(t0 + r) * o_st;
-        for (int d = 0; d < D; d += 32)
-            _mm512_storeu_si512((void*)(o + d), (__m512i)_mm512_cvtne2ps_pbh(
-                _mm512_div_ps(_mm512_load_ps(&acc[r][d + 16]), sv),
-                _mm512_div_ps(_mm512_load_ps(&acc[r][d]), sv)));
-    }
+    vx_pf_store(&acc[0][0], 256, sum, out, o_st, t0, m, D);
 }
 /* Two query tiles (32 rows, [t0, t0 + m), m <= 32) of one (chunk, query head) item, for
    D <= 64 (DV <= 2): each K and V tile, loaded once, serves both row tiles (the 16-row item
@@ -256,15 +279,10 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_
     float ob[32][64] __attribute__((aligned(64)));
     float acc[32][64] __attribute__((aligned(64)));
     float mx[32] __attribute__((aligned(64))), sum[32], corr[32] __attribute__((aligned(64)));
-    for (int r = 0; r < 32; r++) {
-        if (r < m) memcpy(qb[r], q + (int64_t)(t0 + r) * q_st, (size_t)D * 2);
-        else memset(qb[r], 0, (size_t)D * 2);
-        memset(acc[r], 0, sizeof(float) * D);
-        mx[r] = -INFINITY; sum[r] = 0.f;
-    }
+    vx_pf_init(&qb[0][0], 64, &acc[0][0], 64, mx, sum, 32, q, q_st, t0, m, D);
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
-    const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
     for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
@@ -282,39 +300,9 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_
             _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
             _tile_stored(1, &sb[16][16 * g], VX_PCH * 4);
         }
-        for (int r = 0; r < 32; r++) {  /* causal and past-the-chunk keys: -inf (vx_pf_item) */
-            int nv = nc + t0 + r + 1 - c0;
-            nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
-            for (int t = nv / 16; t < 2 * np; t++) {
-                const int left = nv - 16 * t;
-                const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
-                _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
-            }
-        }
-        for (int h = 0; h < 32; h += 16) {  /* the running max, 16 rows interleaved */
-            __m512 run[16];
-            for (int r = 0; r < 16; r++) run[r] = ninf;
-            for (int t = 0; t < 2 * np; t++)
-                for (int r = 0; r < 16; r++)
-                    run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[h + r][16 * t]));
-            float cm[16] __attribute__((aligned(64)));
-            for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
-            const __m512 mo = _mm512_load_ps(mx + h);
-            const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
-            _mm512_store_ps(corr + h, vx_exp2_16(_mm512_sub_ps(mo, mn)));
-            _mm512_store_ps(mx + h, mn);
-        }
-        for (int r = 0; r < 32; r++) {
-            const __m512 mv = _mm512_set1_ps(mx[r]);
-            __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-            for (int t = 0; t < np; t++) {
-                const __m512 e0 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t]), sv, mv));
-                const __m512 e1 = vx_exp2_16_p(_mm512_fmsub_ps(_mm512_load_ps(&sb[r][32 * t + 16]), sv, mv));
-                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
-                _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            }
-            sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-        }
+        for (int h = 0; h < 32; h += 16)
+            vx_pf_softmax16(sb + h, pb + h, mx + h, sum + h, corr + h, nc + t0 + h + 1 - c0, cnt,
+                            np, sv);
         for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int p = 0; p < np; p++) {
@@ -332,21 +320,9 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_
             _tile_stored(2, &ob[16][16 * d0], 256);
             _tile_stored(3, &ob[16][16 * d0 + 16], 256);
         }
-        for (int r = 0; r < m; r++) {
-            const __m512 cv = _mm512_set1_ps(corr[r]);
-            for (int d = 0; d < D; d += 16)
-                _mm512_store_ps(&acc[r][d], _mm512_fmadd_ps(_mm512_load_ps(&acc[r][d]), cv,
-                                                             _mm512_load_ps(&ob[r][d])));
-        }
+        vx_pf_rescale(&acc[0][0], 64, &ob[0][0], 64, corr, m, D);
     }
-    for (int r = 0; r < m; r++) {
-        const __m512 sv2 = _mm512_set1_ps(sum[r]);  /* divided, as vx_pf_item */
-        vx_bf16* o = out + (int64_t)(t0 + r) * o_st;
-        for (int d = 0; d < D; d += 32)
-            _mm512_storeu_si512((void*)(o + d), (__m512i)_mm512_cvtne2ps_pbh(
-                _mm512_div_ps(_mm512_load_ps(&acc[r][d + 16]), sv2),
-                _mm512_div_ps(_mm512_load_ps(&acc[r][d]), sv2)));
-    }
+    vx_pf_store(&acc[0][0], 64, sum, out, o_st, t0, m, D);
 }
 #endif
 int vx_prefill_attention_bf16(
