@@ -20,14 +20,13 @@ from __future__ import annotations
 #:    2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
 #:    context are zero;
 #: 2. each (chunk, query head, 32 queries; 16 where D > 64) runs over its keys 256 at a
-#:    time: S = Q K^T into
-#:    tiles, then per query row the running max, exp (fp32) and sum, the probabilities
-#:    rounded to bf16 (as torch's flash attention does for bf16), then P V into tiles, and
-#:    the running output rescaled in fp32. Within a chunk, items run from the most keys down
-#:    (dynamic schedule), so its long causal rows do not end up last (chunks in list order).
+#:    time: S = Q K^T into tiles, then per query row the running max, exp (fp32) and sum,
+#:    the probabilities rounded to bf16 (as torch's flash attention does for bf16), then P V
+#:    into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
+#:    most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
+#:    in list order).
 #: Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
-#: writing anything; -1 if scratch could not be
-#: allocated; the caller then uses SDPA.
+#: writing anything; -1 if scratch could not be allocated; the caller then uses SDPA.
 PREFILL_ATTENTION_SOURCE = r"""
 #ifdef VX_HAS_AMX
 #define VX_PCH 256  /* keys per softmax chunk */
