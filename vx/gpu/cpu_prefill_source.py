@@ -190,7 +190,8 @@ VX_INLINE void vx_pf_store(const float* acc, int lda, const float* sum, vx_bf16*
                 _mm512_div_ps(_mm512_load_ps(acc + r * lda + d), sv)));
     }
 }
-/* One (chunk, query head, 16 queries) item: rows [t0, t0 + m) of the chunk. */
+/* One (chunk, query head, 16 queries) item, rows [t0, t0 + m) of the chunk, for D > 64 (DV > 2:
+   the Q tiles do not stay in tile registers; vx_pf_item32 takes D <= 64). */
 VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
                           const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
     const int D = 32 * DV, ND = D / 16;
@@ -206,35 +207,15 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
     for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
-        /* S = Q K^T, 16 keys a tile, into two accumulators in turn, each with its own K
-           tiles: tile registers are not renamed, so a load into a tile waits for the last
-           product that reads it. */
-        if (DV <= 2) {  /* Q in tiles 6 (and 7); the P V pass below uses them for V */
-            _tile_loadd(6, &qb[0][0], 512);
-            if (DV == 2) _tile_loadd(7, &qb[0][32], 512);
-        }
-        for (int g = 0; g < ng; g++) {
+        for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a tile, DV dim slices */
             const int kb = c0 / 16 + g;
             const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
-            if (DV <= 2) {
-#define VX_S_GROUP(ACC, K0, K1) do { \
-                    _tile_zero(ACC); \
-                    _tile_loadd(K0, kt, 64); \
-                    if (DV == 2) _tile_loadd(K1, kt + 256, 64); \
-                    _tile_dpbf16ps(ACC, 6, K0); \
-                    if (DV == 2) _tile_dpbf16ps(ACC, 7, K1); \
-                    _tile_stored(ACC, &sb[0][16 * g], VX_PCH * 4); \
-                } while (0)
-                if (g & 1) VX_S_GROUP(1, 4, 5); else VX_S_GROUP(0, 2, 3);
-#undef VX_S_GROUP
-            } else {
-                _tile_zero(0);
-                for (int s = 0; s < DV; s++) {
-                    _tile_loadd(2, kt + s * 256, 64); _tile_loadd(6, &qb[0][32 * s], 512);
-                    _tile_dpbf16ps(0, 6, 2);
-                }
-                _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
+            _tile_zero(0);
+            for (int s = 0; s < DV; s++) {
+                _tile_loadd(2, kt + s * 256, 64); _tile_loadd(6, &qb[0][32 * s], 512);
+                _tile_dpbf16ps(0, 6, 2);
             }
+            _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
         }
         const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
         vx_pf_softmax16(sb, pb, mx, sum, corr, nc + t0 + 1 - c0, cnt, np, sv);
@@ -376,7 +357,6 @@ int vx_prefill_attention_bf16(
             else vx_pf_item32(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, 2);
         } else
         switch (DV) {  /* one specialisation per D, so loops over D unroll */
-        case 1: VX_PF_ITEM(1); break; case 2: VX_PF_ITEM(2); break;
         case 3: VX_PF_ITEM(3); break; case 4: VX_PF_ITEM(4); break;
         default: VX_PF_ITEM(DV); break;
         }
