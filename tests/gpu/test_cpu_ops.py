@@ -17,6 +17,7 @@ from vx.gpu.cpu_ops import (
     skinny_argmax,
     skinny_gemm,
 )
+from vx.gpu.kv_cache import set_work_stealing
 from vx.gpu.layers import RMSNorm, silu_and_mul
 from vx.gpu.quantization import linear, quantize_int8
 
@@ -91,14 +92,24 @@ def test_skinny_gemm_routing() -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
 
 
+@pytest.fixture
+def stealing():
+    """`set_work_stealing` for one test, the default (1) restored after."""
+    yield set_work_stealing
+    set_work_stealing(1)
+
+
 @needs_gemv
+@pytest.mark.parametrize("mode", [1, 3])
 @pytest.mark.parametrize("rows", [3, 16, 17, 64, 65, 150, 192])
-def test_skinny_argmax_is_the_argmax_of_skinny_gemm(rows: int) -> None:
+def test_skinny_argmax_is_the_argmax_of_skinny_gemm(rows: int, mode: int, stealing) -> None:
     """The greedy ids without the logits: the argmax of exactly the bf16 values
     `skinny_gemm` writes, for every row count the AMX kernel has a case for; a tie (row 0's
     best weight row copied to indices in both threads' halves of N) goes to the first index
     (up to 16 rows); a NaN beats every number, as in numpy's argmax (past 16 rows). None where
-    `skinny_gemm` is not on AMX."""
+    `skinny_gemm` is not on AMX. Mode 3: most blocks of N are taken by stealing, in no fixed
+    order (the tie rule must not depend on it)."""
+    stealing(mode)
     n, k = 4096, 576
     w = _weight(n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -116,6 +127,25 @@ def test_skinny_argmax_is_the_argmax_of_skinny_gemm(rows: int) -> None:
     assert got[0] == (100 if rows > 16 else 5)
     assert skinny_argmax(x[:2], w) is None  # 1-2 rows: VDPBF16PS, not AMX
     assert skinny_argmax(x.float(), w.float()) is None
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 17, 64, 192])
+def test_skinny_gemm_is_the_same_whichever_thread_takes_a_block(rows: int, stealing) -> None:
+    """The parallel loops hand items out by stealing (`set_work_stealing`): static ranges
+    only (0), the default (1), and most ranges ownerless (3, 7: taken from the back by the
+    threads that finish theirs) give bit-identical outputs, every item computed once."""
+    n, k = 4 * 37 + 12, 576
+    w = _weight(n, k, seed=3)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    outs = []
+    for mode in (0, 1, 3, 7):
+        stealing(mode)
+        outs.append(skinny_gemm(x, w, None, None))
+    want = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(outs[0].float(), want, atol=1e-2, rtol=2**-7)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from vx.gpu.kv_cache import (
     fast_decode_attention,
     load_cpu_kernels,
     set_fast_decode_attention,
+    set_work_stealing,
 )
 
 
@@ -125,4 +126,13 @@ def test_fast_decode_matches_reference(
         )  # fmt: skip
         assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
         assert torch.equal(out, outs[True])
+        # items handed out by stealing (most ranges ownerless in mode 5): the same bits
+        try:
+            for mode in (0, 5):
+                set_work_stealing(mode)
+                out.zero_()
+                assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
+                assert torch.equal(out, outs[True]), mode
+        finally:
+            set_work_stealing(1)
     assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()

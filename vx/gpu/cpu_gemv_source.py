@@ -57,8 +57,10 @@ VX_GEMV_TILE(vx_gemv_tile_i8, int8_t, vx_w16_i8, 64)
 VX_GEMV_TILE(vx_gemv_tile_bf16, vx_bf16, vx_w16_bf16, 32)
 
 #define VX_GEMV_BODY(TILE, M, R) \
-    _Pragma("omp parallel for schedule(static) if (N * K >= 262144)") \
-    for (int64_t g = 0; g < (N + R - 1) / R; g++) { \
+    vx_ws ws; \
+    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144 ? omp_get_max_threads() : 1); \
+    _Pragma("omp parallel if (N * K >= 262144)") \
+    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         const int64_t n0 = g * R; \
         const int rr = N - n0 < R ? (int)(N - n0) : R; \
         float o[VX_GEMV_MAX_ROWS * 4]; \
@@ -112,8 +114,10 @@ static inline __attribute__((always_inline)) void vx_gemv_tile_dp(const vx_bf16*
         for (int m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 #define VX_GEMV_DP_BODY(M, R) \
-    _Pragma("omp parallel for schedule(static) if (N * K >= 262144)") \
-    for (int64_t g = 0; g < (N + R - 1) / R; g++) { \
+    vx_ws ws; \
+    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144 ? omp_get_max_threads() : 1); \
+    _Pragma("omp parallel if (N * K >= 262144)") \
+    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         const int64_t n0 = g * R; \
         const int rr = N - n0 < R ? (int)(N - n0) : R; \
         float o[VX_GEMV_MAX_ROWS_DP * 4]; \
@@ -267,12 +271,12 @@ static inline __attribute__((always_inline)) void vx_amx_store_c(int mb, float* 
     default: _tile_stored(3, c, 64); break;
     }
 }
-/* This thread's share of W's 16-row blocks nb (a static range, in order), and for each, every
-   C^T tile of x's rows: the tile into c, then the caller's code with nb and m0 (the tile's
-   first row of x) in scope. Needs N, K, W, xb, MB, KC and c. */
+/* W's 16-row blocks nb as vx_ws hands them to this thread (its own range in order, then
+   others' leftovers), and for each, every C^T tile of x's rows: the tile into c, then the
+   caller's code with nb and m0 (the tile's first row of x) in scope. Needs N, K, W, xb, MB,
+   KC, c and ws (vx_ws_init'ed over N / 16 blocks before the region). */
 #define VX_AMX_FOR_TILES(...) \
-    _Pragma("omp for schedule(static)") \
-    for (int64_t nb = 0; nb < N / 16; nb++) { \
+    for (int64_t nb; (nb = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         for (int mg = 0; mg < MB; mg += 4) {  /* four m blocks (C tiles) at a time */ \
             const int mbn = MB - mg < 4 ? MB - mg : 4; \
             vx_amx_block(W + nb * 16 * K, K, xb + (int64_t)mg * KC * 512, mbn, \
@@ -327,6 +331,8 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     const int64_t KC = K / 32;
     vx_bf16* xb = vx_amx_xb;
     vx_amx_pack_x(x, x_st, M, K, xb);
+    vx_ws ws;
+    vx_ws_init(&ws, N / 16, N * K >= 262144 ? omp_get_max_threads() : 1);
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
@@ -365,6 +371,8 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
     vx_bf16* xb = vx_amx_xb;
     vx_amx_pack_x(x, x_st, M, K, xb);
     int used = 1;
+    vx_ws ws;
+    vx_ws_init(&ws, N / 16, N * K >= 262144 ? nt : 1);
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);
         float c[16 * 16] __attribute__((aligned(64)));
@@ -372,8 +380,10 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
         float* bv = best + (int64_t)t * VX_AMX_MAX_ROWS;
         int32_t* bi = arg + (int64_t)t * VX_AMX_MAX_ROWS;
         if (t == 0) used = omp_get_num_threads();
-        /* each thread a contiguous range of n, in order */
+        /* blocks in any order (a thread may take another's leftovers): ties go to the
+           smaller n, so the result does not depend on which thread saw what */
         VX_AMX_FOR_TILES({
+            const __m512i nv_base = _mm512_set1_epi32((int)(nb * 16));
             /* row r of c is n = nb * 16 + r for 16 rows m of x: one vector per n */
             __m512 v_best = _mm512_load_ps(bv + m0);
             __m512i v_arg = _mm512_load_si512((const void*)(bi + m0));
@@ -381,29 +391,35 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
                 const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r));
                 const __m512 v = _mm512_castsi512_ps(
                     _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-                /* strictly greater (the first maximum stays), or the first NaN */
+                /* greater, or equal at a smaller n; a NaN beats every number, and the
+                   NaN at the smallest n every other NaN; anything beats none yet (-1) */
+                const __m512i nv = _mm512_add_epi32(nv_base, _mm512_set1_epi32(r));
+                const __mmask16 earlier = _mm512_cmpgt_epi32_mask(v_arg, nv);
                 const __mmask16 take =
                     _mm512_cmp_ps_mask(v, v_best, _CMP_GT_OQ) |
+                    (_mm512_cmp_ps_mask(v, v_best, _CMP_EQ_OQ) & earlier) |
                     (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) &
-                     _mm512_cmp_ps_mask(v_best, v_best, _CMP_ORD_Q)) |
+                     (_mm512_cmp_ps_mask(v_best, v_best, _CMP_ORD_Q) | earlier)) |
                     _mm512_cmpeq_epi32_mask(v_arg, _mm512_set1_epi32(-1));
                 v_best = _mm512_mask_mov_ps(v_best, take, v);
-                v_arg = _mm512_mask_mov_epi32(v_arg, take,
-                                              _mm512_set1_epi32((int)(nb * 16 + r)));
+                v_arg = _mm512_mask_mov_epi32(v_arg, take, nv);
             }
             _mm512_store_ps(bv + m0, v_best);
             _mm512_store_si512((void*)(bi + m0), v_arg);
         })
         _tile_release();
     }
-    /* threads in order (their n ranges ascend): a later one wins only by the same rule */
+    /* the threads' bests, by the same rule */
     for (int m = 0; m < M; m++) {
         float b = best[m];
         int32_t i = arg[m];
         for (int th = 1; th < used; th++) {
             const float v = best[(int64_t)th * VX_AMX_MAX_ROWS + m];
             const int32_t j = arg[(int64_t)th * VX_AMX_MAX_ROWS + m];
-            if (j >= 0 && (i < 0 || v > b || (isnan(v) && !isnan(b)))) { b = v; i = j; }
+            if (j < 0) continue;
+            const int nan_v = isnan(v), nan_b = isnan(b);
+            if (i < 0 || (nan_v && (!nan_b || j < i)) ||
+                (!nan_v && !nan_b && (v > b || (v == b && j < i)))) { b = v; i = j; }
         }
         out[m] = i;
     }

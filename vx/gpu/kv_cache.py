@@ -163,6 +163,17 @@ def set_fast_decode_attention(enabled: bool | None) -> None:
         _fast_state["fast"] = enabled
 
 
+def set_work_stealing(mode: int) -> None:
+    """How the C kernels' parallel loops share items between threads (`vx_ws` in
+    `vx.gpu.cpu_kernel_source`): 1, the default, each thread its own static range, then the
+    others' leftovers; 0, own ranges only (as ``schedule(static)``: for A/B timing); k > 1,
+    k ranges per thread, most of them taken by stealing (tests). Results are the same in every
+    mode. Process-wide; a no-op without the kernels."""
+    lib = load_cpu_kernels()
+    if lib is not None:
+        lib.vx_set_work_stealing(int(mode))
+
+
 def fast_decode_attention() -> bool:
     fast = _fast_state.get("fast")
     if fast is None:
@@ -284,6 +295,8 @@ def _build_kernels() -> ctypes.CDLL | None:
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
         i32, i32, i32, i32, i32, ctypes.c_float,
     ]  # fmt: skip
+    lib.vx_set_work_stealing.restype = None
+    lib.vx_set_work_stealing.argtypes = [ctypes.c_int]
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,
