@@ -168,7 +168,8 @@ def set_work_stealing(mode: int) -> None:
     `vx.gpu.cpu_kernel_source`): 1, the default, each thread its own static range, then the
     others' leftovers; 0, own ranges only (as ``schedule(static)``: for A/B timing); k > 1,
     k ranges per thread, most of them taken by stealing (tests). Results are the same in every
-    mode. Process-wide; a no-op without the kernels."""
+    mode. Process-wide; a no-op without the kernels. ``VX_CPU_WORK_STEALING=0`` starts a
+    process in mode 0 (to time a served run without stealing)."""
     lib = load_cpu_kernels()
     if lib is not None:
         lib.vx_set_work_stealing(int(mode))
@@ -297,6 +298,8 @@ def _build_kernels() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.vx_set_work_stealing.restype = None
     lib.vx_set_work_stealing.argtypes = [ctypes.c_int]
+    if os.environ.get("VX_CPU_WORK_STEALING", "1") == "0":  # served A/B timing
+        lib.vx_set_work_stealing(0)
     lib.vx_write_kv.restype = None
     lib.vx_write_kv.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i64,
