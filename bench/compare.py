@@ -139,8 +139,12 @@ def servers(args: argparse.Namespace) -> list[Server]:
     for i, variant in enumerate(args.vx_variant):
         name, _, extra = variant.partition("=")
         port = vx_port + 3 + i if args.interleave else vx_port  # all up at once: own ports
+        # NAME=VALUE words with an upper-case NAME are the server's environment, not flags
+        words = extra.split()
+        env = dict(w.split("=", 1) for w in words if w.split("=", 1)[0].isupper())
+        flags = [w for w in words if not w.split("=", 1)[0].isupper()]
         out.append(Server(f"vx {name}", f"http://127.0.0.1:{port}", "smollm2-135m",
-                          vx_cmd(port) + extra.split(), None))
+                          vx_cmd(port) + flags, None, env or None))
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:
         if (PEER_DIR / "vllmcpu/bin/python").exists():
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vx-args", default="", help="extra flags for vx serve")
     p.add_argument("--vx-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run vx with these extra flags, as 'vx NAME' (repeatable), "
-                        "e.g. 'int8=--quantization int8'")
+                        "e.g. 'int8=--quantization int8'; upper-case NAME=VALUE words "
+                        "set its environment, e.g. 'static=VX_CPU_WORK_STEALING=0'")
     p.add_argument("--peers-first", action="store_true",
                    help="run the peers before vx (default: vx first)")
     p.add_argument("--interleave", action="store_true",
