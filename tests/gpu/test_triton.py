@@ -85,8 +85,8 @@ def test_paged_attention_ref_matches_cpu_path():
     k_cache, v_cache, md, gen = _paged_setup(reqs, 2, 16, torch.float32, seed=3)
     q = torch.randn(md.num_tokens, 4, 16, generator=gen)
     # Write "new" K/V equal to what is already in the cache at their slots: a no-op write.
-    flat_k = k_cache.view(2, -1, 16)
-    flat_v = v_cache.view(2, -1, 16)
+    flat_k = k_cache.reshape(2, -1, 16)  # copies where the cache is block-major
+    flat_v = v_cache.reshape(2, -1, 16)
     k = flat_k[:, md.slot_mapping].transpose(0, 1).clone()
     v = flat_v[:, md.slot_mapping].transpose(0, 1).clone()
     out = paged_attention(q, k, v, (k_cache, v_cache), md, 0.25)

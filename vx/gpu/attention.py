@@ -226,15 +226,17 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store k/v [T, Hkv, D] at their slots in the caches [Hkv, NB, BS, D] (CPU)."""
+    """Store k/v [T, Hkv, D] at their slots in the caches [Hkv, NB, BS, D] (CPU; head- or
+    block-major, rows of D contiguous)."""
     hkv, nb, bs, d = k_cache.shape
     lib = load_cpu_kernels()
     if (
         lib is not None
         and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
         and k.stride(-1) == v.stride(-1) == 1
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(3) == 1
+        and k_cache.stride(2) == d
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
     ):
@@ -242,12 +244,14 @@ def write_kv_cache(
         lib.vx_write_kv(
             k.data_ptr(), k.stride(0) * e, k.stride(1) * e,
             v.data_ptr(), v.stride(0) * e, v.stride(1) * e,
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * e, d * e,
-            slot_mapping.data_ptr(), k.shape[0], hkv, nb * bs,
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * e,
+            k_cache.stride(1) * e, d * e, d * e, slot_mapping.data_ptr(), k.shape[0], hkv, bs,
+            nb * bs,
         )  # fmt: skip
         return
-    k_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs
+    k_cache[:, blocks, offsets] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, blocks, offsets] = v.transpose(0, 1).to(v_cache.dtype)
 
 
 def paged_attention(

@@ -46,6 +46,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("T", "H", "Hq", "Hkv", "D", "I", "NB", "BS")),
+        ("c_sh", _I64), ("c_sb", _I64),
         ("eps", _F32), ("scale", _F32),
         ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("pad_", _I32),
         ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
@@ -150,7 +151,12 @@ class FusedDecode:
             return None
         key = tuple(c.data_ptr() for kv in kv_caches for c in kv)
         if key != self._kv_key:  # caches (re)allocated: point the layers at them
-            if not all(c.is_contiguous() and c.shape == k0.shape for kv in kv_caches for c in kv):
+            # every cache K and V alike, rows of D contiguous (head- or block-major)
+            if not all(
+                c.shape == k0.shape and c.stride() == k0.stride() and c.stride(2) == k0.shape[3]
+                for kv in kv_caches
+                for c in kv
+            ):
                 return None
             for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
                 desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
@@ -166,7 +172,8 @@ class FusedDecode:
         bufs = [new(t, n, dtype=torch.bfloat16) for n in (
             self._hidden, (hq + 2 * hkv) * d, hq * d, 2 * self._inter, self._inter)]  # fmt: skip
         step = _Step(
-            t, self._hidden, hq, hkv, d, self._inter, nb, bs, self._eps, d**-0.5,
+            t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
+            self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
             int(self._has_fast and fast_decode_attention()), 0,
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),

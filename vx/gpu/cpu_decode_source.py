@@ -43,11 +43,12 @@ typedef struct {
     const vx_bf16* in_norm;
     const vx_bf16* post_norm;
     vx_linear qkv, o, gate_up, down;
-    vx_bf16* k_cache;       /* [Hkv, NB, BS, D] contiguous */
+    vx_bf16* k_cache;       /* [Hkv, NB, BS, D], strides c_sh, c_sb, D (vx_step's) */
     vx_bf16* v_cache;
 } vx_layer;
 typedef struct {
     int64_t T, H, Hq, Hkv, D, I, NB, BS;
+    int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
     float eps, scale;
     int32_t max_len, quant_rows, fast, pad_;
     const vx_bf16* cos;     /* [T, D / 2] */
@@ -107,7 +108,7 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
 int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
     const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
-    const int64_t c_sh = s->NB * s->BS * D;
+    const int64_t c_sh = s->c_sh, c_sb = s->c_sb;
     int rc;
     /* the prefill kernel would decline them (AMX switched off since the metadata was built):
        -2 before anything is written, and the caller takes the module path */
@@ -124,8 +125,8 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
         vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
         vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
                     (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
-                    (char*)L->k_cache, (char*)L->v_cache, c_sh * e, D * e, s->slots, (int)T,
-                    (int)Hkv, s->NB * s->BS);
+                    (char*)L->k_cache, (char*)L->v_cache, c_sh * e, c_sb * e, D * e, D * e,
+                    s->slots, (int)T, (int)Hkv, (int)s->BS, s->NB * s->BS);
         rc = 0;
         if (s->nd) {
             rc = -2;
@@ -133,18 +134,18 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
             if (s->fast)
                 rc = vx_decode_attention_bf16_fast(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                    s->BS * D, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
                     (int)D, (int)s->BS, s->scale, s->max_len);
 #endif
             if (rc == -2)
                 rc = vx_decode_attention_bf16(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                    s->BS * D, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
                     (int)D, (int)s->BS, s->scale, s->max_len);
         }
         if (!rc && s->np)  /* the caller checked the kernel takes them (AMX, D % 32 == 0) */
             rc = vx_prefill_attention_bf16(
-                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, s->BS * D,
+                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, c_sb,
                 D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
                 (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
         if (rc) return rc;

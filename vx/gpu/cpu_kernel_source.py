@@ -152,14 +152,16 @@ int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o
 }
 /* Store new K/V rows at their slots (any dtype: byte strides; a negative slot is skipped). */
 void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64_t v_st,
-                 int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t row_bytes,
-                 const int64_t* slots, int T, int Hkv, int64_t num_slots) {
+                 int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
+                 int64_t row_bytes, const int64_t* slots, int T, int Hkv, int BS,
+                 int64_t num_slots) {
     for (int t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0 || slot >= num_slots) continue;
+        const int64_t at = (slot / BS) * c_sb + (slot % BS) * c_ss;
         for (int h = 0; h < Hkv; h++) {
-            memcpy(kc + h * c_sh + slot * row_bytes, k + t * k_st + h * k_sh, (size_t)row_bytes);
-            memcpy(vc + h * c_sh + slot * row_bytes, v + t * v_st + h * v_sh, (size_t)row_bytes);
+            memcpy(kc + h * c_sh + at, k + t * k_st + h * k_sh, (size_t)row_bytes);
+            memcpy(vc + h * c_sh + at, v + t * v_st + h * v_sh, (size_t)row_bytes);
         }
     }
 }

@@ -76,8 +76,10 @@ def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
     hkv, nb, bs, d = k_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(hkv, nb * bs, d)[:, slots] = k[keep].transpose(0, 1).to(k_cache.dtype)
-    v_cache.view(hkv, nb * bs, d)[:, slots] = v[keep].transpose(0, 1).to(v_cache.dtype)
+    # by (block, offset): the CPU's caches are block-major in memory, not one [Hkv, NB * BS]
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[:, blocks, offsets] = k[keep].transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, blocks, offsets] = v[keep].transpose(0, 1).to(v_cache.dtype)
 
 
 def paged_attention_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float):
