@@ -94,9 +94,13 @@ def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
         pre = _literals(rev, "vx/gpu/cpu_prefill_source.py")["PREFILL_ATTENTION_SOURCE"]
     except subprocess.CalledProcessError:
         pre = ""
+    try:  # the work sharing every parallel loop uses, from the revision that added it on
+        par = _literals(rev, "vx/gpu/cpu_parallel_source.py")["PARALLEL_SOURCE"]
+    except subprocess.CalledProcessError:
+        par = ""
     src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
     with open(src, "w") as f:
-        f.write(kern["DECODE_KERNEL_SOURCE"] + gemv + pre + step)  # type: ignore[operator]
+        f.write(par + kern["DECODE_KERNEL_SOURCE"] + gemv + pre + step)  # type: ignore[operator]
     subprocess.run(["cc", *kern["CFLAGS"], "-o", so, src], check=True)  # type: ignore[misc]
     return ctypes.CDLL(so), 192 if "#define VX_AMX_MAX_ROWS 192" in gemv else 64  # type: ignore[operator]
 

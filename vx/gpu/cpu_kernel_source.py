@@ -17,53 +17,7 @@ DECODE_KERNEL_SOURCE = r"""
 #include <string.h>
 #include <math.h>
 #include <stdlib.h>
-#include <omp.h>
 typedef uint16_t vx_bf16;
-/* Work sharing that survives a preempted thread. Each thread owns a contiguous range of the
-   n items (the static split, so its next-item prefetches hold) and takes them front first; a
-   thread whose range is empty takes items from the back of the others' ranges. On two cores
-   shared with the front and the load generator, a thread descheduled mid-loop otherwise left
-   its partner idle at the region's barrier for as long (every step runs ~240 regions). One
-   64-bit word per range (front | back << 32) taken by compare-and-swap, so an item goes to
-   exactly one thread; each item's result is the same whichever thread computes it. */
-#define VX_WS_MAX 16
-typedef struct { uint64_t r __attribute__((aligned(64))); } vx_ws_range;
-typedef struct { int nt; vx_ws_range t[VX_WS_MAX]; } vx_ws;
-/* 0: each thread its own range only (schedule(static), for A/B timing); 1: stealing (the
-   default); k > 1: stealing, with k ranges per thread, so that most ranges have no owner and
-   every item beyond the first 1 / k goes through the stealing path (tests). */
-static int vx_ws_mode = 1;
-void vx_set_work_stealing(int mode) { vx_ws_mode = mode < 0 ? 0 : mode; }
-/* nt: the team the region will have (1 where its if clause runs it on the caller). */
-static inline void vx_ws_init(vx_ws* ws, int64_t n, int nt) {
-    if (vx_ws_mode > 1) nt *= vx_ws_mode;
-    nt = nt < 1 ? 1 : nt > VX_WS_MAX ? VX_WS_MAX : nt;
-    ws->nt = nt;
-    for (int t = 0; t < nt; t++)
-        ws->t[t].r = (uint64_t)(n * t / nt) | ((uint64_t)(n * (t + 1) / nt) << 32);
-}
-/* The next item for thread t, -1 once every range is empty. */
-static inline int64_t vx_ws_next(vx_ws* ws, int t) {
-    if (t < ws->nt) {
-        uint64_t v = __atomic_load_n(&ws->t[t].r, __ATOMIC_RELAXED);
-        while ((uint32_t)v < (uint32_t)(v >> 32))
-            if (__atomic_compare_exchange_n(&ws->t[t].r, &v, v + 1, 1, __ATOMIC_RELAXED,
-                                            __ATOMIC_RELAXED))
-                return (uint32_t)v;
-        if (!vx_ws_mode) return -1;
-    }
-    for (int k = 1; k < ws->nt + (t >= ws->nt); k++) {
-        vx_ws_range* o = &ws->t[(t + k) % ws->nt];
-        uint64_t v = __atomic_load_n(&o->r, __ATOMIC_RELAXED);
-        while ((uint32_t)v < (uint32_t)(v >> 32)) {
-            const uint64_t b = (v >> 32) - 1;
-            if (__atomic_compare_exchange_n(&o->r, &v, (v & 0xFFFFFFFFu) | (b << 32), 1,
-                                            __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-                return (int64_t)b;
-        }
-    }
-    return -1;
-}
 static inline float ld_f32(float x) { return x; }
 static inline float st_f32(float x) { return x; }
 static inline float ld_bf16(vx_bf16 x) {

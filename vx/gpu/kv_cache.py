@@ -38,6 +38,7 @@ from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
+from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
 from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,11 @@ def allocate_kv_caches(
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
 _DECODE_KERNEL_SOURCE = (
-    DECODE_KERNEL_SOURCE + GEMV_KERNEL_SOURCE + PREFILL_ATTENTION_SOURCE + DECODE_STEP_SOURCE
+    PARALLEL_SOURCE
+    + DECODE_KERNEL_SOURCE
+    + GEMV_KERNEL_SOURCE
+    + PREFILL_ATTENTION_SOURCE
+    + DECODE_STEP_SOURCE
 )
 _CFLAGS = CFLAGS
 
@@ -172,7 +177,7 @@ def set_fast_decode_attention(enabled: bool | None) -> None:
 
 def set_work_stealing(mode: int) -> None:
     """How the C kernels' parallel loops share items between threads (`vx_ws` in
-    `vx.gpu.cpu_kernel_source`): 1, the default, each thread its own static range, then the
+    `vx.gpu.cpu_parallel_source`): 1, the default, each thread its own static range, then the
     others' leftovers; 0, own ranges only (as ``schedule(static)``: for A/B timing); k > 1,
     k ranges per thread, most of them taken by stealing (tests). Results are the same in every
     mode. Process-wide; a no-op without the kernels. ``VX_CPU_WORK_STEALING=0`` starts a
