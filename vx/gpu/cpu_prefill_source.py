@@ -19,9 +19,10 @@ from __future__ import annotations
 #:    tdpbf16ps takes as its B operand: K^T pair-interleaved (row j, column n: key n's dims
 #:    2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
 #:    context are zero;
-#: 2. each (chunk, query head, 32 queries; 16 where D > 64) runs over its keys 256 at a
-#:    time: S = Q K^T into tiles, then per query row the running max, exp (fp32) and sum,
-#:    the probabilities rounded to bf16 (as torch's flash attention does for bf16), then P V
+#: 2. each (chunk, up to 4 query heads of one kv head, 32 queries; one head of 16 where
+#:    D > 64) runs over its keys 256 at a time, each chunk of keys for its heads in turn:
+#:    S = Q K^T into tiles, then per query row the running max, exp (fp32) and sum, the
+#:    probabilities rounded to bf16 (as torch's flash attention does for bf16), then P V
 #:    into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
 #:    most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
 #:    in list order).
@@ -244,31 +245,41 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
     }
     vx_pf_store(&acc[0][0], 256, sum, out, o_st, t0, m, D);
 }
-/* Two query tiles (32 rows, [t0, t0 + m), m <= 32) of one (chunk, query head) item, for
-   D <= 64 (DV <= 2): each K and V tile, loaded once, serves both row tiles (the 16-row item
-   loads each once per 16 rows, and those loads from L2 were what its tile products waited on).
-   The same arithmetic as vx_pf_item, row by row. Tiles: S phase 0, 1 (S of rows 0-15, 16-31),
-   2, 3 (K), 4, 5 (Q rows 0-15, dims 0-31, 32-63), 6, 7 (Q rows 16-31); P V phase 0-3 (O of
-   row tile i, dim tile j of the pass: 2 i + j), 4, 5 (P of rows 0-15, 16-31), 6, 7 (V). */
-VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
-                            const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
+/* Two query tiles (32 rows, [t0, t0 + m), m <= 32) of GH <= VX_PF_GH query heads that share
+   one kv head (q and out: head g at g * q_sh, g * o_sh), for D <= 64 (DV <= 2): each K and V
+   tile, loaded once, serves both row tiles (the 16-row item loads each once per 16 rows, and
+   those loads from L2 were what its tile products waited on), and each 256-key chunk of packed
+   K and V (64 KB at D = 64) serves the GH heads in turn while it is in L1/L2, where one head
+   per item streamed its kv head's whole packed context from L2 or L3 once per query head.
+   The same arithmetic as vx_pf_item, row by row, head by head. Tiles: S phase 0, 1 (S of rows
+   0-15, 16-31), 2, 3 (K), 4, 5 (Q rows 0-15, dims 0-31, 32-63), 6, 7 (Q rows 16-31); P V phase
+   0-3 (O of row tile i, dim tile j of the pass: 2 i + j), 4, 5 (P of rows 0-15, 16-31), 6, 7
+   (V). */
+#define VX_PF_GH 4
+VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out,
+                            int64_t o_st, int64_t o_sh, int GH, const uint32_t* packed, int nc,
+                            int t0, int m, float scale, int DV) {
     const int D = 32 * DV, ND = D / 16;
-    vx_bf16 qb[32][64] __attribute__((aligned(64)));
+    vx_bf16 qb[VX_PF_GH][32][64] __attribute__((aligned(64)));
     float sb[32][VX_PCH] __attribute__((aligned(64)));
     vx_bf16 pb[32][VX_PCH] __attribute__((aligned(64)));
     float ob[32][64] __attribute__((aligned(64)));
-    float acc[32][64] __attribute__((aligned(64)));
-    float mx[32] __attribute__((aligned(64))), sum[32], corr[32] __attribute__((aligned(64)));
-    vx_pf_init(&qb[0][0], 64, &acc[0][0], 64, mx, sum, 32, q, q_st, t0, m, D);
+    float acc[VX_PF_GH][32][64] __attribute__((aligned(64)));
+    float mx[VX_PF_GH][32] __attribute__((aligned(64))), sum[VX_PF_GH][32];
+    float corr[32] __attribute__((aligned(64)));
+    for (int g = 0; g < GH; g++)
+        vx_pf_init(&qb[g][0][0], 64, &acc[g][0][0], 64, mx[g], sum[g], 32, q + g * q_sh, q_st,
+                   t0, m, D);
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
     const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
     for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
-        _tile_loadd(4, &qb[0][0], 128);
-        _tile_loadd(6, &qb[16][0], 128);
-        if (DV == 2) { _tile_loadd(5, &qb[0][32], 128); _tile_loadd(7, &qb[16][32], 128); }
+        for (int hg = 0; hg < GH; hg++) {
+        _tile_loadd(4, &qb[hg][0][0], 128);
+        _tile_loadd(6, &qb[hg][16][0], 128);
+        if (DV == 2) { _tile_loadd(5, &qb[hg][0][32], 128); _tile_loadd(7, &qb[hg][16][32], 128); }
         for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a step, both row tiles */
             const int kb = c0 / 16 + g;
             const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
@@ -281,8 +292,8 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_
             _tile_stored(1, &sb[16][16 * g], VX_PCH * 4);
         }
         for (int h = 0; h < 32; h += 16)
-            vx_pf_softmax16(sb + h, pb + h, mx + h, sum + h, corr + h, nc + t0 + h + 1 - c0, cnt,
-                            np, sv);
+            vx_pf_softmax16(sb + h, pb + h, mx[hg] + h, sum[hg] + h, corr + h,
+                            nc + t0 + h + 1 - c0, cnt, np, sv);
         for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int p = 0; p < np; p++) {
@@ -300,9 +311,11 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_
             _tile_stored(2, &ob[16][16 * d0], 256);
             _tile_stored(3, &ob[16][16 * d0 + 16], 256);
         }
-        vx_pf_rescale(&acc[0][0], 64, &ob[0][0], 64, corr, m, D);
+        vx_pf_rescale(&acc[hg][0][0], 64, &ob[0][0], 64, corr, m, D);
+        }
     }
-    vx_pf_store(&acc[0][0], 64, sum, out, o_st, t0, m, D);
+    for (int g = 0; g < GH; g++)
+        vx_pf_store(&acc[g][0][0], 64, sum[g], out + g * o_sh, o_st, t0, m, D);
 }
 #endif
 int vx_prefill_attention_bf16(
@@ -314,6 +327,9 @@ int vx_prefill_attention_bf16(
     if (!vx_amx_on || D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
     const int G = Hq / Hkv, DV = D / 32;
     const int QR = DV <= 2 ? 32 : 16;  /* query rows per item: vx_pf_item32 where it applies */
+    /* query heads per item: vx_pf_item32 takes up to VX_PF_GH of one kv head's G together */
+    const int GH = QR == 32 ? (G + (G + VX_PF_GH - 1) / VX_PF_GH - 1) / ((G + VX_PF_GH - 1) / VX_PF_GH) : 1;
+    const int HI = Hkv * ((G + GH - 1) / GH);  /* (kv head, head group) pairs */
     const int64_t pair_dw = (int64_t)4 * DV * 256;
     /* per chunk: first packed pair group, first work item */
     int64_t* pg0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
@@ -322,7 +338,7 @@ int vx_prefill_attention_bf16(
     pg0[0] = it0[0] = 0;
     for (int i = 0; i < nchunks; i++) {
         pg0[i + 1] = pg0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 31) / 32);
-        it0[i + 1] = it0[i] + (int64_t)Hq * ((lens[i] + QR - 1) / QR);
+        it0[i + 1] = it0[i] + (int64_t)HI * ((lens[i] + QR - 1) / QR);
     }
     uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)pg0[nchunks] * pair_dw * 4 + 64);
     if (!packed) { free(pg0); return -1; }
@@ -344,8 +360,9 @@ int vx_prefill_attention_bf16(
         while (it0[i + 1] <= w) i++;
         const int nq = (lens[i] + QR - 1) / QR;
         /* the last query tile (most keys) of each head first */
-        const int qt = nq - 1 - (int)((w - it0[i]) / Hq), hq = (int)((w - it0[i]) % Hq);
-        const int h = hq / G, t0 = QR * qt;
+        const int qt = nq - 1 - (int)((w - it0[i]) / HI), hi = (int)((w - it0[i]) % HI);
+        const int ngr = (G + GH - 1) / GH, h = hi / ngr, hq = h * G + (hi % ngr) * GH;
+        const int gh = G - (hi % ngr) * GH < GH ? G - (hi % ngr) * GH : GH, t0 = QR * qt;
         const int m = lens[i] - t0 < QR ? lens[i] - t0 : QR;
         const int ctx = computed[i] + lens[i];
         const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
@@ -353,8 +370,12 @@ int vx_prefill_attention_bf16(
         vx_bf16* orow = out + (int64_t)starts[i] * o_st + (int64_t)hq * o_sh;
 #define VX_PF_ITEM(N) vx_pf_item(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, N)
         if (QR == 32) {
-            if (DV == 1) vx_pf_item32(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, 1);
-            else vx_pf_item32(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, 2);
+            if (DV == 1)
+                vx_pf_item32(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
+                             scale, 1);
+            else
+                vx_pf_item32(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
+                             scale, 2);
         } else
         switch (DV) {  /* one specialisation per D, so loops over D unroll */
         case 3: VX_PF_ITEM(3); break; case 4: VX_PF_ITEM(4); break;
