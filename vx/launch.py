@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 import anyio
 
+from vx.affinity import pin_host_process
 from vx.config import EngineConfig
 from vx.engine_procs import EngineProcesses, resolve_engine_config
 
@@ -65,6 +66,7 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     exit_code = 0
     try:
         procs.start()
+        pin_host_process(config.device)  # after the spawns: the Workers keep every core
         client = EngineClient(procs.engine_rings)
         child_exit = anyio.Event()
         http_stopped = anyio.Event()

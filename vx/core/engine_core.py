@@ -27,6 +27,7 @@ import anyio
 import msgspec
 
 from vx import codec, messages
+from vx.affinity import pin_host_process
 from vx.config import EngineConfig
 from vx.core.block_pool import group_block_states
 from vx.core.executor import WorkerGroup
@@ -301,6 +302,7 @@ def run_engine_core(
     setup_logging(f"engine{engine_index}")
     # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pin_host_process(config.device)
     input_ring = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle))
     output_ring = RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
     to_workers = RingWriter.attach(msgspec.msgpack.decode(to_workers_handle, type=RingHandle))
