@@ -15,8 +15,28 @@ static=VX_CPU_WORK_STEALING=0`).
 from __future__ import annotations
 
 PARALLEL_SOURCE = r"""
+#define _GNU_SOURCE  /* sched_setaffinity, CPU_SET: this source comes first in the library */
 #include <stdint.h>
+#include <sched.h>
 #include <omp.h>
+/* Pins thread t of the OpenMP pool (torch's) to cpus[t], for t < n. A thread left free
+   followed the front's wake-ups: the kernel moved it onto its partner's core while the front
+   held its own, and two threads then shared one core until the next balancing. Returns the
+   team size, or -1 if a pin failed. */
+int vx_bind_threads(const int* cpus, int n) {
+    int bad = 0, team = 1;
+    _Pragma("omp parallel reduction(+ : bad)") {
+        const int t = omp_get_thread_num();
+        if (t == 0) team = omp_get_num_threads();
+        if (t < n) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[t], &set);
+            if (sched_setaffinity(0, sizeof(set), &set)) bad++;
+        }
+    }
+    return bad ? -1 : team;
+}
 /* Work sharing that survives a preempted thread. Each thread owns a contiguous range of the
    n items (the static split, so its next-item prefetches hold) and takes them front first; a
    thread whose range is empty takes items from the back of the others' ranges. On two cores

@@ -308,6 +308,8 @@ def _build_kernels() -> ctypes.CDLL | None:
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
         i32, i32, i32, i32, i32, ctypes.c_float,
     ]  # fmt: skip
+    lib.vx_bind_threads.restype = ctypes.c_int
+    lib.vx_bind_threads.argtypes = [ptr, ctypes.c_int]
     lib.vx_set_work_stealing.restype = None
     lib.vx_set_work_stealing.argtypes = [ctypes.c_int]
     if os.environ.get("VX_CPU_WORK_STEALING", "1") == "0":  # served A/B timing

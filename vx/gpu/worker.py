@@ -68,6 +68,7 @@ def _settle_for_steps(device: str) -> None:
       faults; keeping them made it 10-15% faster, decode steps unchanged). A step's working
       set repeats, so what a step frees the next one reuses; the cost is that the Worker's RSS
       stays at its peak. `VX_CPU_MALLOC_TUNING=0` leaves malloc alone.
+    - On CPU, torch's OpenMP threads are bound one per core (`_bind_omp_threads`).
     - `gc.freeze()` moves every object alive now (the model's modules and parameters, tens of
       thousands) out of the collector's reach: a full collection during a step no longer walks
       them all.
@@ -82,8 +83,29 @@ def _settle_for_steps(device: str) -> None:
         if mallopt is not None:
             ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
             logger.debug("malloc keeps freed memory for reuse: %s", bool(ok))
+    if device == "cpu" and os.environ.get("VX_CPU_BIND_THREADS", "1") != "0":
+        _bind_omp_threads()
     gc.collect()
     gc.freeze()
+
+
+def _bind_omp_threads() -> None:
+    """On CPU, each of torch's OpenMP threads on its own core (the n lowest allowed), as
+    vLLM's CPU worker binds its own: `vx.affinity` puts the front and the EngineCores on the
+    last core, and a thread left free was moved onto its partner's core while they ran there.
+    `VX_CPU_BIND_THREADS=0` leaves the threads free."""
+    import torch
+
+    from vx.gpu.kv_cache import load_cpu_kernels
+
+    lib = load_cpu_kernels()
+    cpus = sorted(os.sched_getaffinity(0))
+    n = torch.get_num_threads()
+    if lib is None or n > len(cpus):
+        return
+    arr = (ctypes.c_int * n)(*cpus[:n])
+    team = lib.vx_bind_threads(arr, n)
+    logger.debug("OpenMP threads bound to cores %s (team %d)", cpus[:n], team)
 
 
 def _min_across_ranks(value: int, tp: int) -> int:
