@@ -90,9 +90,11 @@ def _settle_for_steps(device: str) -> None:
 
 
 def _bind_omp_threads() -> None:
-    """On CPU, each of torch's OpenMP threads on its own core (the n lowest allowed), as
-    vLLM's CPU worker binds its own: `vx.affinity` puts the front and the EngineCores on the
-    last core, and a thread left free was moved onto its partner's core while they ran there.
+    """On CPU, each of torch's OpenMP threads on its own core, as vLLM's CPU worker binds its
+    own: `vx.affinity` puts the front and the EngineCores on the last core, and a thread left
+    free was moved onto its partner's core while they ran there. Only where the threads are
+    as many as the allowed cores: with fewer, which cores to take is the user's choice (two
+    servers side by side would both bind the lowest ones), and they stay free.
     `VX_CPU_BIND_THREADS=0` leaves the threads free."""
     import torch
 
@@ -101,7 +103,7 @@ def _bind_omp_threads() -> None:
     lib = load_cpu_kernels()
     cpus = sorted(os.sched_getaffinity(0))
     n = torch.get_num_threads()
-    if lib is None or n > len(cpus):
+    if lib is None or n != len(cpus):
         return
     arr = (ctypes.c_int * n)(*cpus[:n])
     team = lib.vx_bind_threads(arr, n)
