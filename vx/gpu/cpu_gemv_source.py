@@ -58,7 +58,7 @@ VX_GEMV_TILE(vx_gemv_tile_bf16, vx_bf16, vx_w16_bf16, 32)
 
 #define VX_GEMV_BODY(TILE, M, R) \
     vx_ws ws; \
-    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144 ? omp_get_max_threads() : 1); \
+    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144); \
     _Pragma("omp parallel if (N * K >= 262144)") \
     for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         const int64_t n0 = g * R; \
@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void vx_gemv_tile_dp(const vx_bf16*
 }
 #define VX_GEMV_DP_BODY(M, R) \
     vx_ws ws; \
-    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144 ? omp_get_max_threads() : 1); \
+    vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144); \
     _Pragma("omp parallel if (N * K >= 262144)") \
     for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         const int64_t n0 = g * R; \
@@ -332,7 +332,7 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     vx_bf16* xb = vx_amx_xb;
     vx_amx_pack_x(x, x_st, M, K, xb);
     vx_ws ws;
-    vx_ws_init(&ws, N / 16, N * K >= 262144 ? omp_get_max_threads() : 1);
+    vx_ws_init(&ws, N / 16, N * K >= 262144);
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
@@ -372,7 +372,7 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
     vx_amx_pack_x(x, x_st, M, K, xb);
     int used = 1;
     vx_ws ws;
-    vx_ws_init(&ws, N / 16, N * K >= 262144 ? nt : 1);
+    vx_ws_init(&ws, N / 16, N * K >= 262144);
     _Pragma("omp parallel if (N * K >= 262144)") {
         vx_amx_load_tiles(6);
         float c[16 * 16] __attribute__((aligned(64)));

@@ -430,7 +430,7 @@ int vx_decode_attention_bf16_fast(
     const int amx = vx_amx_on && BS % 16 == 0;
     const int par = (int64_t)B * Hkv * max_len >= VX_PAR_MIN;
     vx_ws ws;
-    vx_ws_init(&ws, (int64_t)B * Hkv, par ? omp_get_max_threads() : 1);
+    vx_ws_init(&ws, (int64_t)B * Hkv, par);
     _Pragma("omp parallel if (par)") {
 #ifdef VX_HAS_AMX
     if (amx) vx_amx_load_tiles(7);  /* per thread: 0, 3: S^T; 1, 4: K; 2, 5, 6: Q^T */

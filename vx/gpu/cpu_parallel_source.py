@@ -52,8 +52,9 @@ typedef struct { int nt; vx_ws_range t[VX_WS_MAX]; } vx_ws;
    every item beyond the first 1 / k goes through the stealing path (tests). */
 static int vx_ws_mode = 1;
 void vx_set_work_stealing(int mode) { vx_ws_mode = mode < 0 ? 0 : mode; }
-/* nt: the team the region will have (1 where its if clause runs it on the caller). */
-static inline void vx_ws_init(vx_ws* ws, int64_t n, int nt) {
+/* n items, for a region whose if clause is par (0: it runs on the caller alone). */
+static inline void vx_ws_init(vx_ws* ws, int64_t n, int par) {
+    int nt = par ? omp_get_max_threads() : 1;
     if (vx_ws_mode > 1) nt *= vx_ws_mode;
     nt = nt < 1 ? 1 : nt > VX_WS_MAX ? VX_WS_MAX : nt;
     ws->nt = nt;

@@ -277,41 +277,44 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf1
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
         for (int hg = 0; hg < GH; hg++) {
-        _tile_loadd(4, &qb[hg][0][0], 128);
-        _tile_loadd(6, &qb[hg][16][0], 128);
-        if (DV == 2) { _tile_loadd(5, &qb[hg][0][32], 128); _tile_loadd(7, &qb[hg][16][32], 128); }
-        for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a step, both row tiles */
-            const int kb = c0 / 16 + g;
-            const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
-            _tile_zero(0); _tile_zero(1);
-            _tile_loadd(2, kt, 64);
-            if (DV == 2) _tile_loadd(3, kt + 256, 64);
-            _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 6, 2);
-            if (DV == 2) { _tile_dpbf16ps(0, 5, 3); _tile_dpbf16ps(1, 7, 3); }
-            _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
-            _tile_stored(1, &sb[16][16 * g], VX_PCH * 4);
-        }
-        for (int h = 0; h < 32; h += 16)
-            vx_pf_softmax16(sb + h, pb + h, mx[hg] + h, sum[hg] + h, corr + h,
-                            nc + t0 + h + 1 - c0, cnt, np, sv);
-        for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int p = 0; p < np; p++) {
-                const uint32_t* vt = packed + (c0 / 32 + p) * pair_dw + (int64_t)2 * DV * 256
-                                     + (int64_t)d0 * 256;
-                _tile_loadd(4, &pb[0][32 * p], VX_PCH * 2);
-                _tile_loadd(5, &pb[16][32 * p], VX_PCH * 2);
-                _tile_loadd(6, vt, 64);
-                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
-                _tile_loadd(7, vt + 256, 64);
-                _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(4, &qb[hg][0][0], 128);
+            _tile_loadd(6, &qb[hg][16][0], 128);
+            if (DV == 2) {
+                _tile_loadd(5, &qb[hg][0][32], 128);
+                _tile_loadd(7, &qb[hg][16][32], 128);
             }
-            _tile_stored(0, &ob[0][16 * d0], 256);
-            _tile_stored(1, &ob[0][16 * d0 + 16], 256);
-            _tile_stored(2, &ob[16][16 * d0], 256);
-            _tile_stored(3, &ob[16][16 * d0 + 16], 256);
-        }
-        vx_pf_rescale(&acc[hg][0][0], 64, &ob[0][0], 64, corr, m, D);
+            for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a step, both row tiles */
+                const int kb = c0 / 16 + g;
+                const uint32_t* kt = packed + (kb / 2) * pair_dw + (int64_t)(kb % 2) * DV * 256;
+                _tile_zero(0); _tile_zero(1);
+                _tile_loadd(2, kt, 64);
+                if (DV == 2) _tile_loadd(3, kt + 256, 64);
+                _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 6, 2);
+                if (DV == 2) { _tile_dpbf16ps(0, 5, 3); _tile_dpbf16ps(1, 7, 3); }
+                _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
+                _tile_stored(1, &sb[16][16 * g], VX_PCH * 4);
+            }
+            for (int h = 0; h < 32; h += 16)
+                vx_pf_softmax16(sb + h, pb + h, mx[hg] + h, sum[hg] + h, corr + h,
+                                nc + t0 + h + 1 - c0, cnt, np, sv);
+            for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int p = 0; p < np; p++) {
+                    const uint32_t* vt = packed + (c0 / 32 + p) * pair_dw + (int64_t)2 * DV * 256
+                                         + (int64_t)d0 * 256;
+                    _tile_loadd(4, &pb[0][32 * p], VX_PCH * 2);
+                    _tile_loadd(5, &pb[16][32 * p], VX_PCH * 2);
+                    _tile_loadd(6, vt, 64);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+                    _tile_loadd(7, vt + 256, 64);
+                    _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, &ob[0][16 * d0], 256);
+                _tile_stored(1, &ob[0][16 * d0 + 16], 256);
+                _tile_stored(2, &ob[16][16 * d0], 256);
+                _tile_stored(3, &ob[16][16 * d0 + 16], 256);
+            }
+            vx_pf_rescale(&acc[hg][0][0], 64, &ob[0][0], 64, corr, m, D);
         }
     }
     for (int g = 0; g < GH; g++)
@@ -327,9 +330,10 @@ int vx_prefill_attention_bf16(
     if (!vx_amx_on || D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
     const int G = Hq / Hkv, DV = D / 32;
     const int QR = DV <= 2 ? 32 : 16;  /* query rows per item: vx_pf_item32 where it applies */
-    /* query heads per item: vx_pf_item32 takes up to VX_PF_GH of one kv head's G together */
-    const int GH = QR == 32 ? (G + (G + VX_PF_GH - 1) / VX_PF_GH - 1) / ((G + VX_PF_GH - 1) / VX_PF_GH) : 1;
-    const int HI = Hkv * ((G + GH - 1) / GH);  /* (kv head, head group) pairs */
+    /* each kv head's G query heads in NGR groups of at most GH (vx_pf_item32 takes up to
+       VX_PF_GH together; vx_pf_item one) */
+    const int NGR = QR == 32 ? (G + VX_PF_GH - 1) / VX_PF_GH : G, GH = (G + NGR - 1) / NGR;
+    const int HI = Hkv * NGR;  /* (kv head, head group) pairs */
     const int64_t pair_dw = (int64_t)4 * DV * 256;
     /* per chunk: first packed pair group, first work item */
     int64_t* pg0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
@@ -361,8 +365,8 @@ int vx_prefill_attention_bf16(
         const int nq = (lens[i] + QR - 1) / QR;
         /* the last query tile (most keys) of each head first */
         const int qt = nq - 1 - (int)((w - it0[i]) / HI), hi = (int)((w - it0[i]) % HI);
-        const int ngr = (G + GH - 1) / GH, h = hi / ngr, hq = h * G + (hi % ngr) * GH;
-        const int gh = G - (hi % ngr) * GH < GH ? G - (hi % ngr) * GH : GH, t0 = QR * qt;
+        const int h = hi / NGR, hq = h * G + (hi % NGR) * GH;
+        const int gh = G - (hi % NGR) * GH < GH ? G - (hi % NGR) * GH : GH, t0 = QR * qt;
         const int m = lens[i] - t0 < QR ? lens[i] - t0 : QR;
         const int ctx = computed[i] + lens[i];
         const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
