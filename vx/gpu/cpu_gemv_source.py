@@ -441,6 +441,9 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
 #endif
 int vx_has_gemv(void) { return 1; }
 #else
+/* Without AVX-512 (AVX2 laptops and servers) none of the kernels above exist: the callers
+   look at vx_has_gemv first, and these two symbols are all the loader binds here. */
 int vx_has_gemv(void) { return 0; }
+int vx_gemv_bf16_max_rows(void) { return 0; }
 #endif
 """

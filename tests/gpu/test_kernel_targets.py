@@ -1,0 +1,42 @@
+"""The CPU kernel library builds and loads for every x86 level vx runs on, not only this CPU's.
+
+The library is built with -march=native, so the machine a test runs on decides which kernels
+exist. These tests build it for older targets as well: an AVX2 laptop or server (no AVX-512)
+must get a library the loader can bind, whose callers then take the portable paths.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+
+from vx.gpu import kv_cache
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
+    reason="x86 targets with a C compiler",
+)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("march", "avx512"), [("x86-64-v4", 1), ("x86-64-v3", 0), ("x86-64-v2", 0)]
+)
+def test_library_builds_and_binds_on_older_targets(
+    tmp_path, monkeypatch, march: str, avx512: int
+) -> None:
+    flags = [f if f != "-march=native" else f"-march={march}" for f in kv_cache.CFLAGS]
+    assert flags != kv_cache.CFLAGS
+    monkeypatch.setenv("VX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
+    lib = kv_cache._build_kernels()  # binds every symbol the callers may look up
+    assert lib is not None
+    # Without AVX-512 the skinny GEMM and the fused step are left out, and the GEMM says it
+    # takes no rows; AVX-512 without BF16 (x86-64-v4) has the FMA GEMM but no fast kernels.
+    assert lib.vx_has_gemv() == avx512
+    assert (lib.vx_gemv_bf16_max_rows() > 0) == bool(avx512)
+    assert lib.vx_has_decode_step() == avx512
+    assert lib.vx_has_fast_bf16() == 0
+    assert list(tmp_path.glob("kernels/decode_attention-*.so"))
