@@ -35,6 +35,7 @@ from vx.gpu.cpu_ops import (
     skinny_argmax,
     skinny_gemm,
 )
+from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
     cpu_prepack_enabled,
@@ -115,6 +116,8 @@ def _process_linear(layer: nn.Module) -> None:
     """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
     if layer.quantization is not None:
         layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
+    if widen_wanted(layer.weight):  # a CPU without bf16 arithmetic (vx.gpu.cpu_widen)
+        layer.wide = WideWeight(layer.weight.data)
     if cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
         # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
         # the quantized path's: up to twice oneDNN's speed), at the cost of a second copy of
@@ -158,6 +161,7 @@ class ColumnParallelLinear(nn.Module):
         self.quantization = quantization
         self.quant: QuantizedWeight | None = None  # built after loading when quantization
         self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
+        self.wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.
         self.weight = nn.Parameter(
@@ -201,7 +205,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The output stays sharded: the next RowParallelLinear consumes it as is.
-        return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain)
+        return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -286,6 +290,7 @@ class RowParallelLinear(nn.Module):
         self.quantization = quantization
         self.quant: QuantizedWeight | None = None
         self.plain: torch.Tensor | None = None
+        self.wide: WideWeight | None = None
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
             requires_grad=False,
@@ -308,8 +313,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain)
-        out = _all_reduce(_linear(x, self.weight, None, self.packed, self.quant, self.plain))
+            return _linear(
+                x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide
+            )
+        out = _all_reduce(
+            _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide)
+        )
         return out + self.bias if self.bias is not None else out
 
 
@@ -369,6 +378,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     quantization: str | None = None
     quant: QuantizedWeight | None = None
     plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
+    wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -377,6 +387,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         if self.quantization is not None:
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
+        if widen_wanted(self.weight):
+            self.wide = WideWeight(self.weight.data)
         if not cpu_prepack_enabled(self.weight):
             return
         if gemv_kernels() is not None:
@@ -402,6 +414,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.quant.apply(hidden, None)
         elif self.plain is not None and gemv_fits(hidden, self.plain):
             logits = skinny_gemm(hidden, self.plain, None, None)
+        elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
+            logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
         elif self.packed:
             logits = _linear(hidden, self.weight, None, True)
         elif self.packed_copy is not None:

@@ -1,0 +1,101 @@
+"""fp32 copies of bf16 weights for CPUs without bf16 arithmetic (AVX2: most laptops, AMD EPYC
+before Zen 4).
+
+Runs in: each Worker process.
+
+Why: where the CPU has no bf16 dot products (no AVX512-BF16, no AMX), oneDNN declines bf16
+(`_is_mkldnn_bf16_supported()` is False) and torch's bf16 GEMM runs at ~16 GFLOP/s on two
+cores, whatever the rows. The same products in fp32 through oneDNN's packed fp32 GEMM run at
+~90-130 GFLOP/s from 16 rows up (6-8x; measured on a 2-core AMD EPYC, AVX2). A bf16 model
+stays a bf16 model: bf16 x bf16 products are exact in fp32, the sums are fp32 as in a bf16
+GEMM, and the output is rounded to bf16 once, so only the order of the fp32 sums differs.
+
+A widened layer keeps its bf16 weight: a single row (decode at batch 1) only streams weights,
+and the bf16 weight is half the bytes (0.53 ms against 0.71 ms per SmolLM2 layer).
+
+Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
+`VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
+the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1` forces it (tests, A/B runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WideWeight", "widen_wanted"]
+
+#: Rows from which the fp32 copy is used (one row keeps the bf16 weight: see above).
+WIDE_MIN_ROWS = 2
+#: oneDNN lays the packed fp32 weight out for this many rows (decode batches).
+_BATCH_HINT = 64
+
+_state: dict[str, object] = {}
+
+
+def _native_bf16() -> bool:
+    return bool(
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def _budget_left() -> int:
+    if "left" not in _state:
+        env = os.environ.get("VX_CPU_WIDEN_BUDGET")
+        if env:
+            _state["left"] = int(env)
+        else:
+            _state["left"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return _state["left"]  # type: ignore[return-value]
+
+
+def widen_wanted(weight: torch.Tensor) -> bool:
+    """Whether this CPU bf16 weight gets an fp32 copy (and takes it from the budget)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    mode = os.environ.get("VX_CPU_WIDEN", "auto")
+    if mode == "0" or (mode != "1" and _native_bf16()):
+        return False
+    need = weight.numel() * 4
+    if need > _budget_left():
+        if not _state.get("warned"):
+            _state["warned"] = True
+            logger.warning(
+                "fp32 weight copies stop at VX_CPU_WIDEN_BUDGET; the other layers run bf16 GEMMs"
+            )
+        return False
+    _state["left"] = _budget_left() - need
+    return True
+
+
+class WideWeight:
+    """An fp32 copy of one bf16 [N, K] weight, and its matmul with bf16 rows.
+
+    Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
+    and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
+    the caller should send here.
+    """
+
+    min_rows = WIDE_MIN_ROWS
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        self.packed = torch.backends.mkldnn.is_available()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        xf = x.float()
+        b = None if bias is None else bias.float()
+        if self.packed:
+            y = torch.ops.mkldnn._linear_pointwise(xf, self.weight, b, "none", [], "")
+        else:
+            y = F.linear(xf, self.weight, b)
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * 4
