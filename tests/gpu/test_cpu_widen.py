@@ -1,0 +1,94 @@
+"""fp32 copies of bf16 weights on CPUs without bf16 arithmetic (`vx.gpu.cpu_widen`).
+
+Runs in: the test process.
+
+A widened GEMM must be the bf16 GEMM (exact products, fp32 sums, one rounding); a widened
+model must give the unwidened model's tokens; the copies must stop at the memory budget; and
+the automatic choice must follow the CPU (no copies where oneDNN has bf16).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.gpu.conftest import PagedDriver
+from vx.gpu import cpu_widen
+from vx.gpu.cpu_widen import WideWeight
+from vx.gpu.loader import load_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_budget(monkeypatch):
+    monkeypatch.setattr(cpu_widen, "_state", {})
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "wide")]
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(2, 96, 64), (17, 192, 128), (64, 576, 64)])
+def test_wide_gemm_is_the_bf16_gemm(rows: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = WideWeight(w).apply(x, bias)
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
+    # fp64 sums of the exact products, rounded once: the widened GEMM differs from it only in
+    # the order of its fp32 sums, far below one bf16 step.
+    want = (x.double() @ w.double().T + bias.double()).bfloat16()
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2**-8 + 1e-6).all()
+    assert (diff == 0).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_widened_model_gives_the_same_tokens(tiny_models, arch: str, monkeypatch) -> None:
+    monkeypatch.setenv("VX_CPU_WIDEN", "0")
+    plain = load_model(tiny_models[arch], dtype=torch.bfloat16, progress=False)
+    assert all(m.wide is None for m in _linears(plain))
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    wide = load_model(tiny_models[arch], dtype=torch.bfloat16, progress=False)
+    layers = _linears(wide)
+    assert len(layers) == 2 * 4 + 1 and all(m.wide is not None for m in layers)  # + LM head
+    prompts = {"a": list(range(3, 40)), "b": [7, 1, 9]}
+    a, b = PagedDriver(plain), PagedDriver(wide)
+    la, lb = a.step_all(prompts), b.step_all(prompts)
+    for r in prompts:
+        torch.testing.assert_close(la[r], lb[r], rtol=0.02, atol=0.02)
+    # Greedy decode: two rows a step take the fp32 copies (one row keeps the bf16 weights).
+    toks = {r: int(la[r][-1].argmax()) for r in prompts}
+    assert toks == {r: int(lb[r][-1].argmax()) for r in prompts}
+    for _ in range(12):
+        la = a.step({r: [t] for r, t in toks.items()})
+        lb = b.step({r: [t] for r, t in toks.items()})
+        toks = {r: int(la[r].argmax()) for r in prompts}
+        assert toks == {r: int(lb[r].argmax()) for r in prompts}
+
+
+def test_copies_stop_at_the_budget(tiny_models, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    ref = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
+    first = _linears(ref)[0].weight
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    # Room for the first layer's copy and a little more, not for the second's.
+    monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + 16))
+    with caplog.at_level(logging.WARNING, logger="vx.gpu.cpu_widen"):
+        model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
+    widened = [m.wide is not None for m in _linears(model)]
+    assert widened[0] and sum(widened) < len(widened)
+    assert sum("VX_CPU_WIDEN_BUDGET" in r.getMessage() for r in caplog.records) == 1
+    out = PagedDriver(model).greedy({"a": [1, 5, 9, 13], "b": list(range(3, 30))}, 4)
+    assert all(len(v) == 4 for v in out.values())
+
+
+def test_automatic_choice_follows_the_cpu(tiny_models, monkeypatch) -> None:
+    monkeypatch.delenv("VX_CPU_WIDEN", raising=False)
+    model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert all((m.wide is None) == bool(native) for m in _linears(model))
+    fp32 = load_model(tiny_models["llama"], dtype=torch.float32, progress=False)
+    assert all(m.wide is None for m in _linears(fp32))  # only bf16 weights are widened
