@@ -10,6 +10,7 @@ import torch
 from vx.gpu.cpu_ops import (
     GEMV_MAX_ROWS_INT8,
     bf16_max_rows,
+    eltwise_kernels,
     fused_add_rms_norm,
     fused_silu_and_mul,
     gemv_fits,
@@ -28,6 +29,7 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 needs_gemv = pytest.mark.skipif(gemv_kernels() is None, reason="no AVX-512 C skinny GEMM here")
+needs_eltwise = pytest.mark.skipif(eltwise_kernels() is None, reason="no C kernel library here")
 
 
 @needs_gemv
@@ -153,7 +155,7 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
-@needs_gemv
+@needs_eltwise
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_rms_norm_matches_torch_path(rows: int, with_residual: bool, monkeypatch) -> None:
@@ -178,7 +180,7 @@ def test_fused_rms_norm_matches_torch_path(rows: int, with_residual: bool, monke
     assert (out == want[0]).float().mean() >= 0.99
 
 
-@needs_gemv
+@needs_eltwise
 @pytest.mark.parametrize("rows", [1, 9, 200])
 def test_fused_silu_and_mul_matches_torch(rows: int, monkeypatch) -> None:
     g = torch.Generator().manual_seed(4)
@@ -191,14 +193,14 @@ def test_fused_silu_and_mul_matches_torch(rows: int, monkeypatch) -> None:
     assert (got == want).float().mean() >= 0.99
 
 
-@needs_gemv
+@needs_eltwise
 def test_fused_ops_leave_other_dtypes_to_torch() -> None:
     x = torch.randn(3, 64)
     assert fused_add_rms_norm(x, None, torch.ones(64), 1e-5) is None
     assert fused_silu_and_mul(x) is None
 
 
-@needs_gemv
+@needs_eltwise
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("head_dim", [64, 16, 6])
 def test_fused_rotary_equals_torch_ops(rows: int, head_dim: int) -> None:

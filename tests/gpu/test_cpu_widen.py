@@ -29,19 +29,32 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "wide")]
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(2, 96, 64), (17, 192, 128), (64, 576, 64)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 192, 128), (2, 64, 36), (17, 192, 128),
+     (64, 576, 64)],
+)  # fmt: skip
 def test_wide_gemm_is_the_bf16_gemm(rows: int, n: int, k: int) -> None:
+    """Both paths: the AVX2 skinny GEMM on the bf16 weight (up to 4 rows where it is built;
+    K = 36 is a shape it declines) and the fp32 copy."""
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    got = WideWeight(w).apply(x, bias)
+    ww = WideWeight(w)
+    got = ww.apply(x, bias)
     assert got.dtype is torch.bfloat16 and got.shape == (rows, n)
+    if rows <= ww.skinny_rows and k % 8 == 0:  # a different kernel from the fp32 copy's
+        assert ww.min_rows == 1
+        other = ww.apply_wide(x, bias)
+        assert (got.float() - other.float()).abs().max() <= other.float().abs().max() * 2**-6
     # fp64 sums of the exact products, rounded once: the widened GEMM differs from it only in
     # the order of its fp32 sums, far below one bf16 step.
     want = (x.double() @ w.double().T + bias.double()).bfloat16()
     diff = (got.float() - want.float()).abs()
-    assert (diff <= want.float().abs() * 2**-8 + 1e-6).all()
+    # One bf16 step, plus what fp32 sums of K terms may lose (near-cancelling outputs).
+    tol = want.float().abs() * 2**-7 + 1e-5 * (x.float().abs() @ w.float().abs().T)
+    assert (diff <= tol).all()
     assert (diff == 0).float().mean() > 0.95
 
 
@@ -59,7 +72,7 @@ def test_widened_model_gives_the_same_tokens(tiny_models, arch: str, monkeypatch
     la, lb = a.step_all(prompts), b.step_all(prompts)
     for r in prompts:
         torch.testing.assert_close(la[r], lb[r], rtol=0.02, atol=0.02)
-    # Greedy decode: two rows a step take the fp32 copies (one row keeps the bf16 weights).
+    # Greedy decode: two rows a step (the AVX2 skinny GEMM where it is built).
     toks = {r: int(la[r][-1].argmax()) for r in prompts}
     assert toks == {r: int(lb[r][-1].argmax()) for r in prompts}
     for _ in range(12):

@@ -40,3 +40,31 @@ def test_library_builds_and_binds_on_older_targets(
     assert lib.vx_has_decode_step() == avx512
     assert lib.vx_has_fast_bf16() == 0
     assert list(tmp_path.glob("kernels/decode_attention-*.so"))
+
+
+@pytest.mark.timeout(240)
+def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
+    """The AVX2 skinny GEMM (built for x86-64-v3 only, so run here from that build, on any
+    CPU with AVX2): fp32 sums of the exact products, one rounding, bias included."""
+    import torch
+
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in kv_cache.CFLAGS]
+    monkeypatch.setenv("VX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
+    lib = kv_cache._build_kernels()
+    assert lib.vx_gemv_avx2_max_rows() == 4
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 72)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
+        bias = torch.randn(n, generator=g).bfloat16()
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        args = (w.data_ptr(), bias.data_ptr(), y.data_ptr(), n, n, k)
+        assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), m, *args) == 0
+        want = (x.double() @ w.double().T + bias.double()).bfloat16()
+        tol = want.float().abs() * 2**-7 + 1e-5 * (x.float().abs() @ w.float().abs().T)
+        assert ((y.float() - want.float()).abs() <= tol).all(), (m, n, k)
+        assert (y == want).float().mean() > 0.95
+    assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), 5, *args) == -1  # > 4 rows

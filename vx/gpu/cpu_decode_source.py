@@ -26,6 +26,28 @@ size, per-step metadata and scratch buffers).
 from __future__ import annotations
 
 DECODE_STEP_SOURCE = r"""
+/* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
+   x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
+   ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu_ops`). */
+void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                    const vx_bf16* cos, const vx_bf16* sin) {
+    const int64_t h2 = D / 2;
+    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
+        for (int64_t hd = 0; hd < nh; hd++) {
+            vx_bf16* p = x + t * x_st + hd * D;
+            for (int64_t i = 0; i < h2; i++) {
+                const float a = ld_bf16(p[i]), b = ld_bf16(p[i + h2]);
+                const float ci = ld_bf16(c[i]), si = ld_bf16(s[i]);
+                const float ac = ld_bf16(st_bf16v(a * ci)), bs = ld_bf16(st_bf16v(b * si));
+                const float bc = ld_bf16(st_bf16v(b * ci)), as = ld_bf16(st_bf16v(a * si));
+                p[i] = st_bf16v(ac - bs);
+                p[i + h2] = st_bf16v(bc + as);
+            }
+        }
+    }
+}
 #if defined(__AVX512F__)
 #ifdef VX_HAS_AMX
 #define VX_STEP_AMX vx_amx_on
@@ -79,28 +101,6 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     if (T > 2 && VX_STEP_AMX)
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
-}
-/* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
-   x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
-   ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu_ops`). */
-void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
-                    const vx_bf16* cos, const vx_bf16* sin) {
-    const int64_t h2 = D / 2;
-    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
-    for (int64_t t = 0; t < T; t++) {
-        const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
-        for (int64_t hd = 0; hd < nh; hd++) {
-            vx_bf16* p = x + t * x_st + hd * D;
-            for (int64_t i = 0; i < h2; i++) {
-                const float a = ld_bf16(p[i]), b = ld_bf16(p[i + h2]);
-                const float ci = ld_bf16(c[i]), si = ld_bf16(s[i]);
-                const float ac = ld_bf16(st_bf16v(a * ci)), bs = ld_bf16(st_bf16v(b * si));
-                const float bc = ld_bf16(st_bf16v(b * ci)), as = ld_bf16(st_bf16v(a * si));
-                p[i] = st_bf16v(ac - bs);
-                p[i + h2] = st_bf16v(bc + as);
-            }
-        }
-    }
 }
 /* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
    (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the

@@ -23,6 +23,80 @@ GEMV_KERNEL_SOURCE = r"""
 #define VX_GEMV_MAX_K 16384
 #define VX_GEMV_PD 4096
 #define VX_GEMV_MAX_ROWS_DP 16
+/* The element-wise kernels: portable C (any x86-64 level; the compiler vectorises the loops
+   for the CPU it builds for), with an AVX512-BF16 body where the CPU has it. */
+/* st_bf16 without the early return, so loops over it vectorise (same results). */
+static inline vx_bf16 st_bf16v(float f) {
+    union { uint32_t u; float f; } c; c.f = f;
+    const uint32_t u = c.u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (vx_bf16)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
+}
+/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
+   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
+   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
+void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
+                          vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
+                          float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16* xr = x + t * x_st;
+        vx_bf16* rr = r_out + t * H;
+        float ss = 0.f;
+        if (residual) {
+            const vx_bf16* res = residual + t * H;
+            for (int64_t i = 0; i < H; i++) {
+                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
+                rr[i] = v;
+                const float f = ld_bf16(v);
+                ss += f * f;
+            }
+            xr = rr;
+        } else {
+            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
+        }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        vx_bf16* o = out + t * H;
+        for (int64_t i = 0; i < H; i++)
+            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
+    }
+}
+/* silu(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16 with torch's
+   roundings: bf16(silu) then bf16(product). */
+static inline float vx_silu_round(float g, float u) {
+    const float e = vx_expf(-fabsf(g));  /* vx_expf takes x <= 0: sigmoid from exp(-|g|) */
+    const float s = ld_bf16(st_bf16v(g * ((g >= 0.f ? 1.f : e) / (1.f + e))));
+    return s * u;
+}
+#if defined(__AVX512BF16__)
+/* vx_exp16 (16 lanes of vx_expf) comes with the fast attention kernel, same condition. */
+static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (T * I >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16* g = gu + t * gu_st;
+        const vx_bf16* u = g + I;
+        vx_bf16* o = out + t * I;
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = vx_ld16_bf16(g + i);
+            const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
+            const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
+            const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
+            _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);
+        }
+#endif
+        for (; i < I; i++) o[i] = st_bf16v(vx_silu_round(ld_bf16(g[i]), ld_bf16(u[i])));
+    }
+}
 #if defined(__AVX512F__)
 #include <omp.h>
 static float vx_gemv_x[VX_GEMV_MAX_ROWS * VX_GEMV_MAX_K] __attribute__((aligned(64)));
@@ -157,78 +231,6 @@ int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS_DP; }
 VX_GEMV_FN(vx_gemv_bf16, vx_bf16, vx_gemv_tile_bf16)
 int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS; }
 #endif
-/* st_bf16 without the early return, so loops over it vectorise (same results). */
-static inline vx_bf16 st_bf16v(float f) {
-    union { uint32_t u; float f; } c; c.f = f;
-    const uint32_t u = c.u;
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (vx_bf16)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
-}
-/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
-   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
-   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
-void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
-                          vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
-                          float eps) {
-    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
-    for (int64_t t = 0; t < T; t++) {
-        const vx_bf16* xr = x + t * x_st;
-        vx_bf16* rr = r_out + t * H;
-        float ss = 0.f;
-        if (residual) {
-            const vx_bf16* res = residual + t * H;
-            for (int64_t i = 0; i < H; i++) {
-                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
-                rr[i] = v;
-                const float f = ld_bf16(v);
-                ss += f * f;
-            }
-            xr = rr;
-        } else {
-            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
-        }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        vx_bf16* o = out + t * H;
-        for (int64_t i = 0; i < H; i++)
-            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
-    }
-}
-/* silu(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16 with torch's
-   roundings: bf16(silu) then bf16(product). */
-static inline float vx_silu_round(float g, float u) {
-    const float e = vx_expf(-fabsf(g));  /* vx_expf takes x <= 0: sigmoid from exp(-|g|) */
-    const float s = ld_bf16(st_bf16(g * ((g >= 0.f ? 1.f : e) / (1.f + e))));
-    return s * u;
-}
-#if defined(__AVX512BF16__)
-/* vx_exp16 (16 lanes of vx_expf) comes with the fast attention kernel, same condition. */
-static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#endif
-void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (T * I >= 65536)")
-    for (int64_t t = 0; t < T; t++) {
-        const vx_bf16* g = gu + t * gu_st;
-        const vx_bf16* u = g + I;
-        vx_bf16* o = out + t * I;
-        int64_t i = 0;
-#if defined(__AVX512BF16__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = vx_ld16_bf16(g + i);
-            const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
-            const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
-            const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
-            _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);
-        }
-#endif
-        for (; i < I; i++) o[i] = st_bf16(vx_silu_round(ld_bf16(g[i]), ld_bf16(u[i])));
-    }
-}
 #ifdef VX_HAS_AMX
 /* bf16 GEMM for 1-192 rows on AMX tiles, computed transposed: C^T[n][m] = W[n][k] . X^T[k][m],
    so each A tile is 16 weight rows x 32 k loaded straight from W (row stride K), and only x

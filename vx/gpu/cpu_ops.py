@@ -153,6 +153,19 @@ def skinny_argmax(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
     return out if rc == 0 else None
 
 
+def eltwise_kernels():
+    """The loaded C library for the element-wise kernels (RMSNorm, SiLU-mul, rotary: portable
+    C, on every CPU the library builds on), else None. `VX_CPU_ELTWISE=0`: the torch ops."""
+    if "eltwise" not in _gemv_state:
+        lib = None
+        if os.environ.get("VX_CPU_ELTWISE", "1") != "0":
+            from vx.gpu.kv_cache import load_cpu_kernels
+
+            lib = load_cpu_kernels()
+        _gemv_state["eltwise"] = lib
+    return _gemv_state["eltwise"]
+
+
 def _cpu_bf16_rows(x: torch.Tensor) -> bool:
     return (
         x.dim() == 2
@@ -168,7 +181,7 @@ def fused_add_rms_norm(
     """RMSNorm (with the residual add) in one C call for CPU bf16 rows, HF's roundings; None
     where it does not apply (the caller runs the torch ops). One call instead of ~9 torch ops
     per norm: ~5 ms of a ~30 ms batch-1 step on SmolLM2 was these ops' dispatch."""
-    lib = gemv_kernels()
+    lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(x) or weight.dtype != torch.bfloat16:
         return None
     if residual is not None and not (_cpu_bf16_rows(residual) and residual.is_contiguous()):
@@ -185,7 +198,7 @@ def fused_add_rms_norm(
 
 def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None."""
-    lib = gemv_kernels()
+    lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(gate_up):
         return None
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
@@ -198,12 +211,8 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate-half rotary IN PLACE on CPU bf16 x [T, H, D] (heads D apart in each row) with
     cos/sin [T, 1, D / 2], torch's roundings, one C call; False where it does not apply (the
     caller runs the torch ops). Instead of five torch ops and their temporaries per layer."""
-    lib = gemv_kernels()
+    lib = eltwise_kernels()
     if lib is None or x.dim() != 3 or x.dtype != torch.bfloat16:
-        return False
-    if "rotary" not in _gemv_state:  # built with the decode-step source (AVX-512 machines)
-        _gemv_state["rotary"] = bool(lib.vx_has_decode_step())
-    if not _gemv_state["rotary"]:
         return False
     t, h, d = x.shape
     if x.device.type != "cpu" or x.stride(2) != 1 or x.stride(1) != d or d % 2:

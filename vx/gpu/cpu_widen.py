@@ -10,8 +10,11 @@ cores, whatever the rows. The same products in fp32 through oneDNN's packed fp32
 stays a bf16 model: bf16 x bf16 products are exact in fp32, the sums are fp32 as in a bf16
 GEMM, and the output is rounded to bf16 once, so only the order of the fp32 sums differs.
 
-A widened layer keeps its bf16 weight: a single row (decode at batch 1) only streams weights,
-and the bf16 weight is half the bytes (0.53 ms against 0.71 ms per SmolLM2 layer).
+A widened layer keeps its bf16 weight: up to a few rows (decode at small batch) a step only
+streams weights, and the bf16 weight is half the bytes. Those rows go to vx's AVX2 skinny GEMM
+(`vx.gpu.cpu_gemv_avx2_source`, up to 4 rows: 0.20 ms a SmolLM2 layer at one row, against
+0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy), or where it is not built, one
+row to torch's bf16 GEMV.
 
 Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
 `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
@@ -30,12 +33,24 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["WideWeight", "widen_wanted"]
 
-#: Rows from which the fp32 copy is used (one row keeps the bf16 weight: see above).
+#: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
 #: oneDNN lays the packed fp32 weight out for this many rows (decode batches).
 _BATCH_HINT = 64
 
 _state: dict[str, object] = {}
+
+
+def _skinny_rows() -> int:
+    """Rows up to which vx's AVX2 skinny GEMM takes the bf16 weight here (0: not built)."""
+    if "skinny" not in _state:
+        from vx.gpu.kv_cache import load_cpu_kernels
+
+        lib = load_cpu_kernels()
+        rows = 0 if lib is None else int(lib.vx_gemv_avx2_max_rows())
+        _state["skinny"] = rows if os.environ.get("VX_CPU_GEMV", "1") != "0" else 0
+        _state["lib"] = lib
+    return _state["skinny"]  # type: ignore[return-value]
 
 
 def _native_bf16() -> bool:
@@ -78,17 +93,39 @@ class WideWeight:
 
     Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
     and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
-    the caller should send here.
+    the caller should send here. `bf16` is the layer's own weight (no copy).
     """
-
-    min_rows = WIDE_MIN_ROWS
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         self.packed = torch.backends.mkldnn.is_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
+        self.bf16 = weight.detach()
+        self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
+        self.min_rows = 1 if self.skinny_rows else WIDE_MIN_ROWS
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m = x.shape[0]
+        if 0 < m <= self.skinny_rows and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+            return self._skinny(x, bias)
+        return self.apply_wide(x, bias)
+
+    def _skinny(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = self.bf16.shape
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return self._skinny(x, None) + bias
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        rc = _state["lib"].vx_gemv_bf16_avx2(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), x.shape[0], self.bf16.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n, n, k,
+        )  # fmt: skip
+        if rc == -3:
+            raise MemoryError("vx AVX2 skinny GEMM could not allocate scratch")
+        if rc != 0:  # a shape it does not take (K % 8, K > 16384): the fp32 copy
+            return self.apply_wide(x, bias)
+        return y
+
+    def apply_wide(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xf = x.float()
         b = None if bias is None else bias.float()
         if self.packed:

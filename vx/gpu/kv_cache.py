@@ -36,6 +36,7 @@ import torch
 
 from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
+from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
@@ -144,6 +145,7 @@ _DECODE_KERNEL_SOURCE = (
     PARALLEL_SOURCE
     + DECODE_KERNEL_SOURCE
     + GEMV_KERNEL_SOURCE
+    + GEMV_AVX2_SOURCE
     + PREFILL_ATTENTION_SOURCE
     + DECODE_STEP_SOURCE
 )
@@ -291,18 +293,20 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_gemm_amx_bf16.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i64, i64, i64]
         lib.vx_argmax_amx_bf16.restype = ctypes.c_int
         lib.vx_argmax_amx_bf16.argtypes = [ptr, i64, i32, ptr, i64, i64, ptr]
-        lib.vx_add_rms_norm_bf16.restype = None
-        lib.vx_add_rms_norm_bf16.argtypes = [
-            ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,
-        ]  # fmt: skip
-        lib.vx_silu_and_mul_bf16.restype = None
-        lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
     lib.vx_has_decode_step.restype = ctypes.c_int
     if lib.vx_has_decode_step():
         lib.vx_llama_decode_bf16.restype = ctypes.c_int
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
-        lib.vx_rotary_bf16.restype = None
-        lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
+    lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
+    lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    # The element-wise kernels are built for every CPU (portable C).
+    lib.vx_add_rms_norm_bf16.restype = None
+    lib.vx_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.vx_silu_and_mul_bf16.restype = None
+    lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
+    lib.vx_rotary_bf16.restype = None
+    lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.vx_prefill_attention_bf16.restype = ctypes.c_int
     lib.vx_prefill_attention_bf16.argtypes = [
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,

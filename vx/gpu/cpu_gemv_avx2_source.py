@@ -1,0 +1,101 @@
+"""The C source of the skinny bf16 GEMM for CPUs with AVX2 and no AVX-512 (most laptops,
+AMD EPYC before Zen 4): y = x @ W.T + bias for a few rows of x.
+
+Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
+`vx.gpu.cpu_widen.WideWeight` calls it for the rows its fp32 copy is not worth).
+
+Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV
+reads them at ~13 GB/s on two AVX2 cores and the fp32 copy doubles the bytes; this kernel
+reads the bf16 weight once, widening each 8 values with a shift, with the next rows
+prefetched (the matrices are too short for the hardware prefetcher to ramp up).
+
+Layout: x [M, K] bf16 (row stride x_st), W [N, K] bf16 row-major, bias [N] bf16 or NULL, y
+[M, N] bf16 (row stride y_st); 1 <= M <= VX_AVX2_MAX_ROWS, K % 8 == 0, K <= VX_AVX2_MAX_K.
+fp32 products and sums, one bf16 rounding at the end (the sums' order differs from torch's).
+Parallel over blocks of 4 output rows, shared with stealing (`vx_ws`).
+"""
+
+from __future__ import annotations
+
+GEMV_AVX2_SOURCE = r"""
+#define VX_AVX2_MAX_ROWS 4
+#define VX_AVX2_MAX_K 16384
+#define VX_AVX2_PDG 2  /* the group of 4 rows this many groups ahead is prefetched */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m256 vx_w8_bf16(const vx_bf16* p) {  /* 8 bf16 -> 8 fp32, exact */
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline float vx_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* Rows n0..n0+3 of W against the M rows of xf (fp32, [M, K]): out[m * 4 + r]. */
+#define VX_AVX2_TILE(MM) \
+static void vx_avx2_tile_##MM(const float* xf, const vx_bf16* W, int64_t K, int64_t n0, \
+                              int64_t nr, float* out) { \
+    __m256 acc[MM][4]; \
+    for (int m = 0; m < MM; m++) \
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps(); \
+    const vx_bf16* w[4]; \
+    for (int r = 0; r < 4; r++) w[r] = W + (n0 + (r < nr ? r : 0)) * K; \
+    /* 64 bytes of a later group per 8 columns: its 4 rows (8 K bytes) over this group's K. */ \
+    const char* pf = (const char*)(W + (n0 + 4 * VX_AVX2_PDG) * K); \
+    for (int64_t k = 0; k < K; k += 8) { \
+        _mm_prefetch(pf + k * 8, _MM_HINT_T0); \
+        __m256 wv[4]; \
+        for (int r = 0; r < 4; r++) wv[r] = vx_w8_bf16(w[r] + k); \
+        for (int m = 0; m < MM; m++) { \
+            const __m256 xv = _mm256_loadu_ps(xf + m * K + k); \
+            for (int r = 0; r < 4; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]); \
+        } \
+    } \
+    for (int m = 0; m < MM; m++) \
+        for (int r = 0; r < 4; r++) out[m * 4 + r] = vx_hsum8(acc[m][r]); \
+}
+VX_AVX2_TILE(1)
+VX_AVX2_TILE(2)
+VX_AVX2_TILE(3)
+VX_AVX2_TILE(4)
+int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
+                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
+    float* xf = (float*)malloc(sizeof(float) * (size_t)M * (size_t)K);
+    if (!xf) return -3;
+    for (int m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = ld_bf16(x[m * x_st + k]);
+    vx_ws ws;
+    const int64_t groups = (N + 3) / 4;
+    const int par = N * K >= 262144;
+    vx_ws_init(&ws, groups, par);
+    _Pragma("omp parallel if (par)")
+    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
+        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
+        float o[VX_AVX2_MAX_ROWS * 4];
+        switch (M) {
+        case 1: vx_avx2_tile_1(xf, W, K, n0, nr, o); break;
+        case 2: vx_avx2_tile_2(xf, W, K, n0, nr, o); break;
+        case 3: vx_avx2_tile_3(xf, W, K, n0, nr, o); break;
+        default: vx_avx2_tile_4(xf, W, K, n0, nr, o); break;
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f;
+            for (int m = 0; m < M; m++) y[m * y_st + n0 + r] = st_bf16(o[m * 4 + r] + b);
+        }
+    }
+    free(xf);
+    return 0;
+}
+int vx_gemv_avx2_max_rows(void) { return VX_AVX2_MAX_ROWS; }
+#else
+int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
+                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    (void)x; (void)x_st; (void)M; (void)W; (void)bias; (void)y; (void)y_st; (void)N; (void)K;
+    return -2;
+}
+int vx_gemv_avx2_max_rows(void) { return 0; }
+#endif
+"""
