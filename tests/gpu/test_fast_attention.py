@@ -1,6 +1,6 @@
-"""The AVX512-BF16 CPU decode attention kernel (`set_fast_decode_attention`, the default for
-bf16; `VX_CPU_ATTENTION_KERNEL=portable` turns it off): it must match an fp32 reference like
-the portable kernel does.
+"""The fast CPU decode attention kernels (`set_fast_decode_attention`, the default for bf16;
+`VX_CPU_ATTENTION_KERNEL=portable` turns them off): AVX512-BF16 (and AMX), or AVX2 where the
+CPU has no AVX-512. Each must match an fp32 reference like the portable kernel does.
 
 Runs in: the test process.
 """
@@ -63,12 +63,18 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[False, True], ids=["avx512", "amx"])
+@pytest.fixture(params=[False, True], ids=["vector", "amx"])
 def amx(request):
-    """The fast kernel's q.k with AVX512-BF16 or with AMX tiles (where the CPU has them)."""
+    """The fast kernel: AVX512-BF16 (its q.k with vector dot products or with AMX tiles, where
+    the CPU has them), or on an AVX2 CPU without AVX-512 the AVX2 kernel."""
     lib = load_cpu_kernels()
     if not _has_fast():
-        pytest.skip("no AVX512-BF16 kernel on this machine")
+        pytest.skip("no AVX512-BF16 or AVX2 kernel on this machine")
+    if not lib.vx_has_fast_bf16():  # the AVX2 kernel: no AMX variant
+        if request.param:
+            pytest.skip("no AMX on this machine")
+        yield False
+        return
     before = lib.vx_fast_amx(-1)
     if lib.vx_fast_amx(int(request.param)) != int(request.param):
         pytest.skip("no AMX on this machine")

@@ -68,3 +68,39 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
         assert ((y.float() - want.float()).abs() <= tol).all(), (m, n, k)
         assert (y == want).float().mean() > 0.95
     assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), 5, *args) == -1  # > 4 rows
+
+
+@pytest.mark.timeout(240)
+def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch) -> None:
+    """The AVX2 decode attention from the x86-64-v3 build (run on any AVX2 CPU) against the
+    portable kernel of the same build: bf16 outputs within a bf16 step."""
+    import torch
+
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in kv_cache.CFLAGS]
+    monkeypatch.setenv("VX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
+    lib = kv_cache._build_kernels()
+    assert lib.vx_has_avx2_attention() == 1
+    g = torch.Generator().manual_seed(0)
+    for hq, hkv, d, bs, lens in [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5])]:
+        b, width = len(lens), -(-max(lens) // bs)
+        nb = b * width + 2
+        kc = torch.randn(nb, hkv, bs, d, generator=g).bfloat16().transpose(0, 1)  # block-major
+        vc = torch.randn(nb, hkv, bs, d, generator=g).bfloat16().transpose(0, 1)
+        q = torch.randn(b, hq, d, generator=g).bfloat16()
+        table = torch.randperm(nb, generator=g)[: b * width].view(b, width).int().contiguous()
+        seq = torch.tensor(lens, dtype=torch.int32)
+        outs = [torch.zeros_like(q), torch.zeros_like(q)]
+        kernels = (lib.vx_decode_attention_bf16, lib.vx_decode_attention_bf16_avx2)
+        for fn, out in zip(kernels, outs, strict=True):
+            rc = fn(
+                q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
+                out.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
+                table.data_ptr(), table.stride(0), seq.data_ptr(), b, hq, hkv, d, bs,
+                d**-0.5, width * bs,
+            )  # fmt: skip
+            assert rc == 0
+        diff = (outs[0].float() - outs[1].float()).abs()
+        assert (diff <= outs[0].float().abs() * 2.0**-7 + 1e-3).all(), (hq, d)

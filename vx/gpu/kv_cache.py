@@ -35,6 +35,7 @@ import tempfile
 import torch
 
 from vx.config import BLOCK_SIZE
+from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
@@ -146,6 +147,7 @@ _DECODE_KERNEL_SOURCE = (
     + DECODE_KERNEL_SOURCE
     + GEMV_KERNEL_SOURCE
     + GEMV_AVX2_SOURCE
+    + ATTENTION_AVX2_SOURCE
     + PREFILL_ATTENTION_SOURCE
     + DECODE_STEP_SOURCE
 )
@@ -212,13 +214,16 @@ def prefill_kernel_available() -> bool:
 
 def decode_kernel_fn(dtype: torch.dtype, *, fast: bool = False):
     """The C decode kernel for `dtype` (None: none); `fast` picks the AVX512-BF16 one for bf16
-    where it was built (it returns -2 for a shape it does not handle)."""
+    where it was built, else the AVX2 one where that was (each returns -2 for a shape it does
+    not handle)."""
     lib = load_cpu_kernels()
     if lib is None:
         return None
-    if fast and dtype == torch.bfloat16 and hasattr(lib, "vx_decode_attention_bf16_fast"):
+    if fast and dtype == torch.bfloat16:
         if lib.vx_has_fast_bf16():
             return lib.vx_decode_attention_bf16_fast
+        if lib.vx_has_avx2_attention():
+            return lib.vx_decode_attention_bf16_avx2
     return {
         torch.float32: lib.vx_decode_attention_f32,
         torch.bfloat16: lib.vx_decode_attention_bf16,
@@ -270,6 +275,9 @@ def _build_kernels() -> ctypes.CDLL | None:
     i64, i32 = ctypes.c_int64, ctypes.c_int
     ptr = ctypes.c_void_p
     fns = [lib.vx_decode_attention_f32, lib.vx_decode_attention_bf16]
+    lib.vx_has_avx2_attention.restype = ctypes.c_int
+    if lib.vx_has_avx2_attention():
+        fns.append(lib.vx_decode_attention_bf16_avx2)
     lib.vx_has_fast_bf16.restype = ctypes.c_int
     if lib.vx_has_fast_bf16():
         fns.append(lib.vx_decode_attention_bf16_fast)
