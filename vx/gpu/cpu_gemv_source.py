@@ -97,6 +97,15 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
         for (; i < I; i++) o[i] = st_bf16v(vx_silu_round(ld_bf16(g[i]), ld_bf16(u[i])));
     }
 }
+/* Whether vx_silu_and_mul_bf16 has a vector body here (else it is scalar, and torch's two
+   vectorised ops are faster past a few rows). */
+int vx_silu_simd(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 #if defined(__AVX512F__)
 #include <omp.h>
 static float vx_gemv_x[VX_GEMV_MAX_ROWS * VX_GEMV_MAX_K] __attribute__((aligned(64)));

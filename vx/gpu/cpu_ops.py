@@ -41,6 +41,8 @@ _DP_MAX_ROWS = 12
 _FMA_MAX_ROWS = 4
 _DP_PREFERRED_ROWS = 2
 
+_SCALAR_SILU_ROWS = 8
+
 _gemv_state: dict[str, object] = {}
 
 
@@ -197,9 +199,13 @@ def fused_add_rms_norm(
 
 
 def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None."""
+    """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None. Where
+    the C loop is scalar (no AVX512-BF16), only for up to `_SCALAR_SILU_ROWS` rows: past them
+    torch's two vectorised ops are faster (64 SmolLM2 rows: 0.5 against 0.17 ms, AVX2)."""
     lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(gate_up):
+        return None
+    if gate_up.shape[0] > _SCALAR_SILU_ROWS and not lib.vx_silu_simd():
         return None
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.bfloat16)

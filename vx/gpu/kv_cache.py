@@ -313,6 +313,7 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.vx_silu_and_mul_bf16.restype = None
     lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
+    lib.vx_silu_simd.restype = ctypes.c_int
     lib.vx_rotary_bf16.restype = None
     lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.vx_prefill_attention_bf16.restype = ctypes.c_int
