@@ -20,6 +20,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _build(march: str, tmp_path, monkeypatch):
+    """The kernel library built for `march` instead of this CPU (its own cache directory)."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in kv_cache.CFLAGS]
+    assert flags != kv_cache.CFLAGS
+    monkeypatch.setenv("VX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
+    return kv_cache._build_kernels()  # binds every symbol the callers may look up
+
+
+def _avx2_build(tmp_path, monkeypatch):
+    """The x86-64-v3 build, whose AVX2 kernels run on any CPU with AVX2 (AVX-512 ones too)."""
+    with open("/proc/cpuinfo") as f:
+        if "avx2" not in f.read():
+            pytest.skip("no AVX2 here")
+    return _build("x86-64-v3", tmp_path, monkeypatch)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("march", "avx512"), [("x86-64-v4", 1), ("x86-64-v3", 0), ("x86-64-v2", 0)]
@@ -27,11 +44,7 @@ pytestmark = pytest.mark.skipif(
 def test_library_builds_and_binds_on_older_targets(
     tmp_path, monkeypatch, march: str, avx512: int
 ) -> None:
-    flags = [f if f != "-march=native" else f"-march={march}" for f in kv_cache.CFLAGS]
-    assert flags != kv_cache.CFLAGS
-    monkeypatch.setenv("VX_CACHE", str(tmp_path))
-    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
-    lib = kv_cache._build_kernels()  # binds every symbol the callers may look up
+    lib = _build(march, tmp_path, monkeypatch)
     assert lib is not None
     # Without AVX-512 the skinny GEMM and the fused step are left out, and the GEMM says it
     # takes no rows; AVX-512 without BF16 (x86-64-v4) has the FMA GEMM but no fast kernels.
@@ -48,12 +61,7 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
     CPU with AVX2): fp32 sums of the exact products, one rounding, bias included."""
     import torch
 
-    if "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in kv_cache.CFLAGS]
-    monkeypatch.setenv("VX_CACHE", str(tmp_path))
-    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
-    lib = kv_cache._build_kernels()
+    lib = _avx2_build(tmp_path, monkeypatch)
     assert lib.vx_gemv_avx2_max_rows() == 4
     g = torch.Generator().manual_seed(0)
     for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 72)]:
@@ -76,12 +84,7 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
     portable kernel of the same build: bf16 outputs within a bf16 step."""
     import torch
 
-    if "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in kv_cache.CFLAGS]
-    monkeypatch.setenv("VX_CACHE", str(tmp_path))
-    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
-    lib = kv_cache._build_kernels()
+    lib = _avx2_build(tmp_path, monkeypatch)
     assert lib.vx_has_avx2_attention() == 1
     g = torch.Generator().manual_seed(0)
     for hq, hkv, d, bs, lens in [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5])]:
