@@ -59,6 +59,13 @@ static inline void vx_prefetch_block(const vx_bf16* p, int rows, int64_t c_ss, i
     for (int s = 0; s < rows; s++)
         for (int d = 0; d < D; d += 32) _mm_prefetch((const char*)(p + s * c_ss + d), _MM_HINT_T0);
 }
+/* Block n of a request's row of the block table in c (one kv head's cache), with block n + 1
+   prefetched while block n is computed. */
+static inline const vx_bf16* vx_avx2_block(const vx_bf16* c, const int32_t* row_bt, int n,
+                                           int nblk, int64_t c_sb, int BS, int64_t c_ss, int D) {
+    if (n + 1 < nblk) vx_prefetch_block(c + (int64_t)row_bt[n + 1] * c_sb, BS, c_ss, D);
+    return c + (int64_t)row_bt[n] * c_sb;
+}
 int vx_decode_attention_bf16_avx2(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
@@ -87,11 +94,8 @@ int vx_decode_attention_bf16_avx2(
             for (int d = 0; d < D; d++) qf[g * D + d] = ld_bf16(qr[d]) * scale;
         }
         /* S = q K^T, a block of K widened once for the G heads. */
-        if (nblk > 0) vx_prefetch_block(kc + h * c_sh + (int64_t)row_bt[0] * c_sb, BS, c_ss, D);
         for (int n = 0; n < nblk; n++) {
-            const vx_bf16* kb = kc + h * c_sh + (int64_t)row_bt[n] * c_sb;
-            if (n + 1 < nblk)
-                vx_prefetch_block(kc + h * c_sh + (int64_t)row_bt[n + 1] * c_sb, BS, c_ss, D);
+            const vx_bf16* kb = vx_avx2_block(kc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
             const int s8 = (smax + 7) & ~7;
             for (int s = 0; s < s8; s++)
@@ -134,11 +138,8 @@ int vx_decode_attention_bf16_avx2(
         }
         /* O = P V, one V row widened once for the G heads. */
         for (int i = 0; i < G * D; i++) acc[i] = 0.f;
-        if (nblk > 0) vx_prefetch_block(vc + h * c_sh + (int64_t)row_bt[0] * c_sb, BS, c_ss, D);
         for (int n = 0; n < nblk; n++) {
-            const vx_bf16* vb = vc + h * c_sh + (int64_t)row_bt[n] * c_sb;
-            if (n + 1 < nblk)
-                vx_prefetch_block(vc + h * c_sh + (int64_t)row_bt[n + 1] * c_sb, BS, c_ss, D);
+            const vx_bf16* vb = vx_avx2_block(vc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
             for (int s = 0; s < smax; s++) {
                 __m256 vr[VX_AVX2_ATT_MAX_D / 8];

@@ -18,7 +18,9 @@ row to torch's bf16 GEMV.
 
 Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
 `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
-the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1` forces it (tests, A/B runs).
+the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1` forces it (tests, A/B runs);
+`VX_CPU_GEMV=0` keeps the AVX2 skinny GEMM out (the fp32 copy from two rows, as for the
+AVX-512 skinny GEMM).
 """
 
 from __future__ import annotations
@@ -133,6 +135,3 @@ class WideWeight:
         else:
             y = F.linear(xf, self.weight, b)
         return y.to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * 4
