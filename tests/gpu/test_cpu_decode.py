@@ -16,7 +16,7 @@ from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
 from vx.gpu.cpu_decode import FusedDecode
 from vx.gpu.cpu_ops import bf16_max_rows
-from vx.gpu.kv_cache import prefill_kernel_available
+from vx.gpu.kv_cache import load_cpu_kernels, prefill_kernel_available
 from vx.gpu.loader import load_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def _load(tmp_path, case: str):
     model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
     fused = FusedDecode.build(model.model)
     if fused is None:
-        pytest.skip("no fused CPU decode step here (needs the AVX-512 kernel library)")
+        pytest.skip("no fused CPU decode step here (AVX-512 or AVX2 kernels; int8: AVX-512)")
     return model, fused
 
 
@@ -96,13 +96,16 @@ def _compare(model, fused: FusedDecode, batch: int, steps: int = 3) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fused_decode_equals_module_path(tmp_path, case: str) -> None:
     model, fused = _load(tmp_path, case)
-    for batch in (1, 2, 3, 17):
-        assert _compare(model, fused, batch) == 3, batch
+    for batch in (1, 2, 3, 4, 5, 17):
+        # past its rows (4 on AVX2) the step is declined and the module path runs
+        assert _compare(model, fused, batch) == (3 if batch <= fused.max_rows() else 0), batch
 
 
 def test_fused_decode_over_64_rows(tmp_path) -> None:
     """Past 64 rows each GEMM is two AMX calls (or the VDPBF16PS kernel without AMX)."""
     model, fused = _load(tmp_path, "llama-d64")
+    if fused.max_rows() < 70:
+        pytest.skip("the fused step takes fewer rows here (AVX2)")
     assert _compare(model, fused, 70, steps=2) == 2
 
 
@@ -129,25 +132,28 @@ def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
 def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> None:
     model, fused = _load(tmp_path, "llama-d16")
     # a step with more rows than the skinny GEMM takes
-    import vx.gpu.cpu_decode as cd
-
-    monkeypatch.setattr(cd, "bf16_max_rows", lambda: 2)
+    monkeypatch.setattr(FusedDecode, "max_rows", lambda self: 2)
     assert _compare(model, fused, 3, steps=1) == 0
     monkeypatch.undo()
-    # int8 rows past the C int8 kernel's 8 that still go to a quantized kernel (torch's)
-    monkeypatch.setenv("VX_QUANT_MAX_ROWS", "16")
-    model, fused = _load(tmp_path, "llama-int8")
-    assert _compare(model, fused, 12, steps=1) == 0
-    assert _compare(model, fused, 17, steps=1) == 1  # past 16 rows: bf16, fused
     monkeypatch.setenv("VX_CPU_DECODE_STEP", "0")
     assert FusedDecode.build(model.model) is None
+    monkeypatch.delenv("VX_CPU_DECODE_STEP")
+    # int8 rows past the C int8 kernel's 8 that still go to a quantized kernel (torch's)
+    monkeypatch.setenv("VX_QUANT_MAX_ROWS", "16")
+    arch, overrides, quant = CASES["llama-int8"]
+    path = make_tiny_model(tmp_path / "int8", arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
+    fused = FusedDecode.build(model.model)
+    if fused is None:  # AVX2: no C int8 kernel, so no fused step for int8 models
+        assert load_cpu_kernels().vx_has_decode_step() == 2
+        return
+    assert _compare(model, fused, 12, steps=1) == 0
+    assert _compare(model, fused, 17, steps=1) == 1  # past 16 rows: bf16, fused
 
 
 def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> None:
     """AMX switched off after the metadata was built: the C step answers -2 before writing
     anything, `run` answers None, and the module path (SDPA) gives the same logits."""
-    from vx.gpu.kv_cache import load_cpu_kernels
-
     model, fused = _load(tmp_path, "llama-d64")
     if not _prefill_fused(model, 64):
         pytest.skip("no C prefill attention here")

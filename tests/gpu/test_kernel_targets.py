@@ -39,18 +39,19 @@ def _avx2_build(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("march", "avx512"), [("x86-64-v4", 1), ("x86-64-v3", 0), ("x86-64-v2", 0)]
+    ("march", "avx512", "step"), [("x86-64-v4", 1, 1), ("x86-64-v3", 0, 2), ("x86-64-v2", 0, 0)]
 )
 def test_library_builds_and_binds_on_older_targets(
-    tmp_path, monkeypatch, march: str, avx512: int
+    tmp_path, monkeypatch, march: str, avx512: int, step: int
 ) -> None:
     lib = _build(march, tmp_path, monkeypatch)
     assert lib is not None
-    # Without AVX-512 the skinny GEMM and the fused step are left out, and the GEMM says it
-    # takes no rows; AVX-512 without BF16 (x86-64-v4) has the FMA GEMM but no fast kernels.
+    # Without AVX-512 the AVX-512 skinny GEMM is left out, and it says it takes no rows;
+    # AVX-512 without BF16 (x86-64-v4) has the FMA GEMM but no fast kernels. The fused step is
+    # built on AVX-512 (1) and on AVX2 (2, on the AVX2 GEMM), not below.
     assert lib.vx_has_gemv() == avx512
     assert (lib.vx_gemv_bf16_max_rows() > 0) == bool(avx512)
-    assert lib.vx_has_decode_step() == avx512
+    assert lib.vx_has_decode_step() == step
     assert lib.vx_has_fast_bf16() == 0
     assert list(tmp_path.glob("kernels/decode_attention-*.so"))
 
@@ -107,3 +108,32 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
             assert rc == 0
         diff = (outs[0].float() - outs[1].float()).abs()
         assert (diff <= outs[0].float().abs() * 2.0**-7 + 1e-3).all(), (hq, d)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias"])
+def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str) -> None:
+    """The fused step of the x86-64-v3 build (its AVX2 GEMM and attention, on any AVX2 CPU)
+    against the module path on the same build: bit-identical logits at 1-4 rows, declined past
+    them."""
+    import torch
+
+    from tests.gpu.test_cpu_decode import CASES, _compare
+    from tests.models import make_tiny_model
+    from vx.gpu import cpu_ops, cpu_widen
+    from vx.gpu.cpu_decode import FusedDecode
+    from vx.gpu.loader import load_model
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    # every caller takes this build, and the weights get the AVX2 path's fp32 copies
+    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(cpu_ops, "_gemv_state", {})
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    arch, overrides, _ = CASES[case]
+    path = make_tiny_model(tmp_path / "m", arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    fused = FusedDecode.build(model.model)
+    assert fused is not None and fused.max_rows() == 4
+    for batch in (1, 3, 4, 5):
+        assert _compare(model, fused, batch) == (3 if batch <= 4 else 0), batch

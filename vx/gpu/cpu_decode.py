@@ -1,6 +1,9 @@
 """The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
 the skinny GEMM's rows (192 with AMX): decode rows, and prefill chunks where the C prefill
-attention takes them (bf16 on AMX, head size a multiple of 32).
+attention takes them (bf16 on AMX, head size a multiple of 32). On AVX2 CPUs without AVX-512
+it takes decode steps of up to 4 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
+(its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
+through the modules and takes 19-21 ms here (2-core AMD EPYC).
 
 Runs in: each Worker process. The C side is `vx.gpu.cpu_decode_source` (built into the kernel
 library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
@@ -12,7 +15,7 @@ answers None, before touching anything, for every step it does not cover: more r
 skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
 the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
 cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
-the kernels refuse). `VX_CPU_DECODE_STEP=0` turns it off.
+the kernels refuse; on AVX2: int8, or layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
-from vx.gpu.kv_cache import fast_decode_attention
+from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
 
 __all__ = ["FusedDecode"]
 
@@ -61,9 +64,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear_desc(layer: Any) -> _Linear | None:
-    """The C view of one linear, or None where the C kernels would not be the module's path."""
-    w = layer.plain
+def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
+    """The C view of one linear, or None where the C kernels would not be the module's path
+    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, never int8)."""
+    if avx2:
+        wide = layer.wide
+        w = wide.bf16 if wide is not None and wide.skinny_rows and layer.quant is None else None
+    else:
+        w = layer.plain
     bias = layer.bias
     if w is None or not w.is_contiguous() or layer.tp_size != 1:
         return None
@@ -83,37 +91,47 @@ def _linear_desc(layer: Any) -> _Linear | None:
 class FusedDecode:
     """One model's C layer descriptions; `run` takes a step or answers None."""
 
-    def __init__(self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int) -> None:
+    def __init__(
+        self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int, avx2_rows: int
+    ) -> None:
         self._model, self._lib = model, lib
         self._layers = (_Layer * len(layers))(*layers)
         self._quant_rows = quant_rows
+        self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
         self._kv_key: tuple[int, ...] = ()
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]
-        self._inter = model.layers[0].mlp.down_proj.plain.shape[1]
+        self._inter = layers[0].down.k  # the MLP's intermediate size
         self._eps = model.layers[0].input_layernorm.eps
-        self._has_fast = bool(lib.vx_has_fast_bf16())  # the AVX512-BF16 attention was built
+        # the attention `decode_kernel_fn(fast=True)` picks was built (AVX512-BF16, or AVX2)
+        self._has_fast = bool(lib.vx_has_avx2_attention() if avx2_rows else lib.vx_has_fast_bf16())
 
     @classmethod
     def build(cls, model: Any) -> FusedDecode | None:
         """For a `LlamaModel` after its weights were processed; None where it does not apply."""
         from vx.gpu.attention import paged_attention
 
-        lib = gemv_kernels()
-        if os.environ.get("VX_CPU_DECODE_STEP", "1") == "0" or lib is None:
+        if os.environ.get("VX_CPU_DECODE_STEP", "1") == "0":
             return None
-        if not lib.vx_has_decode_step() or model.norm.weight.dtype != torch.bfloat16:
+        lib = load_cpu_kernels()
+        kind = 0 if lib is None else lib.vx_has_decode_step()
+        avx2 = kind == 2  # built for AVX2 without AVX-512 (vx.gpu.cpu_decode_source)
+        if kind == 0 or (not avx2 and gemv_kernels() is None):
             return None
-        descs, quant_rows = [], None
+        if model.norm.weight.dtype != torch.bfloat16:
+            return None
+        descs, quant_rows, avx2_rows = [], None, 1 << 30
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.attn_fn is not paged_attention or attn.head_dim % 2:
                 return None
-            lins = [_linear_desc(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                              mlp.down_proj)]  # fmt: skip
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            lins = [_linear_desc(m, avx2) for m in linears]
             if any(d is None for d in lins):
                 return None
+            if avx2:  # the rows every layer's skinny GEMM takes
+                avx2_rows = min(avx2_rows, *(m.wide.skinny_rows for m in linears))
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 rows = 0 if m.quant is None else m.quant.max_rows
                 if quant_rows is not None and rows != quant_rows:
@@ -125,7 +143,11 @@ class FusedDecode:
             descs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None))
         if not descs:
             return None
-        return cls(model, lib, descs, quant_rows or 0)
+        return cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
+
+    def max_rows(self) -> int:
+        """The most rows a step may have here (the skinny GEMM's; AMX can be switched off)."""
+        return self._avx2_rows or bf16_max_rows()
 
     def run(
         self,
@@ -142,7 +164,7 @@ class FusedDecode:
         # prefill chunks: only where the module path takes the same C kernel for them
         if md.prefills and (md.prefill_starts is None or d % 32 or d > 256 or hq % hkv):
             return None
-        if t > bf16_max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
+        if t > self.max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
             return None
         if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
             return None

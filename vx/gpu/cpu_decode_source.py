@@ -15,7 +15,9 @@ kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM
 
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
-(one call). The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+(one call). Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+path of `vx.gpu.cpu_widen.WideWeight` for 1-4 rows instead: the AVX2 skinny GEMM on the bf16
+weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
 
 Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
@@ -48,8 +50,8 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
         }
     }
 }
-#if defined(__AVX512F__)
-#ifdef VX_HAS_AMX
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) && defined(VX_HAS_AMX)
 #define VX_STEP_AMX vx_amx_on
 #else
 #define VX_STEP_AMX 0
@@ -96,11 +98,16 @@ typedef struct {
 
 static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
                            vx_bf16* y) {
+#if defined(__AVX512F__)
     if (L->q && T <= quant_rows)
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     if (T > 2 && VX_STEP_AMX)
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
+#else  /* AVX2: the skinny GEMM of `WideWeight._skinny` (no int8 here: the caller checked) */
+    (void)quant_rows;
+    return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
+#endif
 }
 /* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
    (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the
@@ -130,9 +137,15 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
         rc = 0;
         if (s->nd) {
             rc = -2;
-#ifdef VX_HAS_FAST_BF16
+#if defined(VX_HAS_FAST_BF16)
             if (s->fast)
                 rc = vx_decode_attention_bf16_fast(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
+#elif !defined(__AVX512F__)
+            if (s->fast)
+                rc = vx_decode_attention_bf16_avx2(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
                     c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
                     (int)D, (int)s->BS, s->scale, s->max_len);
@@ -157,7 +170,11 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     }
     return 0;
 }
+#if defined(__AVX512F__)
 int vx_has_decode_step(void) { return 1; }
+#else
+int vx_has_decode_step(void) { return 2; }  /* AVX2: up to vx_gemv_avx2_max_rows() rows */
+#endif
 #else
 int vx_has_decode_step(void) { return 0; }
 #endif
