@@ -22,29 +22,7 @@ ATTENTION_AVX2_SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_AVX2_ATT_MAX_D 256
 #define VX_AVX2_ATT_MAX_BS 64
-static inline __m256 vx_ld8_bf16(const vx_bf16* p) {  /* 8 bf16 -> 8 fp32, exact */
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-/* vx_expf on 8 lanes (x <= 0). */
-static inline __m256 vx_exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256i ni = _mm256_cvttps_epi32(_mm256_sub_ps(t, _mm256_set1_ps(0.5f)));
-    const __m256 n = _mm256_cvtepi32_ps(ni);
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_gemv_source`). */
 /* The 8 horizontal sums of a[0..7], in order, as one vector. */
 static inline __m256 vx_hsum8x8(const __m256* a) {
     const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);

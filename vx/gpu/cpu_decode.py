@@ -1,7 +1,7 @@
 """The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
 the skinny GEMM's rows (192 with AMX): decode rows, and prefill chunks where the C prefill
 attention takes them (bf16 on AMX, head size a multiple of 32). On AVX2 CPUs without AVX-512
-it takes decode steps of up to 4 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
+it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
 (its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
 through the modules and takes 19-21 ms here (2-core AMD EPYC).
 

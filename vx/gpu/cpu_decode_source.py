@@ -16,7 +16,7 @@ kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
 (one call). Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
-path of `vx.gpu.cpu_widen.WideWeight` for 1-4 rows instead: the AVX2 skinny GEMM on the bf16
+path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
 weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
 

@@ -75,6 +75,46 @@ static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 #endif
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VX_SILU_AVX2 1
+static inline __m256 vx_ld8_bf16(const vx_bf16* p) {  /* 8 bf16 -> 8 fp32, exact */
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+/* vx_expf on 8 lanes (x <= 0), its roundings step by step. */
+static inline __m256 vx_exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256i ni = _mm256_cvttps_epi32(_mm256_sub_ps(t, _mm256_set1_ps(0.5f)));
+    const __m256 n = _mm256_cvtepi32_ps(ni);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* st_bf16v on 8 finite lanes, left in the high halves (the low halves zero): fp32 values */
+static inline __m256 vx_round8_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vx_st8_bf16(vx_bf16* p, __m256 rounded) {  /* rounded: vx_round8_bf16's */
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h),
+                                            _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128((__m128i*)p, packed);
+}
+#endif
 void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T, int64_t I) {
     _Pragma("omp parallel for schedule(static) if (T * I >= 65536)")
     for (int64_t t = 0; t < T; t++) {
@@ -93,6 +133,23 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
             const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
             _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);
         }
+#elif defined(VX_SILU_AVX2)
+        /* non-finite gate or up values take the scalar tail's NaN handling */
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        const __m256 big = _mm256_set1_ps(3.0e38f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = vx_ld8_bf16(g + i), uv = vx_ld8_bf16(u + i);
+            const __m256 ag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), gv);
+            const __m256 au = _mm256_andnot_ps(_mm256_set1_ps(-0.f), uv);
+            if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(ag, big, _CMP_NLE_UQ),
+                                                _mm256_cmp_ps(au, big, _CMP_NLE_UQ))))
+                break;
+            const __m256 e = vx_exp8(_mm256_sub_ps(zero, ag));
+            const __m256 pos = _mm256_cmp_ps(gv, zero, _CMP_GE_OQ);
+            const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+            const __m256 sv = vx_round8_bf16(_mm256_mul_ps(gv, sig));
+            vx_st8_bf16(o + i, vx_round8_bf16(_mm256_mul_ps(sv, uv)));
+        }
 #endif
         for (; i < I; i++) o[i] = st_bf16v(vx_silu_round(ld_bf16(g[i]), ld_bf16(u[i])));
     }
@@ -100,7 +157,7 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
 /* Whether vx_silu_and_mul_bf16 has a vector body here (else it is scalar, and torch's two
    vectorised ops are faster past a few rows). */
 int vx_silu_simd(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(VX_SILU_AVX2)
     return 1;
 #else
     return 0;

@@ -12,9 +12,9 @@ GEMM, and the output is rounded to bf16 once, so only the order of the fp32 sums
 
 A widened layer keeps its bf16 weight: up to a few rows (decode at small batch) a step only
 streams weights, and the bf16 weight is half the bytes. Those rows go to vx's AVX2 skinny GEMM
-(`vx.gpu.cpu_gemv_avx2_source`, up to 4 rows: 0.20 ms a SmolLM2 layer at one row, against
-0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy), or where it is not built, one
-row to torch's bf16 GEMV.
+(`vx.gpu.cpu_gemv_avx2_source`, up to 24 rows: 0.20 ms a SmolLM2 layer at one row, against
+0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy; ahead of the fp32 copy up to ~24
+rows), or where it is not built, one row to torch's bf16 GEMV.
 
 Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
 `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
