@@ -111,6 +111,7 @@ class ModelRunner:
     # ───────────────────────── start-up ─────────────────────────
 
     def load_model(self) -> None:
+        from vx.gpu.cpu_pages import collapse_weights
         from vx.gpu.loader import load_model
         from vx.gpu.sampler import Sampler
 
@@ -126,6 +127,8 @@ class ModelRunner:
             quantization=m.quantization,
         )
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
+            collapse_weights(self.model)
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)
