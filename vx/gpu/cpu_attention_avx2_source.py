@@ -22,7 +22,7 @@ ATTENTION_AVX2_SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_AVX2_ATT_MAX_D 256
 #define VX_AVX2_ATT_MAX_BS 64
-/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_gemv_source`). */
+/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_eltwise_source`). */
 /* The 8 horizontal sums of a[0..7], in order, as one vector. */
 static inline __m256 vx_hsum8x8(const __m256* a) {
     const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);

@@ -1,7 +1,7 @@
 """The Python side of vx's C CPU ops beside the attention kernel: the skinny GEMM (decode at
 small batch, bf16 or int8 weights) and the fused RMSNorm and SiLU-mul (bf16).
 
-Runs in: each Worker process. The C source is `vx.gpu.cpu_gemv_source`, built into the same
+Runs in: each Worker process. The C sources are `vx.gpu.cpu_gemv_source` and `vx.gpu.cpu_eltwise_source`, built into the same
 library as the decode attention (`vx.gpu.kv_cache.load_cpu_kernels`). Every entry point
 answers "not here" (False / None) where the library, the CPU or the tensor does not fit, and
 the caller keeps its torch path; `VX_CPU_GEMV=0` turns all of them off.

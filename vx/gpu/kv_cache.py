@@ -37,6 +37,7 @@ import torch
 from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
+from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
@@ -145,6 +146,7 @@ def allocate_kv_caches(
 _DECODE_KERNEL_SOURCE = (
     PARALLEL_SOURCE
     + DECODE_KERNEL_SOURCE
+    + ELTWISE_SOURCE
     + GEMV_KERNEL_SOURCE
     + GEMV_AVX2_SOURCE
     + ATTENTION_AVX2_SOURCE
