@@ -197,3 +197,22 @@ def test_num_cpu_blocks():
     assert per_block == 2 * 30 * 3 * 64 * 16 * 2
     assert num_cpu_blocks(4 * 1024**3, per_block) == (4 * 1024**3) // per_block
     assert block_bytes(2, 1, 8, torch.float32) == 2 * 2 * 8 * 16 * 4
+
+
+@pytest.mark.parametrize("layout", ["block", "head"])
+@pytest.mark.parametrize("use_out", [False, True])
+def test_gather_blocks_picks_whole_blocks_in_either_layout(monkeypatch, layout, use_out):
+    """gather_blocks(cache, ids) is cache[:, ids], contiguous, for head- and block-major
+    caches alike (the block-major one gathers along its memory's block axis)."""
+    monkeypatch.setenv("VX_KV_LAYOUT", layout)
+    hkv, nb, d = 3, 40, 8
+    ((k_cache, _),) = allocate_kv_caches(1, nb, hkv, d, dtype=torch.float32, device="cpu")
+    assert (k_cache.stride(1) > k_cache.stride(0)) == (layout == "block")
+    k_cache.copy_(torch.randn(k_cache.shape, generator=torch.Generator().manual_seed(3)))
+    ids = torch.tensor([7, 0, 39, 7, 12])
+    out = torch.full((hkv, len(ids), BS, d), float("nan")) if use_out else None
+    got = attention.gather_blocks(k_cache, ids, out=out)
+    assert got.is_contiguous() and got.shape == (hkv, len(ids), BS, d)
+    torch.testing.assert_close(got, k_cache[:, ids], atol=0, rtol=0)
+    if use_out:
+        assert got.data_ptr() == out.data_ptr()
