@@ -417,6 +417,35 @@ def test_runner_greedy_ids_from_the_lm_head_equal_the_logits_path(tiny_llama, mo
     assert calls and max(calls) == 5
 
 
+def test_runner_one_greedy_row_takes_the_int8_screen(tiny_llama, monkeypatch):
+    """On AVX2 (the LM head widened, the AVX2 skinny GEMM built) a step with one greedy row
+    takes its token from the int8 screen of the LM head (vx.gpu.cpu_screen): the logits
+    path's tokens, step by step; `VX_CPU_SCREEN_HEAD=0` leaves it out."""
+    from vx.gpu import cpu_widen
+
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    outs, taken = {}, []
+    for on in ("1", "0"):
+        monkeypatch.setenv("VX_CPU_SCREEN_HEAD", on)
+        monkeypatch.setattr(cpu_widen, "_state", {})
+        runner = make_runner(tiny_llama, dtype="bfloat16")
+        screen = runner._model.lm_head.screen
+        if on == "0":
+            assert screen is None
+        elif screen is None:
+            pytest.skip("no AVX2 skinny GEMM in this machine's build")
+        else:
+            real = screen.argmax
+            monkeypatch.setattr(
+                screen, "argmax", lambda x, real=real: taken.append(real(x)) or taken[-1]
+            )
+        sim = Sim(runner)
+        sim.add("r", PROMPT[:7])
+        outs[on] = sim.run(["r"], 16, 12)["r"]
+    assert outs["1"] == outs["0"] and len(outs["1"]) == 12
+    assert len(taken) >= 12 and all(t is not None for t in taken)
+
+
 def test_runner_last_layer_runs_past_attention_on_the_sampled_rows_only(tiny_llama, hf):
     """A step's last layer runs its o_proj and MLP on the rows that sample a token and no
     other (none at all for a step of mid-prompt chunks), every other layer on every row; the

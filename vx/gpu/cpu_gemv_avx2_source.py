@@ -1,5 +1,5 @@
 """The C source of the skinny bf16 GEMM for CPUs with AVX2 and no AVX-512 (most laptops,
-AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x.
+AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x; and the LM head's int8 screen.
 
 Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
 `vx.gpu.cpu_widen.WideWeight` calls it for the rows its fp32 copy is not worth).
@@ -18,6 +18,10 @@ Layout: x [M, K] bf16 (row stride x_st), W [N, K] bf16 row-major, bias [N] bf16 
 [M, N] bf16 (row stride y_st); 1 <= M <= VX_AVX2_MAX_ROWS, K % 8 == 0, K <= VX_AVX2_MAX_K.
 fp32 products and sums, one bf16 rounding at the end (the sums' order differs from torch's).
 Parallel over blocks of 4 output rows, shared with stealing (`vx_ws`).
+
+Beside it, for the LM head's exact greedy search (`vx.gpu.cpu_screen`): `vx_screen_i8_avx2`,
+the same tiles over an int8 copy of W with per-row scales (fp32 out), and `vx_screen_select`,
+which picks the rows the screen cannot rule out.
 """
 
 from __future__ import annotations
@@ -39,21 +43,25 @@ static inline float vx_hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-/* Rows n0..n0+3 of W against the M rows of xf (fp32, [M, K]): out[m * 4 + r]. */
-#define VX_AVX2_TILE(MM) \
-static void vx_avx2_tile_##MM(const float* xf, const vx_bf16* W, int64_t K, int64_t n0, \
-                              int64_t nr, float* out) { \
+static inline __m256 vx_w8_i8(const int8_t* p) {  /* 8 int8 -> 8 fp32, exact */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+/* Rows n0..n0+3 of W (weights of type WT, widened 8 at a time by LOAD; PFB bytes of a later
+   group prefetched per 8 columns) against the M rows of xf (fp32, [M, K]): out[m * 4 + r]. */
+#define VX_AVX2_TILE(NAME, MM, WT, LOAD, PFB) \
+static void NAME##_##MM(const float* xf, const WT* W, int64_t K, int64_t n0, int64_t nr, \
+                        float* out) { \
     __m256 acc[MM][4]; \
     for (int m = 0; m < MM; m++) \
         for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps(); \
-    const vx_bf16* w[4]; \
+    const WT* w[4]; \
     for (int r = 0; r < 4; r++) w[r] = W + (n0 + (r < nr ? r : 0)) * K; \
-    /* 64 bytes of a later group per 8 columns: its 4 rows (8 K bytes) over this group's K. */ \
+    /* PFB bytes of a later group per 8 columns: its 4 rows over this group's K. */ \
     const char* pf = (const char*)(W + (n0 + 4 * VX_AVX2_PDG) * K); \
     for (int64_t k = 0; k < K; k += 8) { \
-        _mm_prefetch(pf + k * 8, _MM_HINT_T0); \
+        _mm_prefetch(pf + k * (PFB / 8), _MM_HINT_T0); \
         __m256 wv[4]; \
-        for (int r = 0; r < 4; r++) wv[r] = vx_w8_bf16(w[r] + k); \
+        for (int r = 0; r < 4; r++) wv[r] = LOAD(w[r] + k); \
         for (int m = 0; m < MM; m++) { \
             const __m256 xv = _mm256_loadu_ps(xf + m * K + k); \
             for (int r = 0; r < 4; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]); \
@@ -62,16 +70,25 @@ static void vx_avx2_tile_##MM(const float* xf, const vx_bf16* W, int64_t K, int6
     for (int m = 0; m < MM; m++) \
         for (int r = 0; r < 4; r++) out[m * 4 + r] = vx_hsum8(acc[m][r]); \
 }
-VX_AVX2_TILE(1)
-VX_AVX2_TILE(2)
-VX_AVX2_TILE(3)
+VX_AVX2_TILE(vx_avx2_tile, 1, vx_bf16, vx_w8_bf16, 64)
+VX_AVX2_TILE(vx_avx2_tile, 2, vx_bf16, vx_w8_bf16, 64)
+VX_AVX2_TILE(vx_avx2_tile, 3, vx_bf16, vx_w8_bf16, 64)
+VX_AVX2_TILE(vx_avx2_tile_i8, 1, int8_t, vx_w8_i8, 32)
+VX_AVX2_TILE(vx_avx2_tile_i8, 2, int8_t, vx_w8_i8, 32)
+VX_AVX2_TILE(vx_avx2_tile_i8, 3, int8_t, vx_w8_i8, 32)
+/* x (bf16 rows, stride x_st) widened to fp32 [M, K]; NULL: no memory. */
+static float* vx_avx2_widen_x(const vx_bf16* x, int64_t x_st, int M, int64_t K) {
+    float* xf = (float*)malloc(sizeof(float) * (size_t)M * (size_t)K);
+    if (xf)
+        for (int m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xf[m * K + k] = ld_bf16(x[m * x_st + k]);
+    return xf;
+}
 int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                       const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
-    float* xf = (float*)malloc(sizeof(float) * (size_t)M * (size_t)K);
+    float* xf = vx_avx2_widen_x(x, x_st, M, K);
     if (!xf) return -3;
-    for (int m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k++) xf[m * K + k] = ld_bf16(x[m * x_st + k]);
     vx_ws ws;
     const int64_t groups = (N + 3) / 4;
     const int par = N * K >= 262144;
@@ -100,8 +117,82 @@ int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     free(xf);
     return 0;
 }
+/* The screen of an int8 copy of W (per-row scales s): y [M, N] fp32, y[m, n] = s[n] *
+   (x[m] . Q[n]), fp32 products and sums. The LM head's exact greedy search reads it
+   (`vx.gpu.cpu_screen`). Same shapes and limits as vx_gemv_bf16_avx2. */
+int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
+                      float* y, int64_t N, int64_t K) {
+    if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
+    float* xf = vx_avx2_widen_x(x, x_st, M, K);
+    if (!xf) return -3;
+    vx_ws ws;
+    const int64_t groups = (N + 3) / 4;
+    const int par = N * K >= 262144;
+    vx_ws_init(&ws, groups, par);
+    _Pragma("omp parallel if (par)")
+    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
+        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
+        for (int m0 = 0; m0 < M; m0 += VX_AVX2_MT) {
+            const int mm = M - m0 < VX_AVX2_MT ? M - m0 : VX_AVX2_MT;
+            const float* xm = xf + (int64_t)m0 * K;
+            float o[VX_AVX2_MT * 4];
+            switch (mm) {
+            case 1: vx_avx2_tile_i8_1(xm, Q, K, n0, nr, o); break;
+            case 2: vx_avx2_tile_i8_2(xm, Q, K, n0, nr, o); break;
+            default: vx_avx2_tile_i8_3(xm, Q, K, n0, nr, o); break;
+            }
+            for (int64_t r = 0; r < nr; r++)
+                for (int m = 0; m < mm; m++) y[(m0 + m) * N + n0 + r] = o[m * 4 + r] * s[n0 + r];
+        }
+    }
+    free(xf);
+    return 0;
+}
+/* The screen's candidates (`vx.gpu.cpu_screen`): row m's logits lie within a[m, n] +-
+   l1[m] bound[n]; n is a candidate of row m unless its upper end is below the largest lower
+   end less |that| 2^-6. Writes the union of all rows' candidates, ascending, to idx and
+   whether each is row m's to cand[m * max_union + j]; returns the union's size, or -1 past
+   max_union. */
+int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
+                         const double* l1, int64_t* idx, uint8_t* cand, int64_t max_union) {
+    double floor[VX_AVX2_MAX_ROWS];
+    if (M < 1 || M > VX_AVX2_MAX_ROWS) return -1;
+    for (int m = 0; m < M; m++) {
+        double top = -INFINITY;
+        for (int64_t n = 0; n < N; n++) {
+            const double lo = (double)a[m * N + n] - l1[m] * bound[n];
+            top = lo > top ? lo : top;
+        }
+        floor[m] = top - fabs(top) * 0x1p-6 - 1e-30;
+    }
+    int64_t u = 0;
+    for (int64_t n = 0; n < N; n++) {
+        int any = 0;
+        uint8_t c[VX_AVX2_MAX_ROWS];
+        for (int m = 0; m < M; m++) {
+            c[m] = (double)a[m * N + n] + l1[m] * bound[n] >= floor[m];
+            any |= c[m];
+        }
+        if (!any) continue;
+        if (u == max_union) return -1;
+        idx[u] = n;
+        for (int m = 0; m < M; m++) cand[m * max_union + u] = c[m];
+        u++;
+    }
+    return u;
+}
 int vx_gemv_avx2_max_rows(void) { return VX_AVX2_MAX_ROWS; }
 #else
+int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
+                         const double* l1, int64_t* idx, uint8_t* cand, int64_t max_union) {
+    (void)a; (void)M; (void)N; (void)bound; (void)l1; (void)idx; (void)cand; (void)max_union;
+    return -1;
+}
+int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
+                      float* y, int64_t N, int64_t K) {
+    (void)x; (void)x_st; (void)M; (void)Q; (void)s; (void)y; (void)N; (void)K;
+    return -2;
+}
 int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                       const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     (void)x; (void)x_st; (void)M; (void)W; (void)bias; (void)y; (void)y_st; (void)N; (void)K;

@@ -310,6 +310,10 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_screen_i8_avx2.restype = ctypes.c_int
+    lib.vx_screen_i8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
+    lib.vx_screen_select.restype = i64
+    lib.vx_screen_select.argtypes = [ptr, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64]
     # The element-wise kernels are built for every CPU (portable C).
     lib.vx_add_rms_norm_bf16.restype = None
     lib.vx_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]

@@ -35,6 +35,7 @@ from vx.gpu.cpu_ops import (
     skinny_argmax,
     skinny_gemm,
 )
+from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -379,6 +380,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     quant: QuantizedWeight | None = None
     plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
     wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
+    screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (AVX2)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -389,6 +391,15 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
         if widen_wanted(self.weight):
             self.wide = WideWeight(self.weight.data)
+            # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
+            # the greedy tokens can come from half its bytes (vx.gpu.cpu_screen).
+            if (
+                self.quant is None
+                and self.tp_size == 1
+                and self.wide.skinny_rows >= SCREEN_MAX_ROWS
+                and screen_wanted(self.weight)
+            ):
+                self.screen = ScreenedHead(self.weight.data)
         if not cpu_prepack_enabled(self.weight):
             return
         if gemv_kernels() is not None:
@@ -401,7 +412,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
-        where the C kernel gets it without forming the logits; None elsewhere."""
+        where a C kernel gets it without forming the logits (AMX), or from the int8 screen
+        (AVX2, `vx.gpu.cpu_screen`); None elsewhere."""
+        if self.screen is not None and self.num_per_rank == self.vocab_size:
+            return self.screen.argmax(hidden)
         if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
             return None
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:

@@ -353,7 +353,7 @@ class ModelRunner:
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
         """Where every row is one argmax (see `argmax_only`) and the model's LM head takes it in
-        C (CPU bf16 on AMX): the tokens, without the [rows, vocab] logits ever being formed
+        C (CPU bf16 on AMX, or the int8 screen on AVX2): the tokens, without the [rows, vocab] logits ever being formed
         (at 64 rows that saves writing, widening and re-reading 6 MB of them). Else None."""
         greedy_ids = getattr(self._model, "greedy_ids", None)
         if greedy_ids is None or self.device.type != "cpu" or self._poison_seed is not None:

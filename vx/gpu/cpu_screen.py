@@ -1,0 +1,121 @@
+"""Exact greedy tokens from a bf16 LM head with half its bytes read (CPUs with AVX2 and no
+AVX-512).
+
+Runs in: each Worker process (`vx.gpu.layers.ParallelLMHead.greedy_ids`).
+
+Why: at one to a few rows a decode step only streams weights, and SmolLM2's LM head is a fifth
+of them (49,152 x 576 bf16, 57 MB: ~3.6 ms of a ~20 ms step on a 2-core AMD EPYC). A greedy
+row needs only the argmax of its logits. An int8 copy of the head (one scale per vocab row) is
+half the bytes and gives every logit to within a bound; only the rows whose bound reaches the
+best lower bound are computed again from the bf16 weight, by the very kernel the logits path
+uses (`vx_gemv_bf16_avx2`), on the same rows of x.
+
+Invariant: `ScreenedHead.argmax(x)` is the argmax (first maximum) of the bf16 logits that path
+gives, `vx_gemv_bf16_avx2(x, W)`, for every x; or None, and the caller forms the logits. Why:
+- the copy stores, per row n, err[n] = max_k |s[n] q[n, k] - w[n, k]|, so
+  |s[n] (x . q[n]) - x . w[n]| <= |x|_1 err[n];
+- each fp32 dot product (the screen's and the bf16 kernel's) is within gamma |x|_1 (max|w[n]|
+  + err[n]) of its exact value, gamma = 2 K 2^-24 (twice the textbook bound for K terms);
+- so every logit the kernel gives lies in [a[n] - E[n], a[n] + E[n]], a the screen. With L the
+  largest lower end, a row whose upper end is below L - |L| 2^-6 rounds to a bf16 value below
+  the maximum's (bf16 spacing is at most 2^-7 of the value), so it cannot be or tie the
+  argmax, and only the others (the candidates) are computed exactly.
+The candidates' logits come from the same kernel with the same rows of x, so each is
+bit-identical to the full product's (tested). Memory: the int8 copy, half the bf16 head.
+`VX_CPU_SCREEN_HEAD=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+__all__ = ["MAX_ROWS", "ScreenedHead", "screen_wanted"]
+
+#: Rows up to which the screen is used: where the LM head only streams its weight.
+MAX_ROWS = 1
+#: Past this share of candidate rows, the screen gives up (None) and the logits path runs.
+_MAX_CANDIDATE_SHARE = 1 / 16
+_CHUNK = 4096  # rows quantized at a time, so the fp32 temporaries stay small
+
+
+def _lib():
+    from vx.gpu.cpu_widen import _skinny_rows, _state
+
+    return _state["lib"] if _skinny_rows() else None
+
+
+def screen_wanted(weight: torch.Tensor) -> bool:
+    """Whether an LM head of this weight gets a screen here: bf16 on CPU where the AVX2 skinny
+    GEMM is built (it is the kernel the exact rows go through)."""
+    return (
+        os.environ.get("VX_CPU_SCREEN_HEAD", "1") != "0"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] % 8 == 0
+        and _lib() is not None
+    )
+
+
+class ScreenedHead:
+    """An int8 copy of a bf16 [N, K] LM head, with the per-row bounds of the search above."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach()
+        n, k = w.shape
+        self.weight = w
+        self.q = torch.empty(n, k, dtype=torch.int8)
+        self.s = torch.empty(n, dtype=torch.float32)
+        err = torch.empty(n, dtype=torch.float64)
+        wmax = torch.empty(n, dtype=torch.float64)
+        for i in range(0, n, _CHUNK):
+            wf = w[i : i + _CHUNK].float()
+            amax = wf.abs().amax(1)
+            scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+            q = torch.round(wf / scale[:, None]).clamp_(-127, 127)
+            err[i : i + _CHUNK] = (wf - q * scale[:, None]).abs().amax(1).double()
+            wmax[i : i + _CHUNK] = amax.double()
+            self.q[i : i + _CHUNK] = q.to(torch.int8)
+            self.s[i : i + _CHUNK] = scale
+        gamma = 2 * k * 2.0**-24
+        # E[n] = |x|_1 * bound[n]; the last factor covers this product's own rounding.
+        self.bound = ((err + gamma * (2 * wmax + err)) * (1 + 1e-6)).numpy()
+
+    def argmax(self, x: torch.Tensor) -> np.ndarray | None:
+        """[M, K] bf16 -> [M] int64 (see the module docstring); None: not taken here."""
+        lib = _lib()
+        m = x.shape[0]
+        n, k = self.weight.shape
+        if lib is None or not 0 < m <= MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            return None
+        a = np.empty((m, n), dtype=np.float32)
+        rc = lib.vx_screen_i8_avx2(
+            x.data_ptr(), x.stride(0), m, self.q.data_ptr(), self.s.data_ptr(), a.ctypes.data, n, k
+        )
+        l1 = x.double().abs().sum(1).numpy()
+        if rc != 0 or not np.all(np.isfinite(l1)):
+            return None
+        cap = max(1, int(n * _MAX_CANDIDATE_SHARE))
+        union = np.empty(cap, dtype=np.int64)
+        cand = np.empty((m, cap), dtype=np.uint8)
+        u = lib.vx_screen_select(
+            a.ctypes.data, m, n, self.bound.ctypes.data, l1.ctypes.data, union.ctypes.data,
+            cand.ctypes.data, cap,
+        )  # fmt: skip
+        if u < 0:
+            return None
+        union, cand = union[:u], cand[:, :u]
+        rows = self.weight.index_select(0, torch.from_numpy(union))
+        y = torch.empty(m, u, dtype=torch.bfloat16)
+        rc = lib.vx_gemv_bf16_avx2(
+            x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, y.data_ptr(), u, u, k
+        )
+        if rc != 0:
+            return None
+        # Non-candidates of a row are -inf there, so its first maximum is a candidate's.
+        exact = np.where(cand.astype(bool), y.float().numpy(), -np.inf)
+        return union[np.argmax(exact, axis=1)]
