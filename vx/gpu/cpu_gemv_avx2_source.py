@@ -84,36 +84,39 @@ static float* vx_avx2_widen_x(const vx_bf16* x, int64_t x_st, int M, int64_t K) 
             for (int64_t k = 0; k < K; k++) xf[m * K + k] = ld_bf16(x[m * x_st + k]);
     return xf;
 }
+/* The body both GEMMs share: M rows of xf against the N rows of W, in groups of 4 weight rows
+   shared with stealing; 3 rows of x at a time against a group (the first pass reads the
+   group from memory, the others from L1: 4 K bf16 is 12 KiB at K = 1536). STORE writes
+   o[m * 4 + r], the sum of row m0 + m of x with weight row n0 + r. */
+#define VX_AVX2_GEMM(TILE, W, STORE) do { \
+    vx_ws ws; \
+    const int64_t groups = (N + 3) / 4; \
+    const int par = N * K >= 262144; \
+    vx_ws_init(&ws, groups, par); \
+    _Pragma("omp parallel if (par)") \
+    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
+        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4; \
+        for (int m0 = 0; m0 < M; m0 += VX_AVX2_MT) { \
+            const int mm = M - m0 < VX_AVX2_MT ? M - m0 : VX_AVX2_MT; \
+            const float* xm = xf + (int64_t)m0 * K; \
+            float o[VX_AVX2_MT * 4]; \
+            switch (mm) { \
+            case 1: TILE##_1(xm, W, K, n0, nr, o); break; \
+            case 2: TILE##_2(xm, W, K, n0, nr, o); break; \
+            default: TILE##_3(xm, W, K, n0, nr, o); break; \
+            } \
+            for (int64_t r = 0; r < nr; r++) \
+                for (int m = 0; m < mm; m++) { STORE; } \
+        } \
+    } \
+} while (0)
 int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
                       const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
     float* xf = vx_avx2_widen_x(x, x_st, M, K);
     if (!xf) return -3;
-    vx_ws ws;
-    const int64_t groups = (N + 3) / 4;
-    const int par = N * K >= 262144;
-    vx_ws_init(&ws, groups, par);
-    _Pragma("omp parallel if (par)")
-    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
-        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
-        /* 3 rows of x at a time against this group's 4 weight rows: the first pass reads
-           them from memory, the others from L1 (4 K bf16: 12 KiB at K = 1536) */
-        for (int m0 = 0; m0 < M; m0 += VX_AVX2_MT) {
-            const int mm = M - m0 < VX_AVX2_MT ? M - m0 : VX_AVX2_MT;
-            const float* xm = xf + (int64_t)m0 * K;
-            float o[VX_AVX2_MT * 4];
-            switch (mm) {
-            case 1: vx_avx2_tile_1(xm, W, K, n0, nr, o); break;
-            case 2: vx_avx2_tile_2(xm, W, K, n0, nr, o); break;
-            default: vx_avx2_tile_3(xm, W, K, n0, nr, o); break;
-            }
-            for (int64_t r = 0; r < nr; r++) {
-                const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f;
-                for (int m = 0; m < mm; m++)
-                    y[(m0 + m) * y_st + n0 + r] = st_bf16(o[m * 4 + r] + b);
-            }
-        }
-    }
+    VX_AVX2_GEMM(vx_avx2_tile, W,
+        y[(m0 + m) * y_st + n0 + r] = st_bf16(o[m * 4 + r] + (bias ? ld_bf16(bias[n0 + r]) : 0.f)));
     free(xf);
     return 0;
 }
@@ -125,26 +128,7 @@ int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, co
     if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
     float* xf = vx_avx2_widen_x(x, x_st, M, K);
     if (!xf) return -3;
-    vx_ws ws;
-    const int64_t groups = (N + 3) / 4;
-    const int par = N * K >= 262144;
-    vx_ws_init(&ws, groups, par);
-    _Pragma("omp parallel if (par)")
-    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
-        const int64_t n0 = g * 4, nr = N - n0 < 4 ? N - n0 : 4;
-        for (int m0 = 0; m0 < M; m0 += VX_AVX2_MT) {
-            const int mm = M - m0 < VX_AVX2_MT ? M - m0 : VX_AVX2_MT;
-            const float* xm = xf + (int64_t)m0 * K;
-            float o[VX_AVX2_MT * 4];
-            switch (mm) {
-            case 1: vx_avx2_tile_i8_1(xm, Q, K, n0, nr, o); break;
-            case 2: vx_avx2_tile_i8_2(xm, Q, K, n0, nr, o); break;
-            default: vx_avx2_tile_i8_3(xm, Q, K, n0, nr, o); break;
-            }
-            for (int64_t r = 0; r < nr; r++)
-                for (int m = 0; m < mm; m++) y[(m0 + m) * N + n0 + r] = o[m * 4 + r] * s[n0 + r];
-        }
-    }
+    VX_AVX2_GEMM(vx_avx2_tile_i8, Q, y[(m0 + m) * N + n0 + r] = o[m * 4 + r] * s[n0 + r]);
     free(xf);
     return 0;
 }
