@@ -87,7 +87,8 @@ static float* vx_avx2_widen_x(const vx_bf16* x, int64_t x_st, int M, int64_t K) 
 /* The body both GEMMs share: M rows of xf against the N rows of W, in groups of 4 weight rows
    shared with stealing; 3 rows of x at a time against a group (the first pass reads the
    group from memory, the others from L1: 4 K bf16 is 12 KiB at K = 1536). STORE writes
-   o[m * 4 + r], the sum of row m0 + m of x with weight row n0 + r. */
+   the tile's sums out: o[m * 4 + r] (m < mm, r < nr) is row m0 + m of x with weight row
+   n0 + r. */
 #define VX_AVX2_GEMM(TILE, W, STORE) do { \
     vx_ws ws; \
     const int64_t groups = (N + 3) / 4; \
@@ -105,8 +106,7 @@ static float* vx_avx2_widen_x(const vx_bf16* x, int64_t x_st, int M, int64_t K) 
             case 2: TILE##_2(xm, W, K, n0, nr, o); break; \
             default: TILE##_3(xm, W, K, n0, nr, o); break; \
             } \
-            for (int64_t r = 0; r < nr; r++) \
-                for (int m = 0; m < mm; m++) { STORE; } \
+            STORE; \
         } \
     } \
 } while (0)
@@ -115,8 +115,10 @@ int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
     float* xf = vx_avx2_widen_x(x, x_st, M, K);
     if (!xf) return -3;
-    VX_AVX2_GEMM(vx_avx2_tile, W,
-        y[(m0 + m) * y_st + n0 + r] = st_bf16(o[m * 4 + r] + (bias ? ld_bf16(bias[n0 + r]) : 0.f)));
+    VX_AVX2_GEMM(vx_avx2_tile, W, for (int64_t r = 0; r < nr; r++) {
+        const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < mm; m++) y[(m0 + m) * y_st + n0 + r] = st_bf16(o[m * 4 + r] + b);
+    });
     free(xf);
     return 0;
 }
@@ -128,7 +130,9 @@ int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, co
     if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
     float* xf = vx_avx2_widen_x(x, x_st, M, K);
     if (!xf) return -3;
-    VX_AVX2_GEMM(vx_avx2_tile_i8, Q, y[(m0 + m) * N + n0 + r] = o[m * 4 + r] * s[n0 + r]);
+    VX_AVX2_GEMM(vx_avx2_tile_i8, Q, for (int64_t r = 0; r < nr; r++) {
+        for (int m = 0; m < mm; m++) y[(m0 + m) * N + n0 + r] = o[m * 4 + r] * s[n0 + r];
+    });
     free(xf);
     return 0;
 }
