@@ -89,18 +89,26 @@ def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
     call its kernel takes."""
     kern = _literals(rev, "vx/gpu/cpu_kernel_source.py")
     gemv = _literals(rev, "vx/gpu/cpu_gemv_source.py")["GEMV_KERNEL_SOURCE"]
-    step = _literals(rev, "vx/gpu/cpu_decode_source.py").get("DECODE_STEP_SOURCE", "")
-    try:  # the fused step calls the prefill kernel from the revision that added it on
-        pre = _literals(rev, "vx/gpu/cpu_prefill_source.py")["PREFILL_ATTENTION_SOURCE"]
-    except subprocess.CalledProcessError:
-        pre = ""
-    try:  # the work sharing every parallel loop uses, from the revision that added it on
-        par = _literals(rev, "vx/gpu/cpu_parallel_source.py")["PARALLEL_SOURCE"]
-    except subprocess.CalledProcessError:
-        par = ""
+    # The library's sources in `vx.gpu.kv_cache`'s order; a revision before a file existed
+    # simply has no such part.
+    parts = []
+    for path, name in [
+        ("cpu_parallel_source.py", "PARALLEL_SOURCE"),
+        ("cpu_kernel_source.py", "DECODE_KERNEL_SOURCE"),
+        ("cpu_eltwise_source.py", "ELTWISE_SOURCE"),
+        ("cpu_gemv_source.py", "GEMV_KERNEL_SOURCE"),
+        ("cpu_gemv_avx2_source.py", "GEMV_AVX2_SOURCE"),
+        ("cpu_attention_avx2_source.py", "ATTENTION_AVX2_SOURCE"),
+        ("cpu_prefill_source.py", "PREFILL_ATTENTION_SOURCE"),
+        ("cpu_decode_source.py", "DECODE_STEP_SOURCE"),
+    ]:
+        try:
+            parts.append(_literals(rev, f"vx/gpu/{path}").get(name, ""))
+        except subprocess.CalledProcessError:
+            continue
     src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
     with open(src, "w") as f:
-        f.write(par + kern["DECODE_KERNEL_SOURCE"] + gemv + pre + step)  # type: ignore[operator]
+        f.write("".join(parts))  # type: ignore[arg-type]
     subprocess.run(["cc", *kern["CFLAGS"], "-o", so, src], check=True)  # type: ignore[misc]
     return ctypes.CDLL(so), 192 if "#define VX_AMX_MAX_ROWS 192" in gemv else 64  # type: ignore[operator]
 

@@ -79,16 +79,9 @@ static inline __m256 vx_exp8(__m256 x) {
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256i ni = _mm256_cvttps_epi32(_mm256_sub_ps(t, _mm256_set1_ps(0.5f)));
     const __m256 n = _mm256_cvtepi32_ps(ni);
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(VX_LN2_HI))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(VX_LN2_LO)));
+    const __m256 p = VX_EXP_POLY(_mm256_fmadd_ps, _mm256_set1_ps, r);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -33,18 +33,25 @@ static inline vx_bf16 st_bf16(float f) {
 /* exp(x) for x <= 0 without a libm call, so the softmax loop vectorises: x = n ln2 + r with
    |r| <= ln2/2 (ln2 split in two for an exact n ln2), exp(r) by its degree-7 Taylor polynomial
    (truncation < 1e-8 relative), 2^n by building the exponent bits. Within 2 ulp of expf. */
+#define VX_LN2_HI 0.693145751953125f  /* ln2 in two parts: n * VX_LN2_HI is exact */
+#define VX_LN2_LO 1.428606765330187e-06f
 static inline float vx_expf(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float t = x * 1.44269504088896341f;
     const int ni = (int)(t - 0.5f);  /* t <= 0: truncation of t - 0.5 rounds to nearest */
     const float n = (float)ni;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    const float r = (x - n * VX_LN2_HI) - n * VX_LN2_LO;
     float p = 1.f / 5040.f;
     p = p * r + 1.f / 720.f; p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
     p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
     union { uint32_t u; float f; } c; c.u = (uint32_t)(ni + 127) << 23;
     return p * c.f;
 }
+/* vx_expf's polynomial for its vector forms (vx_exp16 here, vx_exp8 with the AVX2 SiLU), the
+   same Horner steps: FMA(a, b, c) = a * b + c, SET(c) the constant c in every lane. */
+#define VX_EXP_POLY(FMA, SET, r) \
+    FMA(FMA(FMA(FMA(FMA(FMA(FMA(SET(1.f / 5040.f), r, SET(1.f / 720.f)), r, SET(1.f / 120.f)), \
+        r, SET(1.f / 24.f)), r, SET(1.f / 6.f)), r, SET(0.5f)), r, SET(1.f)), r, SET(1.f))
 #define DECODE_KERNEL(NAME, T, LD, ST, EXP) \
 int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
          const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
@@ -185,17 +192,9 @@ VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(VX_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(VX_LN2_LO), r);
+    return _mm512_scalef_ps(VX_EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
 }
 /* Rows of n keys into L1 ahead of use: blocks are scattered, so the hardware prefetcher,
    which follows sequential lines within a page, does not see them coming. */
