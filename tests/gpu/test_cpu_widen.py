@@ -70,8 +70,10 @@ def test_widened_model_gives_the_same_tokens(tiny_models, arch: str, monkeypatch
     prompts = {"a": list(range(3, 40)), "b": [7, 1, 9]}
     a, b = PagedDriver(plain), PagedDriver(wide)
     la, lb = a.step_all(prompts), b.step_all(prompts)
+    # The two GEMMs' fp32 sums differ in order, so their outputs may differ by a bf16 step,
+    # which the layers carry on: this model's logits reach ~6.5, where a step is 2^-5.
     for r in prompts:
-        torch.testing.assert_close(la[r], lb[r], rtol=0.02, atol=0.02)
+        torch.testing.assert_close(la[r], lb[r], rtol=0.02, atol=0.04)
     # Greedy decode: two rows a step (the AVX2 skinny GEMM where it is built).
     toks = {r: int(la[r][-1].argmax()) for r in prompts}
     assert toks == {r: int(lb[r][-1].argmax()) for r in prompts}

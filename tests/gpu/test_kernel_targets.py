@@ -53,6 +53,8 @@ def test_library_builds_and_binds_on_older_targets(
     assert (lib.vx_gemv_bf16_max_rows() > 0) == bool(avx512)
     assert lib.vx_has_decode_step() == step
     assert lib.vx_has_fast_bf16() == 0
+    # the prefill attention: AVX2 without AVX-512 has its own kernel (AMX is not built here)
+    assert lib.vx_has_prefill_attention() == (2 if march == "x86-64-v3" else 0)
     assert list(tmp_path.glob("kernels/decode_attention-*.so"))
 
 
@@ -113,6 +115,67 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
             assert rc == 0
         diff = (outs[0].float() - outs[1].float()).abs()
         assert (diff <= outs[0].float().abs() * 2.0**-7 + 1e-3).all(), (hq, d)
+
+
+@pytest.mark.timeout(240)
+def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
+    """The AVX2 prefill attention (`vx.gpu.cpu_prefill_avx2_source`, from the x86-64-v3 build,
+    reached through `vx_prefill_attention_bf16`): every chunk of a call, causal after its
+    cached prefix, read through a scattered block table, within a bf16 rounding of an fp64
+    reference; shapes it cannot take are declined before anything is written."""
+    import torch
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    assert lib.vx_has_prefill_attention() == 2
+    g = torch.Generator().manual_seed(0)
+    # (hq, hkv, d, block size, [(cached, new) per chunk]): past one 128-key softmax chunk and
+    # one 16-query item, 1-6 rows left for the last register tile, D % 16 == 8, D = 256
+    for hq, hkv, d, bs, chunks in [
+        (9, 3, 64, 16, [(0, 1), (5, 3), (100, 37), (0, 300)]),
+        (8, 2, 128, 16, [(17, 50), (0, 16)]),
+        (4, 4, 72, 8, [(3, 29)]),
+        (6, 1, 8, 32, [(0, 70), (200, 1)]),
+        (14, 2, 64, 16, [(130, 130)]),
+        (2, 1, 256, 16, [(0, 40)]),
+    ]:
+        widths = [-(-(c + n) // bs) for c, n in chunks]
+        nb = sum(widths) + 3
+        kc = torch.randn(nb, hkv, bs, d, generator=g).bfloat16().transpose(0, 1)  # block-major
+        vc = torch.randn(nb, hkv, bs, d, generator=g).bfloat16().transpose(0, 1)
+        t = sum(n for _, n in chunks)
+        q = (torch.randn(t, hq, d + 8, generator=g) * 2).bfloat16()[:, :, :d]  # row strides
+        perm, table = torch.randperm(nb, generator=g), torch.zeros(len(chunks), max(widths))
+        for i, w in enumerate(widths):
+            table[i, :w] = perm[sum(widths[:i]) : sum(widths[: i + 1])]
+        table = table.int()
+        starts = torch.tensor([sum(n for _, n in chunks[:i]) for i in range(len(chunks))])
+        lens = torch.tensor([n for _, n in chunks])
+        computed = torch.tensor([c for c, _ in chunks])
+        starts, lens, computed = starts.int(), lens.int(), computed.int()
+        out = torch.zeros(t, hq, d + 4, dtype=torch.bfloat16)[:, :, :d]
+
+        fn, scale = lib.vx_prefill_attention_bf16, d**-0.5
+        head = (
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], table.data_ptr(), table.stride(0),
+            starts.data_ptr(), lens.data_ptr(), computed.data_ptr(), len(chunks),
+        )  # fmt: skip
+        # D % 8, D > 256, Hq % Hkv
+        assert fn(*head, hq, hkv, d - 4, bs, scale) == fn(*head, hq, hkv, 264, bs, scale) == -2
+        assert hkv == 1 or fn(*head, hq + 1, hkv, d, bs, scale) == -2
+        assert not out.any()
+        assert fn(*head, hq, hkv, d, bs, scale) == 0
+        for i, (c, n) in enumerate(chunks):
+            ids = table[i, : widths[i]].long()
+            k = kc[:, ids].reshape(hkv, -1, d)[:, : c + n].double()
+            v = vc[:, ids].reshape(hkv, -1, d)[:, : c + n].double()
+            k, v = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+            s = q[starts[i] : starts[i] + n].double().transpose(0, 1) @ k.transpose(1, 2)
+            later = torch.arange(c + n)[None, :] > c + torch.arange(n)[:, None]
+            p = (s * d**-0.5).masked_fill(later, float("-inf")).softmax(-1)
+            want = (p @ v).transpose(0, 1)
+            got = out[starts[i] : starts[i] + n].double()
+            assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-5).all(), (hq, d, i)
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,5 @@
-"""The C prefill attention (bf16 on AMX, every chunk of a step in one call): it must match
+"""The C prefill attention (bf16, every chunk of a step in one call: on AMX, or the AVX2 kernel
+on AVX2 CPUs without AVX-512): it must match
 SDPA over the same K/V, causal within each chunk, after a cached prefix or not, with decodes
 in the same batch, and hand back to SDPA where it does not apply.
 
@@ -20,7 +21,7 @@ from vx.gpu.kv_cache import load_cpu_kernels, prefill_kernel_available
 @pytest.fixture()
 def kernel():
     if not prefill_kernel_available():
-        pytest.skip("no AMX prefill kernel on this machine")
+        pytest.skip("no C prefill kernel on this machine (AMX, or AVX2 without AVX-512)")
     return load_cpu_kernels()
 
 
@@ -101,7 +102,7 @@ def test_prefill_kernel_matches_sdpa(kernel, monkeypatch, hq, hkv, d, bs, decode
     for i, (nc, n) in enumerate(reqs):
         ref = _reference(q[start : start + n], ctx_k[i], ctx_v[i], nc, n, scale, hq, hkv)
         got = out[start : start + n].float()
-        # P is rounded to bf16 before P V (as torch's flash attention does for bf16)
+        # AMX: P is rounded to bf16 before P V (as torch's flash attention does for bf16)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         start += n
 
@@ -131,11 +132,12 @@ def test_prefill_kernel_matches_torch_flash_closely(kernel) -> None:
 
 
 def test_fp32_and_declined_shapes_use_sdpa(kernel, monkeypatch) -> None:
-    """fp32 never reaches the kernel; a shape it declines (D % 32) falls back to SDPA."""
+    """fp32 never reaches the kernel; a shape it declines (D % 8: both kernels) falls back to
+    SDPA."""
     calls = []
     real = attention._prefill_attention
     monkeypatch.setattr(attention, "_prefill_attention", lambda *a: calls.append(1) or real(*a))
-    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 16)):
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 12)):
         calls.clear()
         n, hq, hkv, bs = 20, 4, 2, 16
         q = torch.randn(n, hq, d).to(dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 #:    into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
 #:    most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
 #:    in list order).
+#: Without AMX, on AVX2 builds, the chunks go to `vx.gpu.cpu_prefill_avx2_source`'s kernel.
 #: Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
 #: writing anything; -1 if scratch could not be allocated; the caller then uses SDPA.
 PREFILL_ATTENTION_SOURCE = r"""
@@ -392,11 +393,25 @@ int vx_prefill_attention_bf16(
     free(packed);
     free(pg0);
     return 0;
+#elif defined(VX_PFA_AVX2)  /* `vx.gpu.cpu_prefill_avx2_source` */
+    return vx_prefill_attention_bf16_avx2(q, q_st, q_sh, out, o_st, o_sh, kc, vc, c_sh, c_sb,
+                                          c_ss, bt, bt_s, starts, lens, computed, nchunks, Hq,
+                                          Hkv, D, BS, scale);
 #else
     (void)q; (void)q_st; (void)q_sh; (void)out; (void)o_st; (void)o_sh; (void)kc; (void)vc;
     (void)c_sh; (void)c_sb; (void)c_ss; (void)bt; (void)bt_s; (void)starts; (void)lens;
     (void)computed; (void)nchunks; (void)Hq; (void)Hkv; (void)D; (void)BS; (void)scale;
     return -2;
+#endif
+}
+/* Which prefill kernel `vx_prefill_attention_bf16` runs now: 1 AMX, 2 AVX2, 0 none. */
+int vx_has_prefill_attention(void) {
+#if defined(VX_HAS_AMX)
+    return vx_amx_on ? 1 : 0;
+#elif defined(VX_PFA_AVX2)
+    return 2;
+#else
+    return 0;
 #endif
 }
 """

@@ -42,6 +42,7 @@ from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
+from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
 from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ _DECODE_KERNEL_SOURCE = (
     + GEMV_KERNEL_SOURCE
     + GEMV_AVX2_SOURCE
     + ATTENTION_AVX2_SOURCE
+    + PREFILL_AVX2_SOURCE
     + PREFILL_ATTENTION_SOURCE
     + DECODE_STEP_SOURCE
 )
@@ -201,17 +203,13 @@ def fast_decode_attention() -> bool:
 
 
 def prefill_kernel_available() -> bool:
-    """Whether bf16 prefill chunks on CPU use the C kernel (the fast kernels, with AMX);
-    ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them."""
+    """Whether bf16 prefill chunks on CPU use the C kernel (with AMX, or the AVX2 one on
+    AVX2 CPUs without AVX-512); ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them,
+    as does ``VX_CPU_ATTENTION_KERNEL=portable``."""
     if os.environ.get("VX_CPU_PREFILL_ATTENTION", "kernel") == "sdpa":
         return False
     lib = load_cpu_kernels()
-    return (
-        lib is not None
-        and fast_decode_attention()
-        and bool(lib.vx_has_fast_bf16())
-        and bool(lib.vx_fast_amx(-1))
-    )
+    return lib is not None and fast_decode_attention() and bool(lib.vx_has_prefill_attention())
 
 
 def decode_kernel_fn(dtype: torch.dtype, *, fast: bool = False):
@@ -327,6 +325,7 @@ def _build_kernels() -> ctypes.CDLL | None:
         ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
         i32, i32, i32, i32, i32, ctypes.c_float,
     ]  # fmt: skip
+    lib.vx_has_prefill_attention.restype = ctypes.c_int
     lib.vx_bind_threads.restype = ctypes.c_int
     lib.vx_bind_threads.argtypes = [ptr, ctypes.c_int]
     lib.vx_set_work_stealing.restype = None
