@@ -255,8 +255,8 @@ int vx_prefill_attention_bf16_avx2(
         }
     }
     const int RM = VX_PFA_QT * G;
-    float* Q = (float*)aligned_alloc(
-        32, sizeof(float) * (size_t)(2 * RM * D + RM * VX_PFA_KC + 3 * RM + 8));
+    float* Q = (float*)aligned_alloc(  /* a size that is a multiple of the alignment (C11) */
+        32, sizeof(float) * (((size_t)(2 * RM * D + RM * VX_PFA_KC + 3 * RM) + 7) & ~(size_t)7));
     float* O = Q + RM * D;
     float* S = O + RM * D;
     float* mx = S + RM * VX_PFA_KC;
