@@ -19,9 +19,12 @@ CPU path (no per-request Python loop for decodes):
   a compiler (or with ``VX_CPU_ATTENTION_KERNEL=0``) a torch fallback gathers the blocks into a
   scratch buffer ``[Hkv, B, max_ctx, D]`` with one `index_select` and runs one SDPA with the G
   query heads of each kv head as the query rows;
-- prefill chunks: per chunk one SDPA; a chunk with no cached prefix attends to its own new K/V
-  with ``is_causal``, one with a prefix gathers its context from the cache and uses a
-  precomputed offset-causal mask.
+- prefill chunks (bf16): every chunk of the step in one C call per layer, reading the cached
+  prefix through the block table (`vx.gpu.cpu_prefill_source` on AMX,
+  `vx.gpu.cpu_prefill_avx2_source` on AVX2 CPUs without AVX-512). Elsewhere (fp32, other CPUs,
+  ``VX_CPU_PREFILL_ATTENTION=sdpa``) per chunk one SDPA; a chunk with no cached prefix attends
+  to its own new K/V with ``is_causal``, one with a prefix gathers its context from the cache
+  and uses a precomputed offset-causal mask.
 
 Everything that is the same for every layer (gather indices, masks, Triton tile maps) is built
 once per step by `build_attention_metadata`. On CUDA `paged_attention` calls the Triton kernels
@@ -109,7 +112,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # ── CPU prefill path ──
     prefills: list[PrefillChunk] = field(default_factory=list)
-    #: For the C prefill kernel (bf16 on AMX), one call for every chunk: [P] int32 first
+    #: For the C prefill kernel (bf16: AMX, or AVX2), one call for every chunk: [P] int32 first
     #: token, query length and cached tokens of each chunk, and [P, blocks] int32 block table
     #: rows; None where the kernel is not available here.
     prefill_starts: torch.Tensor | None = None
@@ -298,7 +301,8 @@ def _prefill_kernel(
     scale: float,
     out: torch.Tensor,
 ) -> bool:
-    """Every prefill chunk in one call of the C kernel (bf16, AMX); False: not taken here."""
+    """Every prefill chunk in one call of the C kernel (bf16: AMX, or AVX2 without AVX-512);
+    False: not taken here."""
     if (
         md.prefill_starts is None
         or q.dtype != torch.bfloat16
