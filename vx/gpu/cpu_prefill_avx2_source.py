@@ -37,18 +37,12 @@ PREFILL_AVX2_SOURCE = r"""
 #define VX_PFA_KC 128  /* keys per softmax chunk: the S rows of an item stay in L1/L2 */
 #define VX_PFA_QT 16   /* queries per item */
 /* 2^x on 8 lanes, x >= -125 after the clamp (so 2^n stays normal): n = round(x), r = x - n in
-   [-1/2, 1/2], 2^r by a degree-6 polynomial (relative error ~1e-7), 2^n by the exponent. */
+   [-1/2, 1/2], 2^r by VX_EXP2_POLY (`vx.gpu.cpu_kernel_source`), 2^n by the exponent. */
 static inline __m256 vx_exp2_8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.534581242594868e-04f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3399930903688073e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618489071726799e-03f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550328642129898e-02f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022646248340607e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931471824645996e-01f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256 p = VX_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, r);
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));

@@ -41,14 +41,7 @@ VX_INLINE __m512 vx_exp2_16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.534581242594868e-04f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3399930903688073e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618489071726799e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550328642129898e-02f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022646248340607e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931471824645996e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(VX_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
 }
 /* vx_exp2_16 with a degree-3 polynomial (fitted for relative error on [-1/2, 1/2]: 7.5e-5 at
    most, 50x below the bf16 rounding every probability gets before P V), for the softmax's
