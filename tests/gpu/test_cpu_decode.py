@@ -114,7 +114,7 @@ def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
     """Decodes, a chunk after a cached prefix and a new prompt in one step."""
     model, fused = _load(tmp_path, case)
     if not _prefill_fused(model, 64):
-        pytest.skip("no C prefill attention here")
+        pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
     counting = _Counting(fused)
     g = torch.Generator().manual_seed(5)
     tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
@@ -156,7 +156,7 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
     anything, `run` answers None, and the module path (SDPA) gives the same logits."""
     model, fused = _load(tmp_path, "llama-d64")
     if not _prefill_fused(model, 64):
-        pytest.skip("no C prefill attention here")
+        pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
     lib = load_cpu_kernels()
     answers = []
 
@@ -200,7 +200,9 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
         counting = None
         if fused_on:
             if model.fused_decode is None or not _prefill_fused(runner._model, 64):
-                pytest.skip("no fused CPU step with the C prefill attention here")
+                pytest.skip(
+                    "the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)"
+                )
             model.fused_decode = counting = _Counting(model.fused_decode)
         else:
             model.fused_decode = None
