@@ -47,50 +47,37 @@ static inline __m256 vx_exp2_8(__m256 x) {
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-/* S[i][0..16) = sum_d Q[i][d] * Kt[d][0..16) for NR (<= 6) rows: 2 NR accumulators. */
-static inline __attribute__((always_inline)) void vx_pfa_s_tile(
-        const float* Q, int D, const float* Kt, float* S, int s_ld, const int NR) {
+/* The register tile both products run on (a GEMM's micro-kernel: 12 accumulators, 8 loads per
+   12 FMAs), for NR (<= 6) rows: C[i][0..16) = a[i] C[i][0..16) + sum_{k < K} A[i][k] B[k][0..16),
+   with a[i] = 0 where alpha is NULL (C is then only written). S = Q K^T: A = Q, B = the K^T
+   panel, K = D. O = alpha O + P V: A = P, B = V rows, K = the chunk's keys. */
+static inline __attribute__((always_inline)) void vx_pfa_tile(
+        const float* A, int a_ld, const float* B, int b_ld, int K, float* C, int c_ld,
+        const float* alpha, const int NR) {
     __m256 c0[6], c1[6];
-    for (int i = 0; i < 6; i++) c0[i] = c1[i] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d++) {
-        const __m256 k0 = _mm256_load_ps(Kt + d * 16), k1 = _mm256_load_ps(Kt + d * 16 + 8);
+    for (int i = 0; i < 6; i++)
+        if (i < NR) {
+            if (alpha) {
+                const __m256 a = _mm256_broadcast_ss(alpha + i);
+                c0[i] = _mm256_mul_ps(a, _mm256_load_ps(C + i * c_ld));
+                c1[i] = _mm256_mul_ps(a, _mm256_load_ps(C + i * c_ld + 8));
+            } else {
+                c0[i] = c1[i] = _mm256_setzero_ps();
+            }
+        }
+    for (int k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_load_ps(B + k * b_ld), b1 = _mm256_load_ps(B + k * b_ld + 8);
         for (int i = 0; i < 6; i++)
             if (i < NR) {
-                const __m256 qb = _mm256_broadcast_ss(Q + i * D + d);
-                c0[i] = _mm256_fmadd_ps(qb, k0, c0[i]);
-                c1[i] = _mm256_fmadd_ps(qb, k1, c1[i]);
+                const __m256 ab = _mm256_broadcast_ss(A + i * a_ld + k);
+                c0[i] = _mm256_fmadd_ps(ab, b0, c0[i]);
+                c1[i] = _mm256_fmadd_ps(ab, b1, c1[i]);
             }
     }
     for (int i = 0; i < 6; i++)
         if (i < NR) {
-            _mm256_storeu_ps(S + i * s_ld, c0[i]);
-            _mm256_storeu_ps(S + i * s_ld + 8, c1[i]);
-        }
-}
-/* O[i][0..16) = alpha[i] * O[i][0..16) + sum_{k < kn} P[i][k] * V[k][0..16) for NR rows. */
-static inline __attribute__((always_inline)) void vx_pfa_pv_tile(
-        const float* P, int p_ld, const float* alpha, const float* V, int D, int kn, float* O,
-        const int NR) {
-    __m256 c0[6], c1[6];
-    for (int i = 0; i < 6; i++)
-        if (i < NR) {
-            const __m256 a = _mm256_broadcast_ss(alpha + i);
-            c0[i] = _mm256_mul_ps(a, _mm256_load_ps(O + i * D));
-            c1[i] = _mm256_mul_ps(a, _mm256_load_ps(O + i * D + 8));
-        }
-    for (int k = 0; k < kn; k++) {
-        const __m256 v0 = _mm256_load_ps(V + k * D), v1 = _mm256_load_ps(V + k * D + 8);
-        for (int i = 0; i < 6; i++)
-            if (i < NR) {
-                const __m256 pb = _mm256_broadcast_ss(P + i * p_ld + k);
-                c0[i] = _mm256_fmadd_ps(pb, v0, c0[i]);
-                c1[i] = _mm256_fmadd_ps(pb, v1, c1[i]);
-            }
-    }
-    for (int i = 0; i < 6; i++)
-        if (i < NR) {
-            _mm256_store_ps(O + i * D, c0[i]);
-            _mm256_store_ps(O + i * D + 8, c1[i]);
+            _mm256_store_ps(C + i * c_ld, c0[i]);
+            _mm256_store_ps(C + i * c_ld + 8, c1[i]);
         }
 }
 #define VX_PFA_TILES(CALL)                                   \
@@ -132,8 +119,8 @@ static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* o
         for (int r0 = 0; r0 < R; r0 += 6) {
             const int nr = R - r0 < 6 ? R - r0 : 6;
             for (int p = 0; p < kn16; p += 16) {
-#define VX_PFA_S(N) vx_pfa_s_tile(Q + r0 * D, D, Kp + (int64_t)(k0 + p) * D, \
-                                  S + r0 * VX_PFA_KC + p, VX_PFA_KC, N)
+#define VX_PFA_S(N) vx_pfa_tile(Q + r0 * D, D, Kp + (int64_t)(k0 + p) * D, 16, D, \
+                                S + r0 * VX_PFA_KC + p, VX_PFA_KC, NULL, N)
                 VX_PFA_TILES(VX_PFA_S)
 #undef VX_PFA_S
             }
@@ -184,8 +171,9 @@ static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* o
         for (int r0 = 0; r0 < R; r0 += 6) {
             const int nr = R - r0 < 6 ? R - r0 : 6;
             for (int d0 = 0; d0 < D16; d0 += 16) {
-#define VX_PFA_PV(N) vx_pfa_pv_tile(S + r0 * VX_PFA_KC, VX_PFA_KC, alpha + r0, \
-                                    Vp + (int64_t)k0 * D + d0, D, kn, O + r0 * D + d0, N)
+#define VX_PFA_PV(N) vx_pfa_tile(S + r0 * VX_PFA_KC, VX_PFA_KC, \
+                                 Vp + (int64_t)k0 * D + d0, D, kn, O + r0 * D + d0, D, \
+                                 alpha + r0, N)
                 VX_PFA_TILES(VX_PFA_PV)
 #undef VX_PFA_PV
             }
