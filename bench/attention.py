@@ -12,16 +12,16 @@ cache (so a step reads 30 layers' KV, as the model does) and the block tables ar
 permutation of the blocks. One "step" is the kernel called once per layer through ctypes
 (argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
 "new fast noAMX" is the working tree's fast kernel with its AMX q.k turned off.
-Kernels: the portable and AVX512-BF16 kernels of `--baseline` (the C source is read from
-that git revision's vx/gpu/kv_cache.py and built into a temporary directory) and of the
-working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
+Kernels: the portable and AVX512-BF16 kernels of `--baseline` (that revision's `vx` tree is
+extracted into a temporary directory, its own `vx.gpu.kv_cache` gives the library's source,
+which is built there) and of the working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import ctypes
+import json
 import os
 import statistics
 import subprocess
@@ -48,25 +48,27 @@ ARGTYPES = [
 
 
 def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
-    """Build `rev`'s kernel source (the `_DECODE_KERNEL_SOURCE` literal) with its flags."""
-    values = {}
-    # The source moved from kv_cache.py to cpu_kernel_source.py (names without the underscore).
-    for path in ("vx/gpu/cpu_kernel_source.py", "vx/gpu/kv_cache.py"):
-        shown = subprocess.run(
-            ["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True
-        )
-        for node in ast.parse(shown.stdout).body if shown.returncode == 0 else []:
-            target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
-            name = "_" + getattr(target, "id", "").lstrip("_")
-            if name in ("_DECODE_KERNEL_SOURCE", "_CFLAGS") and name not in values:
-                try:
-                    values[name] = ast.literal_eval(node.value)
-                except ValueError:
-                    continue
+    """Build `rev`'s kernel library: its `vx` tree is extracted into `tmp` and its own
+    `vx.gpu.kv_cache` (imported in a child process) gives the source and flags, however that
+    revision assembled them (one literal once, several modules' sources since)."""
+    tree = os.path.join(tmp, "rev")
+    os.makedirs(tree)
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev, "vx"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+    show = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import vx.gpu.kv_cache as k; "
+        "print(json.dumps([k._DECODE_KERNEL_SOURCE, list(k._CFLAGS)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", show, tree], capture_output=True, text=True, check=True
+    ).stdout
+    source, cflags = json.loads(out.splitlines()[-1])
     src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
     with open(src, "w") as f:
-        f.write(values["_DECODE_KERNEL_SOURCE"])
-    subprocess.run(["cc", *values["_CFLAGS"], "-o", so, src], check=True)
+        f.write(source)
+    subprocess.run(["cc", *cflags, "-o", so, src], check=True)
     return ctypes.CDLL(so)
 
 
@@ -74,6 +76,8 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
     found = {}
     for tag, lib in (("old", baseline_lib(rev, tmp)), ("new", kv_cache.load_cpu_kernels())):
         assert lib is not None
+        if tag == "old" and hasattr(lib, "vx_fast_amx"):
+            lib.vx_fast_amx(1)  # its own switch (the new library's is set per timing)
         found[f"{tag} portable"] = lib.vx_decode_attention_bf16
         if hasattr(lib, "vx_decode_attention_bf16_fast") and lib.vx_has_fast_bf16():
             found[f"{tag} fast"] = lib.vx_decode_attention_bf16_fast
