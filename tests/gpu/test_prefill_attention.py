@@ -1,5 +1,6 @@
-"""The C prefill attention (bf16, every chunk of a step in one call: on AMX, or the AVX2 kernel
-on AVX2 CPUs without AVX-512): it must match
+"""The C prefill attention (bf16, every chunk of a step in one call: on AMX, on AVX512-BF16
+without AMX (also run on AMX machines with the tiles turned off), or the AVX2 kernel on AVX2
+CPUs without AVX-512): it must match
 SDPA over the same K/V, causal within each chunk, after a cached prefix or not, with decodes
 in the same batch, and hand back to SDPA where it does not apply.
 
@@ -18,11 +19,23 @@ from vx.gpu.attention import build_attention_metadata, paged_attention
 from vx.gpu.kv_cache import load_cpu_kernels, prefill_kernel_available
 
 
-@pytest.fixture()
-def kernel():
+@pytest.fixture(params=["native", "amx-off"])
+def kernel(request):
     if not prefill_kernel_available():
-        pytest.skip("no C prefill kernel on this machine (AMX, or AVX2 without AVX-512)")
-    return load_cpu_kernels()
+        pytest.skip("no C prefill kernel on this machine (AVX-512 BF16, or AVX2 without AVX-512)")
+    lib = load_cpu_kernels()
+    if request.param == "native":
+        yield lib
+        return
+    # The AVX512-BF16 items without AMX, on a machine that has AMX: tiles off for the test.
+    if not lib.vx_fast_amx(-1):
+        pytest.skip("no AMX here: the native run is the one without it")
+    lib.vx_fast_amx(0)
+    try:
+        assert lib.vx_has_prefill_attention() == 3
+        yield lib
+    finally:
+        lib.vx_fast_amx(1)
 
 
 def _reference(q, k_all, v_all, nc, n, scale, hq, hkv):

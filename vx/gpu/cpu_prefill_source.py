@@ -30,8 +30,10 @@ from __future__ import annotations
 #: Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
 #: writing anything; -1 if scratch could not be allocated; the caller then uses SDPA.
 PREFILL_ATTENTION_SOURCE = r"""
-#ifdef VX_HAS_AMX
+#ifdef VX_HAS_FAST_BF16  /* AVX512-BF16: the helpers both products' kernels share */
+#define VX_PF_512 1
 #define VX_PCH 256  /* keys per softmax chunk */
+#define VX_PF_GH 4  /* query heads an item takes at most */
 /* 2^x on 16 lanes for x <= 0: n = round(x), r = x - n in [-1/2, 1/2] exactly, 2^r by a
    degree-6 polynomial fitted for relative error (9.6e-8 at most in fp32, about an ulp), 2^n by
    scalef. Scores are kept in log2 units (scale * log2(e) folded into one multiply), which saves
@@ -185,6 +187,8 @@ VX_INLINE void vx_pf_store(const float* acc, int lda, const float* sum, vx_bf16*
                 _mm512_div_ps(_mm512_load_ps(acc + r * lda + d), sv)));
     }
 }
+#endif
+#ifdef VX_HAS_AMX
 /* One (chunk, query head, 16 queries) item, rows [t0, t0 + m) of the chunk, for D > 64 (DV > 2:
    the Q tiles do not stay in tile registers; vx_pf_item32 takes D <= 64). */
 VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
@@ -249,7 +253,6 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
    0-15, 16-31), 2, 3 (K), 4, 5 (Q rows 0-15, dims 0-31, 32-63), 6, 7 (Q rows 16-31); P V phase
    0-3 (O of row tile i, dim tile j of the pass: 2 i + j), 4, 5 (P of rows 0-15, 16-31), 6, 7
    (V). */
-#define VX_PF_GH 4
 VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out,
                             int64_t o_st, int64_t o_sh, int GH, const uint32_t* packed, int nc,
                             int t0, int m, float scale, int DV) {
@@ -315,18 +318,30 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf1
         vx_pf_store(&acc[g][0][0], 64, sum[g], out + g * o_sh, o_st, t0, m, D);
 }
 #endif
+"""
+
+#: The entry point, after `vx.gpu.cpu_prefill_avx512_source` (the items without AMX).
+PREFILL_DISPATCH_SOURCE = r"""
 int vx_prefill_attention_bf16(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens,
         const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale) {
+#ifdef VX_PF_512
+    if (D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
 #ifdef VX_HAS_AMX
-    if (!vx_amx_on || D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
+    const int amx = vx_amx_on;
+#else
+    const int amx = 0;
+#endif
     const int G = Hq / Hkv, DV = D / 32;
-    const int QR = DV <= 2 ? 32 : 16;  /* query rows per item: vx_pf_item32 where it applies */
-    /* each kv head's G query heads in NGR groups of at most GH (vx_pf_item32 takes up to
-       VX_PF_GH together; vx_pf_item one) */
-    const int NGR = QR == 32 ? (G + VX_PF_GH - 1) / VX_PF_GH : G, GH = (G + NGR - 1) / NGR;
+    /* query rows per item: 32 (vx_pf_item32, vx_pf_item_dp) where it applies, else 16 */
+    const int QR = !amx || DV <= 2 ? 32 : 16;
+    /* each kv head's G query heads in NGR groups of at most GH heads an item (vx_pf_item32
+       up to VX_PF_GH; vx_pf_item_dp as many as its scratch holds; vx_pf_item one) */
+    const int GHM = !amx ? (VX_PF_DP_ROWS / (32 * D) < VX_PF_GH ? VX_PF_DP_ROWS / (32 * D) : VX_PF_GH)
+                         : QR == 32 ? VX_PF_GH : 1;
+    const int NGR = (G + GHM - 1) / GHM, GH = (G + NGR - 1) / NGR;
     const int HI = Hkv * NGR;  /* (kv head, head group) pairs */
     const int64_t pair_dw = (int64_t)4 * DV * 256;
     /* per chunk: first packed pair group, first work item */
@@ -351,7 +366,9 @@ int vx_prefill_attention_bf16(
         vx_pf_pack(packed + w * pair_dw, kc + h * c_sh, vc + h * c_sh, bt + i * bt_s, c_sb,
                    c_ss, BS, ctx, pg, DV);
     }
-    vx_amx_load_tiles(8);
+#ifdef VX_HAS_AMX
+    if (amx) vx_amx_load_tiles(8);
+#endif
     _Pragma("omp for schedule(dynamic, 1)")
     for (int64_t w = 0; w < nit; w++) {
         int i = 0;
@@ -366,6 +383,12 @@ int vx_prefill_attention_bf16(
         const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
         const vx_bf16* qr = q + (int64_t)starts[i] * q_st + (int64_t)hq * q_sh;
         vx_bf16* orow = out + (int64_t)starts[i] * o_st + (int64_t)hq * o_sh;
+        if (!amx) {
+            vx_pf_item_dp(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
+                          scale, DV);
+            continue;
+        }
+#ifdef VX_HAS_AMX
 #define VX_PF_ITEM(N) vx_pf_item(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, N)
         if (QR == 32) {
             if (DV == 1)
@@ -380,8 +403,11 @@ int vx_prefill_attention_bf16(
         default: VX_PF_ITEM(DV); break;
         }
 #undef VX_PF_ITEM
+#endif
     }
-    _tile_release();
+#ifdef VX_HAS_AMX
+    if (amx) _tile_release();
+#endif
     }
     free(packed);
     free(pg0);
@@ -397,10 +423,13 @@ int vx_prefill_attention_bf16(
     return -2;
 #endif
 }
-/* Which prefill kernel `vx_prefill_attention_bf16` runs now: 1 AMX, 2 AVX2, 0 none. */
+/* Which prefill kernel `vx_prefill_attention_bf16` runs now: 1 AMX, 2 AVX2, 3 AVX512-BF16
+   without AMX (`vx.gpu.cpu_prefill_avx512_source`), 0 none. */
 int vx_has_prefill_attention(void) {
 #if defined(VX_HAS_AMX)
-    return vx_amx_on ? 1 : 0;
+    return vx_amx_on ? 1 : 3;
+#elif defined(VX_PF_512)
+    return 3;
 #elif defined(VX_PFA_AVX2)
     return 2;
 #else

@@ -43,7 +43,8 @@ from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
 from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
-from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE
+from vx.gpu.cpu_prefill_avx512_source import PREFILL_AVX512_SOURCE
+from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE, PREFILL_DISPATCH_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ _DECODE_KERNEL_SOURCE = (
     + ATTENTION_AVX2_SOURCE
     + PREFILL_AVX2_SOURCE
     + PREFILL_ATTENTION_SOURCE
+    + PREFILL_AVX512_SOURCE
+    + PREFILL_DISPATCH_SOURCE
     + DECODE_STEP_SOURCE
 )
 _CFLAGS = CFLAGS
@@ -203,8 +206,8 @@ def fast_decode_attention() -> bool:
 
 
 def prefill_kernel_available() -> bool:
-    """Whether bf16 prefill chunks on CPU use the C kernel (with AMX, or the AVX2 one on
-    AVX2 CPUs without AVX-512); ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them,
+    """Whether bf16 prefill chunks on CPU use the C kernel (with AMX, on AVX512-BF16 without it,
+    or the AVX2 one on AVX2 CPUs without AVX-512); ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them,
     as does ``VX_CPU_ATTENTION_KERNEL=portable``."""
     if os.environ.get("VX_CPU_PREFILL_ATTENTION", "kernel") == "sdpa":
         return False
