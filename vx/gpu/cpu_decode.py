@@ -1,6 +1,7 @@
 """The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
-the skinny GEMM's rows (192 with AMX): decode rows, and prefill chunks where the C prefill
-attention takes them (bf16 on AMX, head size a multiple of 32). On AVX2 CPUs without AVX-512
+the skinny GEMM's rows (192 with AMX; 192 on the VNNI GEMM without it): decode rows, and
+prefill chunks where the C prefill attention takes them (bf16 on AVX512-BF16, head size a
+multiple of 32). On AVX2 CPUs without AVX-512
 it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
 (its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
 through the modules and takes 19-21 ms here (2-core AMD EPYC).
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.cpu_ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
 from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
 
 __all__ = ["FusedDecode"]
@@ -35,7 +36,9 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64)]
+    _fields_ = [
+        ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
+    ]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -51,7 +54,7 @@ class _Step(ctypes.Structure):
         *((name, _I64) for name in ("T", "H", "Hq", "Hkv", "D", "I", "NB", "BS")),
         ("c_sh", _I64), ("c_sb", _I64),
         ("eps", _F32), ("scale", _F32),
-        ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("pad_", _I32),
+        ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("skinny_rows", _I32),
         ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
         ("nd", _I64), ("np", _I64), ("p_starts", _P), ("p_lens", _P), ("p_computed", _P),
         ("p_bt", _P), ("p_bt_s", _I64),
@@ -85,7 +88,8 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
         if layer.quant.method != "int8":
             return None
         q, scale = layer.quant.qweight, layer.quant.scales
-    return _Linear(w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k)
+    vn = None if avx2 or layer.vnni is None else layer.vnni.packed
+    return _Linear(w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn))
 
 
 class FusedDecode:
@@ -98,6 +102,10 @@ class FusedDecode:
         self._layers = (_Layer * len(layers))(*layers)
         self._quant_rows = quant_rows
         self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
+        # every linear has a VNNI copy (AVX512-BF16 without AMX): any rows, up to AMX's cap
+        self._vnni_rows = AMX_MAX_ROWS if all(
+            lin.vn for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ) else 0  # fmt: skip
         self._kv_key: tuple[int, ...] = ()
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
@@ -146,8 +154,9 @@ class FusedDecode:
         return cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
 
     def max_rows(self) -> int:
-        """The most rows a step may have here (the skinny GEMM's; AMX can be switched off)."""
-        return self._avx2_rows or bf16_max_rows()
+        """The most rows a step may have here (the skinny GEMM's, or the VNNI GEMM's cap; AMX
+        can be switched off)."""
+        return self._avx2_rows or max(bf16_max_rows(), self._vnni_rows)
 
     def run(
         self,
@@ -197,7 +206,7 @@ class FusedDecode:
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
             self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
-            int(self._has_fast and fast_decode_attention()), 0,
+            int(self._has_fast and fast_decode_attention()), bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),

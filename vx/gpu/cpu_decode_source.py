@@ -14,8 +14,9 @@ paged attention (decode rows: the decode kernel; prefill chunks: `vx.gpu.cpu_pre
 kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
 
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
-`quant_rows` rows, VDPBF16PS for 1-2 rows (or every size without AMX), AMX tiles for 3-192 rows
-(one call). Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+`quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
+VDPBF16PS up to `skinny_rows` and past them the VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the
+linears' packed copies), up to 192 rows, as `vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
 path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
 weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
@@ -62,6 +63,7 @@ typedef struct {
     const vx_bf16* scale;   /* [n] per output channel, with q */
     const vx_bf16* bias;    /* [n] or NULL */
     int64_t n, k;
+    const uint32_t* vn;     /* w packed for vx_gemm_vnni_bf16 (`vx.gpu.cpu_vnni`), or NULL */
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -74,7 +76,7 @@ typedef struct {
     int64_t T, H, Hq, Hkv, D, I, NB, BS;
     int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
     float eps, scale;
-    int32_t max_len, quant_rows, fast, pad_;
+    int32_t max_len, quant_rows, fast, skinny_rows;  /* skinny_rows: `bf16_max_rows()` */
     const vx_bf16* cos;     /* [T, D / 2] */
     const vx_bf16* sin;
     const int64_t* slots;   /* [T] */
@@ -97,15 +99,17 @@ typedef struct {
 } vx_step;
 
 static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
-                           vx_bf16* y) {
+                           int skinny_rows, vx_bf16* y) {
 #if defined(__AVX512F__)
     if (L->q && T <= quant_rows)
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     if (T > 2 && VX_STEP_AMX)
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
+    if (L->vn && T > skinny_rows)  /* past the skinny GEMM's rows: as `linear` routes them */
+        return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
 #else  /* AVX2: the skinny GEMM of `WideWeight._skinny` (no int8 here: the caller checked) */
-    (void)quant_rows;
+    (void)quant_rows; (void)skinny_rows;
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
 #endif
 }
@@ -117,9 +121,22 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
     const int64_t c_sh = s->c_sh, c_sb = s->c_sb;
     int rc;
-    /* the prefill kernel would decline them (AMX switched off since the metadata was built):
-       -2 before anything is written, and the caller takes the module path */
-    if (s->np && (!VX_STEP_AMX || D % 32 || D > 256 || Hq % Hkv)) return -2;
+    /* the prefill kernel would decline them (AVX2 builds; shapes the caller checked): -2
+       before anything is written, and the caller takes the module path */
+#if defined(VX_PF_512)
+    if (s->np && (D % 32 || D > 256 || Hq % Hkv)) return -2;
+#else
+    if (s->np) return -2;
+#endif
+#if defined(__AVX512F__)
+    /* rows past what the skinny GEMM takes without AMX (AMX switched off since the caller
+       counted the rows) need every linear's VNNI copy: else -2, before anything is written */
+    if (T > 2 && !VX_STEP_AMX && T > vx_gemv_bf16_max_rows())
+        for (int l = 0; l < n_layers; l++)
+            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
+                || !layers[l].down.vn)
+                return -2;
+#endif
     for (int l = 0; l < n_layers; l++) {
         const vx_layer* L = layers + l;
         if (l == 0) {  /* the embeddings are the first residual */
@@ -128,7 +145,8 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
         } else {
             vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
         }
-        if ((rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->qkv))) return rc;
+        rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->skinny_rows, s->qkv);
+        if (rc) return rc;
         vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
         vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
                     (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
@@ -156,17 +174,20 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
                     c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
                     (int)D, (int)s->BS, s->scale, s->max_len);
         }
-        if (!rc && s->np)  /* the caller checked the kernel takes them (AMX, D % 32 == 0) */
+        if (!rc && s->np)  /* the caller checked the kernel takes them (D % 32 == 0) */
             rc = vx_prefill_attention_bf16(
                 s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, c_sb,
                 D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
                 (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
         if (rc) return rc;
-        if ((rc = vx_linear_apply(&L->o, s->attn, T, s->quant_rows, s->x))) return rc;
+        rc = vx_linear_apply(&L->o, s->attn, T, s->quant_rows, s->skinny_rows, s->x);
+        if (rc) return rc;
         vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, T, H, s->eps);
-        if ((rc = vx_linear_apply(&L->gate_up, s->h, T, s->quant_rows, s->gu))) return rc;
+        rc = vx_linear_apply(&L->gate_up, s->h, T, s->quant_rows, s->skinny_rows, s->gu);
+        if (rc) return rc;
         vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, T, s->I);
-        if ((rc = vx_linear_apply(&L->down, s->act, T, s->quant_rows, s->x))) return rc;
+        rc = vx_linear_apply(&L->down, s->act, T, s->quant_rows, s->skinny_rows, s->x);
+        if (rc) return rc;
     }
     return 0;
 }

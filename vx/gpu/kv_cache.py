@@ -38,6 +38,7 @@ from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
+from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
@@ -150,6 +151,7 @@ _DECODE_KERNEL_SOURCE = (
     + DECODE_KERNEL_SOURCE
     + ELTWISE_SOURCE
     + GEMV_KERNEL_SOURCE
+    + GEMM_VNNI_SOURCE
     + GEMV_AVX2_SOURCE
     + ATTENTION_AVX2_SOURCE
     + PREFILL_AVX2_SOURCE
@@ -304,6 +306,11 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_gemm_amx_bf16.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i64, i64, i64]
         lib.vx_argmax_amx_bf16.restype = ctypes.c_int
         lib.vx_argmax_amx_bf16.argtypes = [ptr, i64, i32, ptr, i64, i64, ptr]
+    lib.vx_has_gemm_vnni.restype = ctypes.c_int
+    lib.vx_pack_vnni_bf16.restype = ctypes.c_int
+    lib.vx_pack_vnni_bf16.argtypes = [ptr, i64, i64, ptr]
+    lib.vx_gemm_vnni_bf16.restype = ctypes.c_int
+    lib.vx_gemm_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_has_decode_step.restype = ctypes.c_int
     if lib.vx_has_decode_step():
         lib.vx_llama_decode_bf16.restype = ctypes.c_int

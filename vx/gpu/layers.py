@@ -36,6 +36,7 @@ from vx.gpu.cpu_ops import (
     skinny_gemm,
 )
 from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
+from vx.gpu.cpu_vnni import VnniWeight, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -119,6 +120,12 @@ def _process_linear(layer: nn.Module) -> None:
         layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
     if widen_wanted(layer.weight):  # a CPU without bf16 arithmetic (vx.gpu.cpu_widen)
         layer.wide = WideWeight(layer.weight.data)
+    if layer.quant is None and vnni_wanted(layer.weight):
+        # AVX512-BF16 without AMX: the skinny GEMM on the plain weight up to its rows, vx's
+        # VNNI GEMM past them (vx.gpu.cpu_vnni); no oneDNN copy.
+        layer.plain = layer.weight.data if gemv_kernels() is not None else None
+        layer.vnni = VnniWeight(layer.weight.data)
+        return
     if cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
         # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
         # the quantized path's: up to twice oneDNN's speed), at the cost of a second copy of
@@ -163,6 +170,7 @@ class ColumnParallelLinear(nn.Module):
         self.quant: QuantizedWeight | None = None  # built after loading when quantization
         self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
         self.wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
+        self.vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.
         self.weight = nn.Parameter(
@@ -206,7 +214,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The output stays sharded: the next RowParallelLinear consumes it as is.
-        return _linear(x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide)
+        return _linear(
+            x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide, self.vnni
+        )
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -292,6 +302,7 @@ class RowParallelLinear(nn.Module):
         self.quant: QuantizedWeight | None = None
         self.plain: torch.Tensor | None = None
         self.wide: WideWeight | None = None
+        self.vnni: VnniWeight | None = None
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
             requires_grad=False,
@@ -315,10 +326,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return _linear(
-                x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide
+                x,
+                self.weight,
+                self.bias,
+                self.packed,
+                self.quant,
+                self.plain,
+                self.wide,
+                self.vnni,
             )
         out = _all_reduce(
-            _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide)
+            _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide, self.vnni)
         )
         return out + self.bias if self.bias is not None else out
 
@@ -381,6 +399,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
     wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
     screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (AVX2)
+    vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -400,6 +419,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                 and screen_wanted(self.weight)
             ):
                 self.screen = ScreenedHead(self.weight.data)
+        if self.quant is None and vnni_wanted(self.weight):  # instead of a oneDNN copy
+            if gemv_kernels() is not None:
+                self.plain = self.weight.data
+            self.vnni = VnniWeight(self.weight.data)
+            return
         if not cpu_prepack_enabled(self.weight):
             return
         if gemv_kernels() is not None:
@@ -430,6 +454,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = skinny_gemm(hidden, self.plain, None, None)
         elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
             logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
+        elif self.vnni is not None and hidden.dtype == torch.bfloat16:
+            logits = self.vnni.apply(hidden, None)
         elif self.packed:
             logits = _linear(hidden, self.weight, None, True)
         elif self.packed_copy is not None:

@@ -35,6 +35,7 @@ from vx.gpu.cpu_ops import (
     gemv_kernels,
     skinny_gemm,
 )
+from vx.gpu.cpu_vnni import VnniWeight
 from vx.gpu.cpu_widen import WideWeight
 
 logger = logging.getLogger(__name__)
@@ -200,16 +201,19 @@ def linear(
     quant: QuantizedWeight | None = None,
     plain: torch.Tensor | None = None,
     wide: WideWeight | None = None,
+    vnni: VnniWeight | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T + b through the quantized copy (small x), vx's skinny GEMM on the plain
-    (unpacked) weight (small x), the fp32 copy (CPUs without bf16 arithmetic), the packed
-    weight, or F.linear."""
+    (unpacked) weight (small x), the fp32 copy (CPUs without bf16 arithmetic), the VNNI copy
+    (AVX512-BF16 without AMX), the packed weight, or F.linear."""
     if quant is not None and x.shape[0] <= quant.max_rows:
         return quant.apply(x, bias)
     if wide is not None and x.shape[0] >= wide.min_rows:
         return wide.apply(x, bias)
     if plain is not None and gemv_fits(x, plain):
         return skinny_gemm(x, plain, None, bias)
+    if vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+        return vnni.apply(x, bias)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -1,0 +1,122 @@
+"""vx's VNNI-layout bf16 GEMM (`vx.gpu.cpu_vnni`, AVX512-BF16 CPUs without AMX): it must give
+the fp32 product rounded once to bf16 (up to the order of the fp32 sums), for every row count, panel remainder, bias and row stride, and the linears must take
+it past the skinny GEMM's rows. On an AMX machine the kernel is built too and is tested here
+directly (the layers keep AMX and oneDNN there).
+
+Runs in: the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vx.gpu import cpu_vnni
+from vx.gpu.cpu_ops import bf16_max_rows
+from vx.gpu.kv_cache import load_cpu_kernels
+
+
+@pytest.fixture()
+def vnni(monkeypatch):
+    lib = load_cpu_kernels()
+    if lib is None or not lib.vx_has_gemm_vnni():
+        pytest.skip("no AVX512-BF16 here: the VNNI GEMM is not built")
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": lib})
+    return lib
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """got (bf16) is x @ w.T + b (fp64) rounded once to bf16, up to the fp32 sums' error:
+    half a bf16 step of the value plus K fp32 roundings of the terms' magnitudes."""
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    bound = ref.abs() * 2.0**-8 + mag * x.shape[1] * 2.0**-24
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 16, 32), (7, 32, 64), (8, 48, 64), (9, 80, 96), (13, 960, 576), (64, 576, 1536),
+     (130, 112, 160), (300, 3072, 576)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_fp32_product(vnni, m, n, k, bias) -> None:
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_vnni.VnniWeight(w).apply(x, b)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, x, w, b)
+
+
+def test_strided_and_misaligned_rows(vnni) -> None:
+    """A view with a wider row stride is read in place; an odd-offset view is copied first."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    big = torch.randn(20, 200, generator=g).bfloat16()
+    vw = cpu_vnni.VnniWeight(w)
+    for x in (big[:, 8:72], big[:, 1:65], big[3:17, 100:164]):
+        _check(vw.apply(x, None), x, w, None)
+
+
+def test_declines_what_it_cannot_pack(vnni) -> None:
+    assert not cpu_vnni.vnni_wanted(torch.zeros(24, 64, dtype=torch.bfloat16))  # N % 16
+    assert not cpu_vnni.vnni_wanted(torch.zeros(32, 48, dtype=torch.bfloat16))  # K % 32
+    assert not cpu_vnni.vnni_wanted(torch.zeros(32, 64))  # fp32
+    rc = vnni.vx_pack_vnni_bf16(0, 24, 64, 0)
+    assert rc == -2
+
+
+def test_linears_take_it_past_the_skinny_rows(vnni, monkeypatch) -> None:
+    """A linear built here keeps the plain weight (skinny GEMM, few rows) and the VNNI copy
+    (every row count past them), and no oneDNN copy; both paths give the same product."""
+    from vx.gpu.layers import ColumnParallelLinear, ParallelLMHead
+
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
+    g = torch.Generator().manual_seed(5)
+    lin = ColumnParallelLinear(
+        96, [160], bias=True, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    lin.weight.data.copy_(torch.randn(160, 96, generator=g))
+    lin.bias.data.copy_(torch.randn(160, generator=g))
+    lin.process_weights_after_loading()
+    assert lin.vnni is not None and not lin.packed
+    calls = []
+    real = lin.vnni.apply
+    monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, bf16_max_rows(), bf16_max_rows() + 1, 40):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        _check(lin(x), x, lin.weight, lin.bias)
+    assert calls == [
+        r for r in (1, bf16_max_rows(), bf16_max_rows() + 1, 40) if r > bf16_max_rows()
+    ]
+    head = ParallelLMHead(64, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
+    head.weight.data.copy_(torch.randn(64, 96, generator=g))
+    head.process_weights_after_loading()
+    assert head.vnni is not None and head.packed_copy is None
+    h = torch.randn(30, 96, generator=g).bfloat16()
+    _check(head.compute_logits(h), h, head.weight, None)
+
+
+@pytest.mark.parametrize("rows", [9, 64, 200])
+def test_same_whichever_thread_takes_a_panel(vnni, rows: int) -> None:
+    """Panels are handed out by `vx_ws` (static ranges, stealing, mostly ownerless ranges):
+    bit-identical outputs in every mode."""
+    from vx.gpu.kv_cache import set_work_stealing
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(16 * 41, 576, generator=g).bfloat16()  # 14 panels, the last one of 2
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    vw = cpu_vnni.VnniWeight(w)
+    outs = []
+    try:
+        for mode in (0, 1, 3, 7):
+            set_work_stealing(mode)
+            outs.append(vw.apply(x, None))
+    finally:
+        set_work_stealing(1)
+    _check(outs[0], x, w, None)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])

@@ -1,0 +1,89 @@
+"""bf16 weights packed for vx's VNNI-layout GEMM, on AVX512-BF16 CPUs without AMX (AMD Zen 4
+and 5, Intel Cooper Lake).
+
+Runs in: each Worker process.
+
+Why: on such a CPU oneDNN's bf16 GEMM (the prepacked one included) ran SmolLM2's 120
+matrices at 350-700 GFLOP/s on two Zen 5 cores from 16 to 128 rows, where `vdpbf16ps` peaks at
+~960; vx's kernel (`vx.gpu.cpu_gemm_vnni_source`), on weights laid out once at load time,
+took 0.73-0.9x oneDNN's time there and about the same from 256 rows up (~900 GFLOP/s at 512
+and 2,048). It takes every row count past the skinny GEMM's (12 rows,
+`vx.gpu.cpu_ops.bf16_max_rows`), so a layer with the VNNI copy needs no oneDNN copy: the
+memory is what it was (the plain weight for the skinny GEMM and one packed copy).
+
+The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
+one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM (A/B timing);
+`VX_CPU_PREPACK=0` leaves both out (plain weights, F.linear).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["VnniWeight", "vnni_wanted"]
+
+_state: dict[str, object] = {}
+
+
+def _lib():
+    """The kernel library where it has the VNNI GEMM and AMX is not on (else None)."""
+    if "lib" not in _state:
+        from vx.gpu.cpu_ops import gemv_kernels
+
+        lib = gemv_kernels()
+        ok = (
+            lib is not None
+            and os.environ.get("VX_CPU_VNNI", "1") != "0"
+            and bool(lib.vx_has_gemm_vnni())
+            and not lib.vx_fast_amx(-1)  # AMX tiles: vx's AMX GEMM and oneDNN's are faster
+        )
+        _state["lib"] = lib if ok else None
+    return _state["lib"]
+
+
+def vnni_wanted(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI copy here."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and os.environ.get("VX_CPU_PREPACK", "1") != "0"  # no packed copies at all
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 32 == 0
+        and _lib() is not None
+    )
+
+
+class VnniWeight:
+    """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`); `apply(x, bias)` is
+    x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.n, self.k = n, k
+        w = weight.detach().contiguous()
+        # [N / 16, K / 2, 16] dwords; 64-byte aligned rows come from torch's CPU allocator
+        # (its allocations are 64-byte aligned), and each panel row is 64 bytes.
+        self.packed = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
+        if self.packed.data_ptr() % 64:
+            raise RuntimeError("the VNNI weight copy is not 64-byte aligned")
+        rc = _lib().vx_pack_vnni_bf16(w.data_ptr(), n, k, self.packed.data_ptr())  # type: ignore[union-attr]
+        if rc != 0:
+            raise ValueError(f"vx could not pack a {n} x {k} weight for the VNNI GEMM")
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return self.apply(x, None) + bias
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.bfloat16)
+        rc = _lib().vx_gemm_vnni_bf16(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), m, self.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, self.n, self.k,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"vx VNNI GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
+        return y
