@@ -45,7 +45,8 @@ int vx_pack_vnni_bf16(const vx_bf16* w, int64_t N, int64_t K, uint32_t* wp) {
    rows past mr read row 0 and are not stored. */
 VX_INLINE void vx_vnni_tile(const vx_bf16* x, int64_t x_st, int mr, const uint32_t* w,
                             int64_t bs, int64_t KP, const vx_bf16* bias, vx_bf16* y,
-                            int64_t y_st, const int NR, const int PF) {
+                            int64_t y_st, const int NR, const int PF, const char* nx,
+                            int64_t l0, int64_t l1, int q) {
     __m512 a[VX_VN_MR][VX_VN_NR];
     const int32_t* xr[VX_VN_MR];
     for (int i = 0; i < VX_VN_MR; i++) {
@@ -58,6 +59,11 @@ VX_INLINE void vx_vnni_tile(const vx_bf16* x, int64_t x_st, int mr, const uint32
             if (PF) _mm_prefetch((const char*)(w + j * bs + (p + VX_VN_PF) * 16), _MM_HINT_T0);
             wv[j] = (__m512bh)_mm512_load_si512((const void*)(w + j * bs + p * 16));
         }
+        if (nx)  /* this block's share of the next panel's lines, q a step */
+            for (int u = 0; u < q; u++) {
+                const int64_t l = l0 + p * q + u;
+                if (l < l1) _mm_prefetch(nx + l * 64, _MM_HINT_T1);
+            }
         for (int i = 0; i < VX_VN_MR; i++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[i][p]);
             for (int j = 0; j < NR; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, wv[j]);
@@ -88,20 +94,30 @@ int vx_gemm_vnni_bf16(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
         const int nr = NV - v0 < VX_VN_NR ? (int)(NV - v0) : VX_VN_NR;
         const uint32_t* w = wp + v0 * bs;
         const vx_bf16* bp = bias ? bias + 16 * v0 : 0;
+        /* the next panel of this thread's range (if any), prefetched a share per row block
+           while this one computes: it streams from memory while the cores are busy */
+        const int64_t nv1 = NV - (v0 + nr) < VX_VN_NR ? NV - (v0 + nr) : VX_VN_NR;
+        const char* nx = nv1 > 0 ? (const char*)(w + nr * bs) : 0;
+        const int64_t nrb = (M + VX_VN_MR - 1) / VX_VN_MR, lines = nv1 * KP;
+        const int64_t per = (lines + nrb - 1) / nrb;
+        const int q = (int)((per + KP - 1) / KP);
         for (int m0 = 0; m0 < M; m0 += VX_VN_MR) {
             const int mr = M - m0 < VX_VN_MR ? M - m0 : VX_VN_MR;
             const vx_bf16* xm = x + (int64_t)m0 * x_st;
             vx_bf16* ym = y + (int64_t)m0 * y_st + 16 * v0;
+            const int64_t l0 = (m0 / VX_VN_MR) * per, l1 = l0 + per < lines ? l0 + per : lines;
+#define VX_VN_TILE(N, P) vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, N, P, nx, l0, l1, q)
             /* the first row block streams the panel from memory: prefetched ahead */
             if (m0 == 0) {
-                if (nr == 3) vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 3, 1);
-                else if (nr == 2) vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 2, 1);
-                else vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 1, 1);
+                if (nr == 3) VX_VN_TILE(3, 1);
+                else if (nr == 2) VX_VN_TILE(2, 1);
+                else VX_VN_TILE(1, 1);
             } else {
-                if (nr == 3) vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 3, 0);
-                else if (nr == 2) vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 2, 0);
-                else vx_vnni_tile(xm, x_st, mr, w, bs, KP, bp, ym, y_st, 1, 0);
+                if (nr == 3) VX_VN_TILE(3, 0);
+                else if (nr == 2) VX_VN_TILE(2, 0);
+                else VX_VN_TILE(1, 0);
             }
+#undef VX_VN_TILE
         }
     }
     return 0;
