@@ -14,7 +14,9 @@ from 3 rows where the CPU has them), "old C" the same from `--baseline` (its lib
 that revision's source; a revision whose AMX kernel takes at most 64 rows a call is called as
 its caller did, 64 rows at a time), "oneDNN" torch's F.linear on the plain bf16 weights. The
 C results must be bit-identical (checked); each cell is the median ms per step over
-`--rounds` rounds, every kernel timed once per round, in turn.
+`--rounds` rounds, every kernel timed once per round, in turn. On AVX512-BF16 CPUs without AMX
+two more columns: "VNNI", the GEMM the linears take there past 12 rows (`vx.gpu.cpu_vnni`, on
+its packed copies), and "oneDNN packed", oneDNN on prepacked copies (what they took before).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vx.gpu import kv_cache  # noqa: E402
+from vx.gpu import cpu_vnni, kv_cache  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -65,6 +67,33 @@ def c_kernel(lib: ctypes.CDLL, chunk: int):
                 ctypes.c_int64(n), ctypes.c_int64(n), ctypes.c_int64(k),
             )  # fmt: skip
             assert rc == 0, rc
+
+    return run
+
+
+def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]]):
+    """x @ W.T through the VNNI GEMM on each weight's packed copy (`vx.gpu.cpu_vnni`)."""
+    packs = {id(w): cpu_vnni.VnniWeight(w).packed for layer in weights for w in layer}
+
+    def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        (n, k), m = w.shape, x.shape[0]
+        rc = lib.vx_gemm_vnni_bf16(
+            x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k
+        )
+        assert rc == 0, rc
+
+    return run
+
+
+def onednn_packed(weights: list[list[torch.Tensor]]):
+    """x @ W.T through oneDNN on each weight's prepacked copy (what the linears used before
+    the VNNI GEMM on this kind of CPU); the output is oneDNN's own tensor."""
+    from vx.gpu.quantization import prepack
+
+    packs = {id(w): prepack(w) for layer in weights for w in layer}
+
+    def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        torch.ops.mkldnn._linear_pointwise(x, packs[id(w)], None, "none", [], "")
 
     return run
 
@@ -134,33 +163,46 @@ def main() -> None:
             "new C": c_kernel(new_lib, 192),
             "oneDNN": lambda x, w, y: torch.nn.functional.linear(x, w, out=y),
         }
+        if cpu_vnni.vnni_wanted(weights[0][0]):  # AVX512-BF16 without AMX: what the linears use
+            kernels["VNNI"] = vnni_kernel(new_lib, weights)
+            kernels["oneDNN packed"] = onednn_packed(weights)
         print(
             f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step "
             f"({LAYERS} x {len(SHAPES)} matrices, cold weights), median of {a.rounds}"
         )
-        print(f"{'rows':>5} " + " ".join(f"{n:>9}" for n in kernels) + "   new/old  new/oneDNN")
+        vnni = "VNNI" in kernels
+        print(
+            f"{'rows':>5} " + " ".join(f"{n:>9}" for n in kernels) + "   new/old  new/oneDNN"
+            + ("  VNNI/packed" if vnni else "")
+        )  # fmt: skip
+        # without AMX the C skinny GEMM takes only a few rows: past them its columns are empty
+        skinny = 1 << 30 if new_lib.vx_fast_amx(-1) else new_lib.vx_gemv_bf16_max_rows()
+        nan = float("nan")
         for m in (int(r) for r in a.rows.split(",")):
             xs = [torch.randn(m, k, generator=gen).to(torch.bfloat16) for _, k in SHAPES]
+            run = {n: fn for n, fn in kernels.items() if m <= skinny or n not in ("old C", "new C")}
             outs = {
-                name: [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in SHAPES]
-                for name in kernels
+                name: [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in SHAPES] for name in run
             }
-            for name, fn in kernels.items():  # warm-up and the bit-identity check
+            for name, fn in run.items():  # warm-up and the bit-identity check
                 for i, w in enumerate(weights[0]):
                     fn(xs[i], w, outs[name][i])
-            same = all(torch.equal(o, n) for o, n in zip(outs["old C"], outs["new C"], strict=True))
-            times: dict[str, list[float]] = {name: [] for name in kernels}
+            same = "new C" not in run or all(
+                torch.equal(o, n) for o, n in zip(outs["old C"], outs["new C"], strict=True)
+            )
+            times: dict[str, list[float]] = {name: [] for name in run}
             for _ in range(a.rounds):
-                for name, fn in kernels.items():
+                for name, fn in run.items():
                     t0 = time.perf_counter()
                     for layer in weights:
                         for i, w in enumerate(layer):
                             fn(xs[i], w, outs[name][i])
                     times[name].append((time.perf_counter() - t0) * 1e3)
-            med = {name: statistics.median(t) for name, t in times.items()}
+            med = {name: statistics.median(times[name]) if name in run else nan for name in kernels}
             print(
                 f"{m:>5} " + " ".join(f"{med[n]:9.2f}" for n in kernels)
                 + f"   {med['new C'] / med['old C']:7.2f}  {med['new C'] / med['oneDNN']:10.2f}"
+                + (f"  {med['VNNI'] / med['oneDNN packed']:11.2f}" if vnni else "")
                 + ("" if same else "   (old and new C differ!)")
             )  # fmt: skip
 

@@ -69,9 +69,9 @@ def test_declines_what_it_cannot_pack(vnni) -> None:
     assert rc == -2
 
 
-def test_linears_take_it_past_the_skinny_rows(vnni, monkeypatch) -> None:
-    """A linear built here keeps the plain weight (skinny GEMM, few rows) and the VNNI copy
-    (every row count past them), and no oneDNN copy; both paths give the same product."""
+def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
+    """A linear built here keeps the plain weight (skinny GEMM, one row) and the VNNI copy
+    (every row count from `VNNI_MIN_ROWS`), and no oneDNN copy; both give the product."""
     from vx.gpu.layers import ColumnParallelLinear, ParallelLMHead
 
     monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
@@ -86,12 +86,12 @@ def test_linears_take_it_past_the_skinny_rows(vnni, monkeypatch) -> None:
     calls = []
     real = lin.vnni.apply
     monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, bf16_max_rows(), bf16_max_rows() + 1, 40):
+    sizes = (1, cpu_vnni.VNNI_MIN_ROWS, bf16_max_rows(), bf16_max_rows() + 1, 40)
+    for rows in sizes:
         x = torch.randn(rows, 96, generator=g).bfloat16()
         _check(lin(x), x, lin.weight, lin.bias)
-    assert calls == [
-        r for r in (1, bf16_max_rows(), bf16_max_rows() + 1, 40) if r > bf16_max_rows()
-    ]
+    # one row on the skinny GEMM (the plain weight), from VNNI_MIN_ROWS on the VNNI copy
+    assert calls == [r for r in sizes if r >= cpu_vnni.VNNI_MIN_ROWS]
     head = ParallelLMHead(64, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
     head.weight.data.copy_(torch.randn(64, 96, generator=g))
     head.process_weights_after_loading()

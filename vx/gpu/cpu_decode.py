@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vx.gpu.cpu_ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.cpu_vnni import VNNI_MIN_ROWS
 from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
 
 __all__ = ["FusedDecode"]
@@ -206,7 +207,8 @@ class FusedDecode:
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
             self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
-            int(self._has_fast and fast_decode_attention()), bf16_max_rows(),
+            int(self._has_fast and fast_decode_attention()),
+            VNNI_MIN_ROWS - 1 if self._vnni_rows else bf16_max_rows(),  # as `linear` routes
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),

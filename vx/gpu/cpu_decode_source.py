@@ -15,8 +15,9 @@ kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM
 
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
-VDPBF16PS up to `skinny_rows` and past them the VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the
-linears' packed copies), up to 192 rows, as `vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
+VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), up to 192 rows, as
+`vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
 path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
 weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
@@ -76,7 +77,8 @@ typedef struct {
     int64_t T, H, Hq, Hkv, D, I, NB, BS;
     int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
     float eps, scale;
-    int32_t max_len, quant_rows, fast, skinny_rows;  /* skinny_rows: `bf16_max_rows()` */
+    int32_t max_len, quant_rows, fast;
+    int32_t skinny_rows;    /* rows up to which the skinny GEMM runs where a VNNI copy exists */
     const vx_bf16* cos;     /* [T, D / 2] */
     const vx_bf16* sin;
     const int64_t* slots;   /* [T] */

@@ -7,9 +7,10 @@ Why: on such a CPU oneDNN's bf16 GEMM (the prepacked one included) ran SmolLM2's
 matrices at 350-700 GFLOP/s on two Zen 5 cores from 16 to 128 rows, where `vdpbf16ps` peaks at
 ~960; vx's kernel (`vx.gpu.cpu_gemm_vnni_source`), on weights laid out once at load time,
 took 0.73-0.9x oneDNN's time there and about the same from 256 rows up (~900 GFLOP/s at 512
-and 2,048). It takes every row count past the skinny GEMM's (12 rows,
-`vx.gpu.cpu_ops.bf16_max_rows`), so a layer with the VNNI copy needs no oneDNN copy: the
-memory is what it was (the plain weight for the skinny GEMM and one packed copy).
+and 2,048). It is ahead of the skinny GEMM (plain weights, `vdpbf16ps` with a reduction per
+output) from 2 rows too, so it takes every row count from `VNNI_MIN_ROWS`, and a layer with
+the VNNI copy needs no oneDNN copy: the memory is what it was (the plain weight, for one
+row, and one packed copy).
 
 The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
 one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM (A/B timing);
@@ -22,7 +23,12 @@ import os
 
 import torch
 
-__all__ = ["VnniWeight", "vnni_wanted"]
+__all__ = ["VNNI_MIN_ROWS", "VnniWeight", "vnni_wanted"]
+
+#: Rows from which a layer with a VNNI copy takes it rather than the skinny GEMM on its plain
+#: weight (`bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: 1 row 6.7 against 5.8
+#: ms, 2 rows 5.4 against 6.4, 4 rows 5.3 / 5.8, 8 rows 5.6 / 6.7, 12 rows 7.5 / 10.0).
+VNNI_MIN_ROWS = 2
 
 _state: dict[str, object] = {}
 

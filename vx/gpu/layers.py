@@ -36,7 +36,7 @@ from vx.gpu.cpu_ops import (
     skinny_gemm,
 )
 from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
-from vx.gpu.cpu_vnni import VnniWeight, vnni_wanted
+from vx.gpu.cpu_vnni import VNNI_MIN_ROWS, VnniWeight, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -121,8 +121,8 @@ def _process_linear(layer: nn.Module) -> None:
     if widen_wanted(layer.weight):  # a CPU without bf16 arithmetic (vx.gpu.cpu_widen)
         layer.wide = WideWeight(layer.weight.data)
     if layer.quant is None and vnni_wanted(layer.weight):
-        # AVX512-BF16 without AMX: the skinny GEMM on the plain weight up to its rows, vx's
-        # VNNI GEMM past them (vx.gpu.cpu_vnni); no oneDNN copy.
+        # AVX512-BF16 without AMX: the skinny GEMM on the plain weight for one row, vx's VNNI
+        # GEMM from VNNI_MIN_ROWS (vx.gpu.cpu_vnni); no oneDNN copy.
         layer.plain = layer.weight.data if gemv_kernels() is not None else None
         layer.vnni = VnniWeight(layer.weight.data)
         return
@@ -450,12 +450,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             logits = self.quant.apply(hidden, None)
+        elif (
+            self.vnni is not None
+            and hidden.dtype == torch.bfloat16
+            and (
+                hidden.shape[0] >= VNNI_MIN_ROWS
+                or self.plain is None
+                or not gemv_fits(hidden, self.plain)
+            )
+        ):
+            logits = self.vnni.apply(hidden, None)
         elif self.plain is not None and gemv_fits(hidden, self.plain):
             logits = skinny_gemm(hidden, self.plain, None, None)
         elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
             logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
-        elif self.vnni is not None and hidden.dtype == torch.bfloat16:
-            logits = self.vnni.apply(hidden, None)
         elif self.packed:
             logits = _linear(hidden, self.weight, None, True)
         elif self.packed_copy is not None:

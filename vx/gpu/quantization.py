@@ -35,7 +35,7 @@ from vx.gpu.cpu_ops import (
     gemv_kernels,
     skinny_gemm,
 )
-from vx.gpu.cpu_vnni import VnniWeight
+from vx.gpu.cpu_vnni import VNNI_MIN_ROWS, VnniWeight
 from vx.gpu.cpu_widen import WideWeight
 
 logger = logging.getLogger(__name__)
@@ -210,10 +210,11 @@ def linear(
         return quant.apply(x, bias)
     if wide is not None and x.shape[0] >= wide.min_rows:
         return wide.apply(x, bias)
+    if vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+        if x.shape[0] >= VNNI_MIN_ROWS or plain is None or not gemv_fits(x, plain):
+            return vnni.apply(x, bias)
     if plain is not None and gemv_fits(x, plain):
         return skinny_gemm(x, plain, None, bias)
-    if vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
-        return vnni.apply(x, bias)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
