@@ -120,3 +120,33 @@ def test_same_whichever_thread_takes_a_panel(vnni, rows: int) -> None:
     _check(outs[0], x, w, None)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(2, 16, 32), (9, 80, 96), (64, 4096, 576)])
+def test_argmax_is_the_first_maximum_of_the_bf16_product(vnni, m, n, k) -> None:
+    """`VnniWeight.argmax` gives the token `apply(...).float().argmax(-1)` gives, ties
+    included (duplicated weight rows give equal outputs: the first index wins, whichever
+    thread's panel holds it)."""
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    for weight in (w, torch.cat([w[: n // 2], w[: n // 2]])):  # every output twice
+        vw = cpu_vnni.VnniWeight(weight)
+        want = vw.apply(x, None).float().argmax(-1).numpy()
+        assert (vw.argmax(x) == want).all()
+        assert (want < n // 2).all() or weight is w
+
+
+def test_lm_head_greedy_ids_take_the_argmax(vnni, monkeypatch) -> None:
+    from vx.gpu.layers import ParallelLMHead
+
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
+    g = torch.Generator().manual_seed(9)
+    head = ParallelLMHead(256, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
+    head.weight.data.copy_(torch.randn(256, 96, generator=g))
+    head.process_weights_after_loading()
+    h = torch.randn(20, 96, generator=g).bfloat16()
+    ids = head.greedy_ids(h)
+    assert ids is not None
+    assert (ids == head.compute_logits(h).argmax(-1).numpy()).all()
+    assert head.greedy_ids(h[:1]) is None  # one row: the skinny GEMM's logits

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
-__all__ = ["VNNI_MIN_ROWS", "VnniWeight", "vnni_wanted"]
+__all__ = ["VNNI_MIN_ROWS", "VnniWeight", "vnni_takes", "vnni_wanted"]
 
 #: Rows from which a layer with a VNNI copy takes it rather than the skinny GEMM on its plain
 #: weight (`bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: 1 row 6.7 against 5.8
@@ -62,6 +63,16 @@ def vnni_wanted(weight: torch.Tensor) -> bool:
     )
 
 
+def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | None) -> bool:
+    """Whether x @ W.T goes to the VNNI copy `vnni`: 2-D bf16 x of at least `VNNI_MIN_ROWS`
+    rows, or any rows the skinny GEMM on `plain` does not take."""
+    if vnni is None or x.dim() != 2 or x.dtype != torch.bfloat16:
+        return False
+    from vx.gpu.cpu_ops import gemv_fits
+
+    return x.shape[0] >= VNNI_MIN_ROWS or plain is None or not gemv_fits(x, plain)
+
+
 class VnniWeight:
     """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`); `apply(x, bias)` is
     x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride."""
@@ -93,3 +104,19 @@ class VnniWeight:
         if rc != 0:
             raise RuntimeError(f"vx VNNI GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
         return y
+
+    def argmax(self, x: torch.Tensor) -> np.ndarray:
+        """[M] int64: the first maximum over n of `apply(x, None)` [M, N] (its bf16 values),
+        without forming the [M, N] product (greedy rows from the LM head)."""
+        if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.contiguous()
+        out = np.empty(x.shape[0], dtype=np.int64)
+        rc = _lib().vx_argmax_vnni_bf16(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), x.shape[0], self.packed.data_ptr(), self.n, self.k,
+            out.ctypes.data,
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("vx VNNI argmax could not allocate scratch")
+        if rc != 0:
+            raise RuntimeError(f"vx VNNI argmax refused {tuple(x.shape)} @ ({self.n}, {self.k})")
+        return out

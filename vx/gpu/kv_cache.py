@@ -311,6 +311,8 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_pack_vnni_bf16.argtypes = [ptr, i64, i64, ptr]
     lib.vx_gemm_vnni_bf16.restype = ctypes.c_int
     lib.vx_gemm_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_argmax_vnni_bf16.restype = ctypes.c_int
+    lib.vx_argmax_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, i64, ptr]
     lib.vx_has_decode_step.restype = ctypes.c_int
     if lib.vx_has_decode_step():
         lib.vx_llama_decode_bf16.restype = ctypes.c_int

@@ -36,7 +36,7 @@ from vx.gpu.cpu_ops import (
     skinny_gemm,
 )
 from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
-from vx.gpu.cpu_vnni import VNNI_MIN_ROWS, VnniWeight, vnni_wanted
+from vx.gpu.cpu_vnni import VnniWeight, vnni_takes, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -436,10 +436,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
-        where a C kernel gets it without forming the logits (AMX), or from the int8 screen
-        (AVX2, `vx.gpu.cpu_screen`); None elsewhere."""
+        where a C kernel gets it without forming the logits (AMX; the VNNI GEMM's argmax on
+        AVX512-BF16 without AMX), or from the int8 screen (AVX2, `vx.gpu.cpu_screen`); None
+        elsewhere."""
         if self.screen is not None and self.num_per_rank == self.vocab_size:
             return self.screen.argmax(hidden)
+        if self.tp_size == 1 and self.num_per_rank == self.vocab_size:  # as compute_logits
+            if vnni_takes(self.vnni, hidden, self.plain):
+                return self.vnni.argmax(hidden)  # type: ignore[union-attr]
         if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
             return None
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
@@ -450,16 +454,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             logits = self.quant.apply(hidden, None)
-        elif (
-            self.vnni is not None
-            and hidden.dtype == torch.bfloat16
-            and (
-                hidden.shape[0] >= VNNI_MIN_ROWS
-                or self.plain is None
-                or not gemv_fits(hidden, self.plain)
-            )
-        ):
-            logits = self.vnni.apply(hidden, None)
+        elif vnni_takes(self.vnni, hidden, self.plain):
+            logits = self.vnni.apply(hidden, None)  # type: ignore[union-attr]
         elif self.plain is not None and gemv_fits(hidden, self.plain):
             logits = skinny_gemm(hidden, self.plain, None, None)
         elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:

@@ -35,7 +35,7 @@ from vx.gpu.cpu_ops import (
     gemv_kernels,
     skinny_gemm,
 )
-from vx.gpu.cpu_vnni import VNNI_MIN_ROWS, VnniWeight
+from vx.gpu.cpu_vnni import VnniWeight, vnni_takes
 from vx.gpu.cpu_widen import WideWeight
 
 logger = logging.getLogger(__name__)
@@ -210,9 +210,8 @@ def linear(
         return quant.apply(x, bias)
     if wide is not None and x.shape[0] >= wide.min_rows:
         return wide.apply(x, bias)
-    if vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
-        if x.shape[0] >= VNNI_MIN_ROWS or plain is None or not gemv_fits(x, plain):
-            return vnni.apply(x, bias)
+    if vnni_takes(vnni, x, plain):
+        return vnni.apply(x, bias)  # type: ignore[union-attr]
     if plain is not None and gemv_fits(x, plain):
         return skinny_gemm(x, plain, None, bias)
     if packed:
