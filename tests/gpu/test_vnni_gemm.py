@@ -72,7 +72,8 @@ def test_declines_what_it_cannot_pack(vnni) -> None:
 def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
     """A linear built here keeps the plain weight (skinny GEMM, one row) and the VNNI copy
     (every row count from `VNNI_MIN_ROWS`), and no oneDNN copy; both give the product."""
-    from vx.gpu.layers import ColumnParallelLinear, ParallelLMHead
+    from vx.gpu.layers import ColumnParallelLinear
+    from vx.gpu.vocab import ParallelLMHead
 
     monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
     g = torch.Generator().manual_seed(5)
@@ -138,7 +139,7 @@ def test_argmax_is_the_first_maximum_of_the_bf16_product(vnni, m, n, k) -> None:
 
 
 def test_lm_head_greedy_ids_take_the_argmax(vnni, monkeypatch) -> None:
-    from vx.gpu.layers import ParallelLMHead
+    from vx.gpu.vocab import ParallelLMHead
 
     monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
     g = torch.Generator().manual_seed(9)

@@ -1,7 +1,7 @@
 """Exact greedy tokens from a bf16 LM head with half its bytes read (CPUs with AVX2 and no
 AVX-512).
 
-Runs in: each Worker process (`vx.gpu.layers.ParallelLMHead.greedy_ids`).
+Runs in: each Worker process (`vx.gpu.vocab.ParallelLMHead.greedy_ids`).
 
 Why: at one to a few rows a decode step only streams weights, and SmolLM2's LM head is a fifth
 of them (49,152 x 576 bf16, 57 MB: ~3.6 ms of a ~20 ms step on a 2-core AMD EPYC). A greedy

@@ -1,5 +1,7 @@
 """Building blocks shared by the model files: tensor-parallel linears, RMSNorm, SiLU-mul.
 
+The vocabulary-parallel embedding and LM head live in `vx.gpu.vocab`.
+
 Rotary lives in `vx.gpu.rotary` and the CPU linear kernels (prepacking, weight-only int8/int4)
 in `vx.gpu.quantization`; both are re-exported here.
 
@@ -19,24 +21,14 @@ for token in fp32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.cpu_ops import (
-    fused_add_rms_norm,
-    fused_silu_and_mul,
-    gemv_fits,
-    gemv_kernels,
-    skinny_argmax,
-    skinny_gemm,
-)
-from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
-from vx.gpu.cpu_vnni import VnniWeight, vnni_takes, vnni_wanted
+from vx.gpu.cpu_ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
+from vx.gpu.cpu_vnni import VnniWeight, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -49,12 +41,10 @@ from vx.gpu.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 __all__ = [
     "ColumnParallelLinear",
     "MergedColumnParallelLinear",
-    "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "VocabParallelEmbedding",
     "apply_rotary",
     "cpu_prepack_enabled",
     "default_weight_loader",
@@ -339,138 +329,6 @@ class RowParallelLinear(nn.Module):
             _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide, self.vnni)
         )
         return out + self.bias if self.bias is not None else out
-
-
-# ───────────────────────────── vocabulary ─────────────────────────────
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split into contiguous per-rank ranges.
-
-    The vocab is padded up to a multiple of `tp_size`; padded rows are zero. Each rank looks up
-    the ids in its range, zeroes the rest, and the ranks' outputs are summed.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ) -> None:
-        super().__init__()
-        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
-        self.num_per_rank = math.ceil(vocab_size / tp_size)
-        self.vocab_start = tp_rank * self.num_per_rank
-        self.weight = nn.Parameter(
-            torch.empty(self.num_per_rank, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"expected {self.vocab_size} vocab rows, got {loaded.shape[0]}")
-        rows = loaded[self.vocab_start : self.vocab_start + self.num_per_rank]
-        param.data[: rows.shape[0]].copy_(rows)
-        param.data[rows.shape[0] :].zero_()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        return _all_reduce(out)
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection; shares `weight` with the embedding when tied."""
-
-    tied = False
-    packed = False  # `weight` itself is oneDNN-packed (an untied head)
-    packed_copy: torch.Tensor | None = None  # a packed copy of a tied weight
-    quantization: str | None = None
-    quant: QuantizedWeight | None = None
-    plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
-    wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
-    screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (AVX2)
-    vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
-
-    def tie(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
-        self.tied = True
-
-    def process_weights_after_loading(self) -> None:
-        if self.quantization is not None:
-            self.quant = QuantizedWeight(self.weight.data, self.quantization)
-        if widen_wanted(self.weight):
-            self.wide = WideWeight(self.weight.data)
-            # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
-            # the greedy tokens can come from half its bytes (vx.gpu.cpu_screen).
-            if (
-                self.quant is None
-                and self.tp_size == 1
-                and self.wide.skinny_rows >= SCREEN_MAX_ROWS
-                and screen_wanted(self.weight)
-            ):
-                self.screen = ScreenedHead(self.weight.data)
-        if self.quant is None and vnni_wanted(self.weight):  # instead of a oneDNN copy
-            if gemv_kernels() is not None:
-                self.plain = self.weight.data
-            self.vnni = VnniWeight(self.weight.data)
-            return
-        if not cpu_prepack_enabled(self.weight):
-            return
-        if gemv_kernels() is not None:
-            self.plain = self.weight.data  # free when tied: it is the embedding table
-        if self.tied:  # a copy: the tied weight is also the embedding's lookup table
-            self.packed_copy = _prepack(self.weight)
-        else:
-            self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
-            self.packed = True
-
-    def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
-        """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
-        where a C kernel gets it without forming the logits (AMX; the VNNI GEMM's argmax on
-        AVX512-BF16 without AMX), or from the int8 screen (AVX2, `vx.gpu.cpu_screen`); None
-        elsewhere."""
-        if self.screen is not None and self.num_per_rank == self.vocab_size:
-            return self.screen.argmax(hidden)
-        if self.tp_size == 1 and self.num_per_rank == self.vocab_size:  # as compute_logits
-            if vnni_takes(self.vnni, hidden, self.plain):
-                return self.vnni.argmax(hidden)  # type: ignore[union-attr]
-        if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
-            return None
-        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
-            return None  # compute_logits takes the quantized weight there
-        return skinny_argmax(hidden, self.plain)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
-        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
-            logits = self.quant.apply(hidden, None)
-        elif vnni_takes(self.vnni, hidden, self.plain):
-            logits = self.vnni.apply(hidden, None)  # type: ignore[union-attr]
-        elif self.plain is not None and gemv_fits(hidden, self.plain):
-            logits = skinny_gemm(hidden, self.plain, None, None)
-        elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
-            logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
-        elif self.packed:
-            logits = _linear(hidden, self.weight, None, True)
-        elif self.packed_copy is not None:
-            logits = _linear(hidden, self.packed_copy, None, True)
-        else:
-            logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            logits = _all_gather_last_dim(logits, self.tp_size)
-        if logits.shape[-1] != self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-        return logits.float()
 
 
 # ───────────────────────────── norms and activations ─────────────────────────────

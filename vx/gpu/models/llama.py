@@ -26,16 +26,15 @@ from torch import nn
 from vx.gpu.cpu_decode import FusedDecode
 from vx.gpu.layers import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    VocabParallelEmbedding,
     apply_rotary,
     default_weight_loader,
     silu_and_mul,
 )
+from vx.gpu.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
 
