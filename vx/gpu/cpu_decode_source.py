@@ -16,7 +16,7 @@ kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM
 GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
 `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
 VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
-VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), up to 192 rows, as
+VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), any number of rows, as
 `vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
 path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
 weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
