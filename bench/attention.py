@@ -9,7 +9,7 @@ Usage (always under the shared benchmark lock):
 Shapes: SmolLM2-135M's (30 layers, 9 query heads, 3 KV heads, head_dim 64, bf16, block size
 16). Each size BxKV gives every request KV tokens of context; every layer has its own K/V
 cache (so a step reads 30 layers' KV, as the model does) and the block tables are a random
-permutation of the blocks. One "step" is the kernel called once per layer through ctypes
+permutation of the blocks; the caches are block-major in memory, as the Worker's. One "step" is the kernel called once per layer through ctypes
 (argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
 "new fast noAMX" is the working tree's fast kernel with its AMX q.k turned off.
 Kernels: the portable and AVX512-BF16 kernels of `--baseline` (that revision's `vx` tree is
@@ -102,8 +102,9 @@ def layer_args(
     lens = torch.full((b,), kv, dtype=torch.int32)
     keep += [q, lens]
     for _ in range(distinct):
-        kc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
-        vc = torch.randn(HKV, nb, BS, D, generator=gen).to(torch.bfloat16)
+        # block-major in memory, as `vx.gpu.kv_cache.allocate_kv_caches` lays CPU caches out
+        kc = torch.randn(nb, HKV, BS, D, generator=gen).to(torch.bfloat16).transpose(0, 1)
+        vc = torch.randn(nb, HKV, BS, D, generator=gen).to(torch.bfloat16).transpose(0, 1)
         bt = torch.randperm(nb, generator=gen).to(torch.int32).view(b, width)
         out = torch.empty(b, HQ, D, dtype=torch.bfloat16)
         keep += [kc, vc, bt, out]
