@@ -174,10 +174,10 @@ class Sim:
         self.finished: list[str] = []
         self.preempted: list[str] = []
 
-    def add(self, req_id, prompt, params=GREEDY, computed=0, blocks=(), outputs=()):
+    def add(self, req_id, prompt, params=GREEDY, computed=0, blocks=(), outputs=(), eos=None):
         self.reqs[req_id] = dict(
             prompt=list(prompt), params=params, computed=computed, blocks=list(blocks),
-            outputs=list(outputs), sent=False, resumed_outputs=list(outputs),
+            outputs=list(outputs), sent=False, resumed_outputs=list(outputs), eos=eos,
         )  # fmt: skip
 
     def preempt(self, req_id):
@@ -204,6 +204,7 @@ class Sim:
                         r["computed"],
                         r["resumed_outputs"],
                         r["params"],
+                        r["eos"],
                     )
                 )
                 r["sent"] = True
@@ -415,6 +416,45 @@ def test_runner_greedy_ids_from_the_lm_head_equal_the_logits_path(tiny_llama, mo
     if real(torch.zeros(5, model.lm_head.weight.shape[1], dtype=torch.bfloat16)) is None:
         pytest.skip("no AMX LM head kernel here: both runs took the logits path")
     assert calls and max(calls) == 5
+
+
+def test_runner_greedy_ids_under_min_tokens_equal_the_sampler(tiny_llama, monkeypatch):
+    """Greedy rows short of min_tokens take the LM head's argmax too, and where it is EOS or
+    a stop id their logits are formed and masked: the full sampler's tokens, step by step,
+    with the masked ids absent until min_tokens is reached."""
+    base = make_runner(tiny_llama, dtype="bfloat16")
+    sim = Sim(base)
+    for i in range(3):
+        sim.add(f"r{i}", PROMPT[: 7 + i])
+    plain = sim.run(["r0", "r1", "r2"], 16, 10)
+    eos, stop = plain["r0"][2], plain["r1"][1]  # tokens the unmasked argmax picks early on
+    params = SamplingParams.create(temperature=0.0, min_tokens=8, stop_token_ids=[stop])
+    outs, calls, masked_rows = {}, [], []
+    for fast in (True, False):
+        runner = make_runner(tiny_llama, dtype="bfloat16")
+        model = runner._model
+        real_ids, real_logits = model.greedy_ids, model.compute_logits
+        if fast:
+            monkeypatch.setattr(
+                model, "greedy_ids", lambda h, real=real_ids: calls.append(len(h)) or real(h)
+            )
+            monkeypatch.setattr(
+                model,
+                "compute_logits",
+                lambda h, real=real_logits: masked_rows.append(len(h)) or real(h),
+            )
+        else:
+            monkeypatch.setattr(model, "greedy_ids", lambda h: None)
+        sim = Sim(runner)
+        for i in range(3):
+            sim.add(f"r{i}", PROMPT[: 7 + i], params=params, eos=eos)
+        outs[fast] = sim.run(["r0", "r1", "r2"], 16, 10)
+    assert outs[True] == outs[False]
+    for toks in outs[True].values():
+        assert eos not in toks[:8] and stop not in toks[:8]
+    if real_ids(torch.zeros(3, model.lm_head.weight.shape[1], dtype=torch.bfloat16)) is None:
+        pytest.skip("no C argmax of the LM head here: both runs took the logits path")
+    assert calls and masked_rows  # the fast path ran, and redid the rows it had to
 
 
 def test_runner_one_greedy_row_takes_the_int8_screen(tiny_llama, monkeypatch):

@@ -125,22 +125,41 @@ class SamplingMetadata:
 
 
 def argmax_only(
-    params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    *,
+    masked_ok: bool = False,
 ) -> bool:
     """Whether sampling these rows is one argmax of the raw logits: greedy, no logprobs, no
-    logit_bias or penalties, min_tokens already reached (one pass over the rows)."""
+    logit_bias or penalties, min_tokens already reached (one pass over the rows). With
+    `masked_ok`, rows still short of min_tokens count too: theirs is the argmax of the logits
+    with `min_tokens_masked` ids at -inf (the caller handles those)."""
     for p, out in zip(params, output_token_ids, strict=True):
         if (
             p.temperature >= GREEDY_EPSILON
             or p.logprobs is not None
             or p.logit_bias
-            or p.min_tokens > len(out)
+            or (not masked_ok and p.min_tokens > len(out))
             or p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
         ):
             return False
     return True
+
+
+def min_tokens_masked(
+    p: SamplingParams, num_output: int, eos_token_id: int | None, vocab_size: int
+) -> set[int]:
+    """The ids the sampler sets to -inf for a row with `num_output` tokens so far: EOS and the
+    stop ids while min_tokens is not reached (EOS even with ignore_eos, as vLLM does), else
+    none."""
+    if p.min_tokens <= num_output:
+        return set()
+    ids = set(p.stop_token_ids)
+    if eos_token_id is not None:
+        ids.add(eos_token_id)
+    return {t for t in ids if 0 <= t < vocab_size}
 
 
 def _build_full(
@@ -216,13 +235,9 @@ def _build_full(
                     bias_index.append(base + token_id)
                     bias_values.append(bias)
         if p.min_tokens > num_output:
-            stop_ids = set(p.stop_token_ids)
-            eos = eos_token_ids[i]
-            # NOTE: EOS is masked even with ignore_eos, as vLLM does: it is harmless there.
-            if eos is not None:
-                stop_ids.add(eos)
             base = i * vocab
-            min_tokens_index.extend(base + t for t in stop_ids if 0 <= t < vocab)
+            masked = min_tokens_masked(p, num_output, eos_token_ids[i], vocab)
+            min_tokens_index.extend(base + t for t in sorted(masked))
         if p.logprobs is not None:
             max_num_logprobs = max(max_num_logprobs or 0, p.logprobs)
 
