@@ -358,8 +358,9 @@ class ModelRunner:
 
         Rows short of min_tokens (EOS and the stop ids at -inf) take it too: where the plain
         argmax is not one of their masked ids it is also the masked one (it is the first
-        maximum, so no earlier id ties it, and masking only removes candidates); the rows
-        where it is get their logits formed and masked as the sampler would. Why: a
+        maximum, so no earlier id ties it, and masking only removes candidates); where it is,
+        the logits are formed as the logits path forms them and those rows masked as the
+        sampler masks them. Why: a
         benchmark's `min_tokens` = `max_tokens` otherwise sent every step to the full
         sampler (logits, widening, torch's argmax: ~12% of a served c = 64 step)."""
         greedy_ids = getattr(self._model, "greedy_ids", None)
@@ -384,9 +385,9 @@ class ModelRunner:
                 masked = min_tokens_masked(p, n_out, batch.eos_token_ids[row], vocab)
                 if int(ids[j]) in masked:
                     redo.append((j, sorted(masked)))
-        if redo:
+        if redo:  # the logits path's values: formed for the whole batch, as it forms them
             ids, js = np.array(ids, dtype=np.int64), [j for j, _ in redo]
-            logits = self._model.compute_logits(hidden[js])
+            logits = self._model.compute_logits(hidden)[js]
             for k, (_, masked) in enumerate(redo):
                 logits[k, masked] = float("-inf")
             ids[js] = np.argmax(logits.numpy(), axis=-1)
