@@ -14,6 +14,7 @@ every token it produced.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from vx.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InputBatch"]
+__all__ = ["InputBatch", "RowTokens"]
 
 
 class InputBatch:
@@ -190,3 +191,22 @@ class InputBatch:
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+
+
+class RowTokens(Sequence):
+    """Lazy per-row token views of `rows` (outputs, or prompts) for `SamplingMetadata.build`
+    and `vx.gpu.greedy`: a row's tokens are read only when it needs them."""
+
+    def __init__(self, batch: InputBatch, rows: np.ndarray, outputs: bool) -> None:
+        self._batch, self._rows, self._outputs = batch, rows, outputs
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        row = int(self._rows[i])
+        b = self._batch
+        return b.output_token_ids(row) if self._outputs else b.prompt_token_ids(row)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self._rows)))

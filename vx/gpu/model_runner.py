@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +24,8 @@ import torch
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
 from vx.gpu.attention import AttentionMetadata, build_attention_metadata
-from vx.gpu.input_batch import InputBatch
+from vx.gpu.greedy import greedy_tokens
+from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.kv_cache import (
     KVCache,
     allocate_kv_caches,
@@ -33,7 +33,6 @@ from vx.gpu.kv_cache import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
-from vx.gpu.sampling_metadata import argmax_only, min_tokens_masked
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -63,24 +62,6 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     #: Indices into req_ids of the requests that sample this step.
     sample_idx: np.ndarray
-
-
-class _RowTokens(Sequence):
-    """Lazy per-row token views for `SamplingMetadata.build` (read only when a row needs them)."""
-
-    def __init__(self, batch: InputBatch, rows: np.ndarray, outputs: bool) -> None:
-        self._batch, self._rows, self._outputs = batch, rows, outputs
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        row = int(self._rows[i])
-        b = self._batch
-        return b.output_token_ids(row) if self._outputs else b.prompt_token_ids(row)
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return (self[i] for i in range(len(self._rows)))
 
 
 class ModelRunner:
@@ -352,46 +333,13 @@ class ModelRunner:
         )
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
-        """Where every row is one argmax (see `argmax_only`) and the model's LM head takes it in
-        C (CPU bf16 on AMX, or the int8 screen on AVX2): the tokens, without the [rows, vocab] logits ever being formed
-        (at 64 rows that saves writing, widening and re-reading 6 MB of them). Else None.
-
-        Rows short of min_tokens (EOS and the stop ids at -inf) take it too: where the plain
-        argmax is not one of their masked ids it is also the masked one (it is the first
-        maximum, so no earlier id ties it, and masking only removes candidates); where it is,
-        the logits are formed as the logits path forms them and those rows masked as the
-        sampler masks them. Why: a
-        benchmark's `min_tokens` = `max_tokens` otherwise sent every step to the full
-        sampler (logits, widening, torch's argmax: ~12% of a served c = 64 step)."""
-        greedy_ids = getattr(self._model, "greedy_ids", None)
-        if greedy_ids is None or self.device.type != "cpu" or self._poison_seed is not None:
+        """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.greedy`);
+        None where the logits path must run (not CPU, fault injection armed, or a row that
+        samples, asks for logprobs, biases or penalises)."""
+        if self.device.type != "cpu" or self._poison_seed is not None:
             return None
-        batch = self.input_batch
-        assert batch is not None
-        row_list = rows.tolist()
-        params = [batch.sampling_params[r] for r in row_list]
-        outputs = _RowTokens(batch, rows, outputs=True)
-        if not argmax_only(params, outputs, masked_ok=True):
-            return None
-        ids = greedy_ids(hidden)
-        if ids is None:
-            return None
-        vocab = self._model.vocab_size
-        redo: list[tuple[int, list[int]]] = []
-        for j, p in enumerate(params):
-            if p.min_tokens > 0:
-                row = row_list[j]
-                n_out = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
-                masked = min_tokens_masked(p, n_out, batch.eos_token_ids[row], vocab)
-                if int(ids[j]) in masked:
-                    redo.append((j, sorted(masked)))
-        if redo:  # the logits path's values: formed for the whole batch, as it forms them
-            ids, js = np.array(ids, dtype=np.int64), [j for j, _ in redo]
-            logits = self._model.compute_logits(hidden)[js]
-            for k, (_, masked) in enumerate(redo):
-                logits[k, masked] = float("-inf")
-            ids[js] = np.argmax(logits.numpy(), axis=-1)
-        return ids
+        assert self.input_batch is not None
+        return greedy_tokens(self._model, self.input_batch, hidden, rows)
 
     def _sample(
         self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
@@ -439,8 +387,8 @@ class ModelRunner:
             raise PoisonError(f"{POISON_ENV}: injected failure in the sampler")
         md = SamplingMetadata.build(
             params,
-            prompt_token_ids=_RowTokens(batch, rows, outputs=False),
-            output_token_ids=_RowTokens(batch, rows, outputs=True),
+            prompt_token_ids=RowTokens(batch, rows, outputs=False),
+            output_token_ids=RowTokens(batch, rows, outputs=True),
             eos_token_ids=[batch.eos_token_ids[r] for r in row_list],
             vocab_size=self._model.vocab_size,
             device=self.device,

@@ -1,0 +1,61 @@
+"""Greedy tokens straight from the LM head's C argmax, without the [rows, vocab] logits.
+
+Runs in: each Worker process on CPU (`ModelRunner._greedy_ids`).
+
+Why: where every sampled row is one argmax (see `argmax_only`) and the model's LM head takes
+it in C (AMX, the VNNI GEMM without AMX, or the int8 screen on AVX2), writing, widening and
+re-reading the logits (6 MB at 64 rows) and torch's argmax over them are skipped.
+
+Rows short of min_tokens (EOS and their stop ids at -inf) take it too. Invariant: the tokens
+are the full sampler's. Where a row's plain argmax is not one of its masked ids it is also the
+masked argmax (it is the first maximum, so no earlier id ties it, and masking only removes
+candidates); where it is, the step forms the logits as the logits path forms them (the whole
+batch, so the GEMM's route and sums are the same) and masks those rows as the sampler does.
+Why: a benchmark's `min_tokens` = `max_tokens` otherwise sent every served step to the full
+sampler (logits, widening, torch's argmax: ~12% of the Worker's time at c = 64 on a 2-core
+Zen 5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from vx.gpu.input_batch import InputBatch, RowTokens
+from vx.gpu.sampling_metadata import argmax_only, min_tokens_masked
+
+__all__ = ["greedy_tokens"]
+
+
+def greedy_tokens(
+    model: Any, batch: InputBatch, hidden: torch.Tensor, rows: np.ndarray
+) -> np.ndarray | None:
+    """[len(rows)] int64 tokens for the sampled rows' `hidden` states, or None where the logits
+    path must run (a row that samples, asks for logprobs, biases or penalises; no C argmax)."""
+    greedy_ids = getattr(model, "greedy_ids", None)
+    if greedy_ids is None:
+        return None
+    row_list = rows.tolist()
+    params = [batch.sampling_params[r] for r in row_list]
+    if not argmax_only(params, RowTokens(batch, rows, outputs=True), masked_ok=True):
+        return None
+    ids = greedy_ids(hidden)
+    if ids is None:
+        return None
+    redo: list[tuple[int, list[int]]] = []
+    for j, p in enumerate(params):
+        if p.min_tokens > 0:
+            row = row_list[j]
+            n_out = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            masked = min_tokens_masked(p, n_out, batch.eos_token_ids[row], model.vocab_size)
+            if int(ids[j]) in masked:
+                redo.append((j, sorted(masked)))
+    if redo:
+        ids, js = np.array(ids, dtype=np.int64), [j for j, _ in redo]
+        logits = model.compute_logits(hidden)[js]
+        for k, (_, masked) in enumerate(redo):
+            logits[k, masked] = float("-inf")
+        ids[js] = np.argmax(logits.numpy(), axis=-1)
+    return ids
