@@ -20,8 +20,8 @@ fp32 products and sums, one bf16 rounding at the end (the sums' order differs fr
 Parallel over blocks of 4 output rows, shared with stealing (`vx_ws`).
 
 Beside it, for the LM head's exact greedy search (`vx.gpu.cpu_screen`): `vx_screen_i8_avx2`,
-the same tiles over an int8 copy of W with per-row scales (fp32 out), and `vx_screen_select`,
-which picks the rows the screen cannot rule out.
+the same tiles over an int8 copy of W with per-row scales (fp32 out); `vx_screen_select`
+(`vx.gpu.cpu_screen_source`) picks the rows it cannot rule out.
 """
 
 from __future__ import annotations
@@ -136,46 +136,8 @@ int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, co
     free(xf);
     return 0;
 }
-/* The screen's candidates (`vx.gpu.cpu_screen`): row m's logits lie within a[m, n] +-
-   l1[m] bound[n]; n is a candidate of row m unless its upper end is below the largest lower
-   end less |that| 2^-6. Writes the union of all rows' candidates, ascending, to idx and
-   whether each is row m's to cand[m * max_union + j]; returns the union's size, or -1 past
-   max_union. */
-int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
-                         const double* l1, int64_t* idx, uint8_t* cand, int64_t max_union) {
-    double floor[VX_AVX2_MAX_ROWS];
-    if (M < 1 || M > VX_AVX2_MAX_ROWS) return -1;
-    for (int m = 0; m < M; m++) {
-        double top = -INFINITY;
-        for (int64_t n = 0; n < N; n++) {
-            const double lo = (double)a[m * N + n] - l1[m] * bound[n];
-            top = lo > top ? lo : top;
-        }
-        floor[m] = top - fabs(top) * 0x1p-6 - 1e-30;
-    }
-    int64_t u = 0;
-    for (int64_t n = 0; n < N; n++) {
-        int any = 0;
-        uint8_t c[VX_AVX2_MAX_ROWS];
-        for (int m = 0; m < M; m++) {
-            c[m] = (double)a[m * N + n] + l1[m] * bound[n] >= floor[m];
-            any |= c[m];
-        }
-        if (!any) continue;
-        if (u == max_union) return -1;
-        idx[u] = n;
-        for (int m = 0; m < M; m++) cand[m * max_union + u] = c[m];
-        u++;
-    }
-    return u;
-}
 int vx_gemv_avx2_max_rows(void) { return VX_AVX2_MAX_ROWS; }
 #else
-int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
-                         const double* l1, int64_t* idx, uint8_t* cand, int64_t max_union) {
-    (void)a; (void)M; (void)N; (void)bound; (void)l1; (void)idx; (void)cand; (void)max_union;
-    return -1;
-}
 int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
                       float* y, int64_t N, int64_t K) {
     (void)x; (void)x_st; (void)M; (void)Q; (void)s; (void)y; (void)N; (void)K;

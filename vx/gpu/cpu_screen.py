@@ -1,17 +1,19 @@
-"""Exact greedy tokens from a bf16 LM head with half its bytes read (CPUs with AVX2 and no
-AVX-512).
+"""Exact greedy tokens from a bf16 LM head with half its bytes read (CPUs with AVX2 or
+AVX512-BF16).
 
 Runs in: each Worker process (`vx.gpu.vocab.ParallelLMHead.greedy_ids`).
 
-Why: at one to a few rows a decode step only streams weights, and SmolLM2's LM head is a fifth
-of them (49,152 x 576 bf16, 57 MB: ~3.6 ms of a ~20 ms step on a 2-core AMD EPYC). A greedy
-row needs only the argmax of its logits. An int8 copy of the head (one scale per vocab row) is
-half the bytes and gives every logit to within a bound; only the rows whose bound reaches the
-best lower bound are computed again from the bf16 weight, by the very kernel the logits path
-uses (`vx_gemv_bf16_avx2`), on the same rows of x.
+Why: at one row a decode step only streams weights, and SmolLM2's LM head is a fifth of them
+(49,152 x 576 bf16, 57 MB: ~3.6 ms of a ~20 ms step on a 2-core AVX2 AMD EPYC, ~1.4 ms of ~7 on
+a 2-core Zen 5). A greedy row needs only the argmax of its logits. An int8 copy of the head (one
+scale per vocab row) is half the bytes and gives every logit to within a bound; only the rows
+whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
+kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`
+beside `vx_screen_i8_avx2` (AVX2 builds), `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
+`vx.gpu.cpu_screen_source`). SmolLM2 on real text: a median of 6 candidate rows, at most 88.
 
 Invariant: `ScreenedHead.argmax(x)` is the argmax (first maximum) of the bf16 logits that path
-gives, `vx_gemv_bf16_avx2(x, W)`, for every x; or None, and the caller forms the logits. Why:
+gives for every x; or None, and the caller forms the logits. Why:
 - the copy stores, per row n, err[n] = max_k |s[n] q[n, k] - w[n, k]|, so
   |s[n] (x . q[n]) - x . w[n]| <= |x|_1 err[n];
 - each fp32 dot product (the screen's and the bf16 kernel's) is within gamma |x|_1 (max|w[n]|
@@ -41,23 +43,35 @@ _MAX_CANDIDATE_SHARE = 1 / 16
 _CHUNK = 4096  # rows quantized at a time, so the fp32 temporaries stay small
 
 
-def _lib():
+def _kernels() -> tuple[object, str, str] | None:
+    """(library, screen kernel, exact kernel) of this build, or None: the AVX2 pair where the
+    AVX2 skinny GEMM runs (`vx.gpu.cpu_widen`), else the AVX512-BF16 pair where the AVX-512
+    skinny GEMM is built with VDPBF16PS (`vx.gpu.cpu_ops`)."""
     from vx.gpu.cpu_widen import _skinny_rows, _state
 
-    return _state["lib"] if _skinny_rows() else None
+    if _skinny_rows():
+        return _state["lib"], "vx_screen_i8_avx2", "vx_gemv_bf16_avx2"
+    from vx.gpu.cpu_ops import gemv_kernels
+
+    lib = gemv_kernels()
+    if lib is not None and lib.vx_has_screen() == 1:
+        return lib, "vx_screen_i8", "vx_gemv_bf16"
+    return None
 
 
 def screen_wanted(weight: torch.Tensor) -> bool:
-    """Whether an LM head of this weight gets a screen here: bf16 on CPU where the AVX2 skinny
-    GEMM is built (it is the kernel the exact rows go through)."""
+    """Whether an LM head of this weight gets a screen here: bf16 on CPU where one of the
+    kernel pairs of `_kernels` is built (its GEMM is the one the exact rows go through)."""
     return (
         os.environ.get("VX_CPU_SCREEN_HEAD", "1") != "0"
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.is_contiguous()
-        and weight.shape[1] % 8 == 0
-        and _lib() is not None
+        and weight.shape[1] <= 16384
+        and (kernels := _kernels()) is not None
+        # the AVX2 kernels take K in 8s, the VDPBF16PS ones in 32s
+        and weight.shape[1] % (8 if kernels[1] == "vx_screen_i8_avx2" else 32) == 0
     )
 
 
@@ -84,38 +98,58 @@ class ScreenedHead:
         gamma = 2 * k * 2.0**-24
         # E[n] = |x|_1 * bound[n]; the last factor covers this product's own rounding.
         self.bound = ((err + gamma * (2 * wmax + err)) * (1 + 1e-6)).numpy()
+        self._bound_ptr = self.bound.ctypes.data
+        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def argmax(self, x: torch.Tensor) -> np.ndarray | None:
         """[M, K] bf16 -> [M] int64 (see the module docstring); None: not taken here."""
-        lib = _lib()
+        kernels = _kernels()
         m = x.shape[0]
         n, k = self.weight.shape
-        if lib is None or not 0 < m <= MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        if kernels is None or not 0 < m <= MAX_ROWS or x.dtype != torch.bfloat16:
             return None
-        a = np.empty((m, n), dtype=np.float32)
-        rc = lib.vx_screen_i8_avx2(
-            x.data_ptr(), x.stride(0), m, self.q.data_ptr(), self.s.data_ptr(), a.ctypes.data, n, k
-        )
-        l1 = x.double().abs().sum(1).numpy()
-        if rc != 0 or not np.all(np.isfinite(l1)):
+        if x.stride(1) != 1:
             return None
-        cap = max(1, int(n * _MAX_CANDIDATE_SHARE))
-        union = np.empty(cap, dtype=np.int64)
-        cand = np.empty((m, cap), dtype=np.uint8)
-        u = lib.vx_screen_select(
-            a.ctypes.data, m, n, self.bound.ctypes.data, l1.ctypes.data, union.ctypes.data,
-            cand.ctypes.data, cap,
-        )  # fmt: skip
-        if u < 0:
-            return None
-        union, cand = union[:u], cand[:, :u]
-        rows = self.weight.index_select(0, torch.from_numpy(union))
-        y = torch.empty(m, u, dtype=torch.bfloat16)
-        rc = lib.vx_gemv_bf16_avx2(
-            x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, y.data_ptr(), u, u, k
+        lib, screen_name, exact_name = kernels
+        a, union, cand = self._scratch(m)
+        rc = getattr(lib, screen_name)(
+            x.data_ptr(), x.stride(0), m, self.q.data_ptr(), self.s.data_ptr(), a.data_ptr(), n, k
         )
         if rc != 0:
             return None
+        cap = union.shape[0]
+        u = lib.vx_screen_select(  # type: ignore[attr-defined]
+            a.data_ptr(), m, n, self._bound_ptr, x.data_ptr(), x.stride(0), k,
+            union.data_ptr(), cand.data_ptr(), cap,
+        )  # fmt: skip
+        if u < 0:  # too many candidates, or x not finite
+            return None
+        union, cand = union[:u], cand[:, :u]
+        rows = self.weight.index_select(0, union)
+        y = torch.empty(m, u, dtype=torch.bfloat16)
+        exact = getattr(lib, exact_name)
+        if exact_name == "vx_gemv_bf16":  # (x, x_st, M, W, scale, bias, y, y_st, N, K)
+            rc = exact(x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, None, y.data_ptr(),
+                       u, u, k)  # fmt: skip
+        else:  # vx_gemv_bf16_avx2: (x, x_st, M, W, bias, y, y_st, N, K)
+            rc = exact(x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, y.data_ptr(), u, u, k)
+        if rc != 0:
+            return None
         # Non-candidates of a row are -inf there, so its first maximum is a candidate's.
-        exact = np.where(cand.astype(bool), y.float().numpy(), -np.inf)
-        return union[np.argmax(exact, axis=1)]
+        best = np.where(cand.numpy().astype(bool), y.float().numpy(), -np.inf)
+        return union.numpy()[np.argmax(best, axis=1)]
+
+    def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The screen's [m, N] fp32 out, the candidates' union and their [m, cap] row flags:
+        kept between steps (a fresh 196 KB array is fresh pages each step)."""
+        if self._bufs is None or self._bufs[0].shape[0] < m:
+            n = self.weight.shape[0]
+            cap = max(1, int(n * _MAX_CANDIDATE_SHARE))
+            rows = max(m, MAX_ROWS)
+            self._bufs = (
+                torch.empty(rows, n, dtype=torch.float32),
+                torch.empty(cap, dtype=torch.int64),
+                torch.empty(rows, cap, dtype=torch.uint8),
+            )
+        a, union, cand = self._bufs
+        return a[:m], union, cand[:m]

@@ -46,6 +46,7 @@ from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
 from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
 from vx.gpu.cpu_prefill_avx512_source import PREFILL_AVX512_SOURCE
 from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE, PREFILL_DISPATCH_SOURCE
+from vx.gpu.cpu_screen_source import SCREEN_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ _DECODE_KERNEL_SOURCE = (
     + GEMV_KERNEL_SOURCE
     + GEMM_VNNI_SOURCE
     + GEMV_AVX2_SOURCE
+    + SCREEN_SOURCE
     + ATTENTION_AVX2_SOURCE
     + PREFILL_AVX2_SOURCE
     + PREFILL_ATTENTION_SOURCE
@@ -323,7 +325,10 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_screen_i8_avx2.restype = ctypes.c_int
     lib.vx_screen_i8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
     lib.vx_screen_select.restype = i64
-    lib.vx_screen_select.argtypes = [ptr, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64]
+    lib.vx_screen_select.argtypes = [ptr, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
+    lib.vx_screen_i8.restype = ctypes.c_int
+    lib.vx_screen_i8.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
+    lib.vx_has_screen.restype = ctypes.c_int
     # The element-wise kernels are built for every CPU (portable C).
     lib.vx_add_rms_norm_bf16.restype = None
     lib.vx_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]

@@ -89,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     quant: QuantizedWeight | None = None
     plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
     wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
-    screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (AVX2)
+    screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (one row)
     vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
@@ -114,24 +114,41 @@ class ParallelLMHead(VocabParallelEmbedding):
             if gemv_kernels() is not None:
                 self.plain = self.weight.data
             self.vnni = VnniWeight(self.weight.data)
+            self._screen_plain()
             return
         if not cpu_prepack_enabled(self.weight):
             return
         if gemv_kernels() is not None:
             self.plain = self.weight.data  # free when tied: it is the embedding table
+            self._screen_plain()
         if self.tied:  # a copy: the tied weight is also the embedding's lookup table
             self.packed_copy = _prepack(self.weight)
         else:
             self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
             self.packed = True
 
+    def _screen_plain(self) -> None:
+        """Where one row's logits come from the AVX-512 skinny GEMM on `plain` (`compute_logits`
+        below: up to SCREEN_MAX_ROWS rows, past no quantized weight), its greedy token can come
+        from the int8 screen (vx.gpu.cpu_screen), whose exact rows go through that GEMM."""
+        if (
+            self.screen is None
+            and self.quant is None
+            and self.tp_size == 1
+            and self.plain is not None
+            and screen_wanted(self.plain)
+        ):
+            self.screen = ScreenedHead(self.plain)
+
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
         where a C kernel gets it without forming the logits (AMX; the VNNI GEMM's argmax on
-        AVX512-BF16 without AMX), or from the int8 screen (AVX2, `vx.gpu.cpu_screen`); None
+        AVX512-BF16 without AMX), or from the int8 screen (one row, `vx.gpu.cpu_screen`); None
         elsewhere."""
         if self.screen is not None and self.num_per_rank == self.vocab_size:
-            return self.screen.argmax(hidden)
+            ids = self.screen.argmax(hidden)
+            if ids is not None:
+                return ids  # else (more rows, too many candidates) as without the screen
         if self.tp_size == 1 and self.num_per_rank == self.vocab_size:  # as compute_logits
             if vnni_takes(self.vnni, hidden, self.plain):
                 return self.vnni.argmax(hidden)  # type: ignore[union-attr]
