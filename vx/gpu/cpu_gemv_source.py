@@ -94,40 +94,52 @@ int NAME(const vx_bf16* x, int64_t x_st, int M, const WT* W, const vx_bf16* scal
 }
 VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
 #if defined(__AVX512BF16__)
-/* bf16 weights with VDPBF16PS: 32 weights and one x row per instruction, x read as stored
-   (bf16 products are exact in fp32; pairs are summed before the accumulate). */
-static inline __attribute__((always_inline)) void vx_gemv_tile_dp(const vx_bf16* W, int64_t K,
-        int64_t n0, int R, int M, const vx_bf16* x, int64_t x_st, float* out) {
-    __m512 acc[4][VX_GEMV_MAX_ROWS_DP];
-    for (int r = 0; r < R; r++) for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        for (int r = 0; r < R; r++) {
-            const vx_bf16* p = W + (n0 + r) * K + k;
-            _mm_prefetch((const char*)(p + VX_GEMV_PD), _MM_HINT_T0);
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(p);
-            for (int m = 0; m < M; m++)
-                acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w,
-                                             (__m512bh)_mm512_loadu_si512(x + m * x_st + k));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]);
+/* A VDPBF16PS tile, NAME(W, K, n0, R, M, x, x_st, out): out[m * 4 + r] = W[n0 + r] . x[m] for
+   R <= 4 weight rows of type WT and M <= MAXM rows of bf16 x, read as stored; WIDEN(p) gives
+   the 32 weights at p as bf16 (bf16 products are exact in fp32; pairs are summed before the
+   accumulate), PD the prefetch distance in weights. The bf16 GEMV's tile below and the LM
+   head's int8 screen (`vx.gpu.cpu_screen_source`) are the two. */
+#define VX_DP_TILE(NAME, WT, WIDEN, PD, MAXM) \
+static inline __attribute__((always_inline)) void NAME(const WT* W, int64_t K, int64_t n0, \
+        int R, int M, const vx_bf16* x, int64_t x_st, float* out) { \
+    __m512 acc[4][MAXM]; \
+    for (int r = 0; r < R; r++) for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps(); \
+    for (int64_t k = 0; k < K; k += 32) { \
+        for (int r = 0; r < R; r++) { \
+            const WT* p = W + (n0 + r) * K + k; \
+            _mm_prefetch((const char*)(p + (PD)), _MM_HINT_T0); \
+            const __m512bh w = WIDEN(p); \
+            for (int m = 0; m < M; m++) \
+                acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w, \
+                                             (__m512bh)_mm512_loadu_si512(x + m * x_st + k)); \
+        } \
+    } \
+    for (int r = 0; r < R; r++) \
+        for (int m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]); \
 }
-#define VX_GEMV_DP_BODY(M, R) \
+#define VX_DP_LOAD_BF16(p) ((__m512bh)_mm512_loadu_si512(p))
+/* bf16 weights: 32 weights and one x row per instruction. */
+VX_DP_TILE(vx_gemv_tile_dp, vx_bf16, VX_DP_LOAD_BF16, VX_GEMV_PD, VX_GEMV_MAX_ROWS_DP)
+/* Rows of W in groups of R shared with stealing (`vx_ws`), each group's TILE out in o, then
+   the caller's store (n0, rr and o in scope). Needs N, K, W, x and x_st in scope. */
+#define VX_DP_BODY(TILE, M, R, MAXM, ...) \
     vx_ws ws; \
     vx_ws_init(&ws, (N + R - 1) / R, N * K >= 262144); \
     _Pragma("omp parallel if (N * K >= 262144)") \
     for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
         const int64_t n0 = g * R; \
         const int rr = N - n0 < R ? (int)(N - n0) : R; \
-        float o[VX_GEMV_MAX_ROWS_DP * 4]; \
-        if (rr == R) vx_gemv_tile_dp(W, K, n0, R, M, x, x_st, o); \
-        else for (int r = 0; r < rr; r++) vx_gemv_tile_dp(W, K, n0 + r, 1, M, x, x_st, o + r); \
+        float o[MAXM * 4]; \
+        if (rr == R) TILE(W, K, n0, R, M, x, x_st, o); \
+        else for (int r = 0; r < rr; r++) TILE(W, K, n0 + r, 1, M, x, x_st, o + r); \
+        __VA_ARGS__ \
+    }
+#define VX_GEMV_DP_BODY(M, R) \
+    VX_DP_BODY(vx_gemv_tile_dp, M, R, VX_GEMV_MAX_ROWS_DP, \
         for (int r = 0; r < rr; r++) { \
             const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f; \
             for (int m = 0; m < M; m++) y[m * y_st + n0 + r] = st_bf16(o[m * 4 + r] + b); \
-        } \
-    }
+        })
 int vx_gemv_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, const vx_bf16* scale,
                  const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     (void)scale;

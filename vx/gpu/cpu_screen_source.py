@@ -12,8 +12,10 @@ half the bytes; `vx.gpu.cpu_screen` states the search and the bound it rests on.
 x_st) and int8 Q [N, K]; 1 <= M <= VX_SCREEN_MAX_ROWS, K % 32 == 0. Each 32 weights are widened
 to bf16 once (int8 values are exact in bf16) and VDPBF16PS takes them against each row of x
 (the products are exact in fp32, the sums rounded in fp32), so the bytes read are the int8
-copy's and the arithmetic stays well under what the memory delivers. Parallel over blocks of
-4 weight rows, shared with stealing (`vx_ws`); the next rows prefetched as in the bf16 GEMV.
+copy's and the arithmetic stays well under what the memory delivers. It is the bf16 GEMV's
+tile and loop (`VX_DP_TILE`, `VX_DP_BODY` in `vx.gpu.cpu_gemv_source`) with the widening in
+place of the weight load: blocks of 4 weight rows shared with stealing (`vx_ws`), the next
+rows prefetched.
 Without AVX512-BF16 it returns -2 (`vx_has_screen()` is 0), and AVX2 builds have
 `vx_screen_i8_avx2` (`vx.gpu.cpu_gemv_avx2_source`) instead.
 
@@ -37,38 +39,12 @@ static inline __attribute__((always_inline)) __m512bh vx_screen_widen(const int8
     return _mm512_cvtne2ps_pbh(hi, lo);  /* weights 0-15 in the low half, as stored */
 }
 /* R weight rows from n0 against M rows of x: out[m * 4 + r] = Q[n0 + r] . x[m]. */
-static inline __attribute__((always_inline)) void vx_screen_tile(
-        const int8_t* Q, int64_t K, int64_t n0, int R, int M, const vx_bf16* x, int64_t x_st,
-        float* out) {
-    __m512 acc[4][VX_SCREEN_MAX_ROWS];
-    for (int r = 0; r < R; r++) for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        for (int r = 0; r < R; r++) {
-            const int8_t* p = Q + (n0 + r) * K + k;
-            _mm_prefetch((const char*)(p + VX_SCREEN_PD), _MM_HINT_T0);
-            const __m512bh w = vx_screen_widen(p);
-            for (int m = 0; m < M; m++)
-                acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w,
-                                             (__m512bh)_mm512_loadu_si512(x + m * x_st + k));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) out[m * 4 + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
+VX_DP_TILE(vx_screen_tile, int8_t, vx_screen_widen, VX_SCREEN_PD, VX_SCREEN_MAX_ROWS)
 #define VX_SCREEN_BODY(M) \
-    vx_ws ws; \
-    vx_ws_init(&ws, (N + 3) / 4, N * K >= 262144); \
-    _Pragma("omp parallel if (N * K >= 262144)") \
-    for (int64_t g; (g = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) { \
-        const int64_t n0 = g * 4; \
-        const int rr = N - n0 < 4 ? (int)(N - n0) : 4; \
-        float o[VX_SCREEN_MAX_ROWS * 4]; \
-        if (rr == 4) vx_screen_tile(Q, K, n0, 4, M, x, x_st, o); \
-        else for (int r = 0; r < rr; r++) vx_screen_tile(Q, K, n0 + r, 1, M, x, x_st, o + r); \
+    VX_DP_BODY(vx_screen_tile, M, 4, VX_SCREEN_MAX_ROWS, \
         for (int r = 0; r < rr; r++) \
-            for (int m = 0; m < M; m++) y[m * N + n0 + r] = o[m * 4 + r] * s[n0 + r]; \
-    }
-int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
+            for (int m = 0; m < M; m++) y[m * N + n0 + r] = o[m * 4 + r] * s[n0 + r];)
+int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* W, const float* s,
                  float* y, int64_t N, int64_t K) {
     if (M < 1 || M > VX_SCREEN_MAX_ROWS || K % 32) return -1;
     switch (M) {  /* constant M per case, so the accumulators stay in registers */
