@@ -126,9 +126,14 @@ def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
         ("cpu_kernel_source.py", "DECODE_KERNEL_SOURCE"),
         ("cpu_eltwise_source.py", "ELTWISE_SOURCE"),
         ("cpu_gemv_source.py", "GEMV_KERNEL_SOURCE"),
+        ("cpu_gemm_vnni_source.py", "GEMM_VNNI_SOURCE"),
         ("cpu_gemv_avx2_source.py", "GEMV_AVX2_SOURCE"),
+        ("cpu_screen_source.py", "SCREEN_SOURCE"),
         ("cpu_attention_avx2_source.py", "ATTENTION_AVX2_SOURCE"),
+        ("cpu_prefill_avx2_source.py", "PREFILL_AVX2_SOURCE"),
         ("cpu_prefill_source.py", "PREFILL_ATTENTION_SOURCE"),
+        ("cpu_prefill_avx512_source.py", "PREFILL_AVX512_SOURCE"),
+        ("cpu_prefill_source.py", "PREFILL_DISPATCH_SOURCE"),
         ("cpu_decode_source.py", "DECODE_STEP_SOURCE"),
     ]:
         try:
