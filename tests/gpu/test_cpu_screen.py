@@ -20,7 +20,8 @@ def check_screen(lib, screen_name: str, exact_name: str, max_rows: int) -> None:
     every screened logit lies within the bound, which is not a loose one; it declines what it
     cannot decide cheaply. The caller has made `_kernels()` give this pair, and MAX_ROWS
     `max_rows`."""
-    assert cpu_screen._kernels()[1:] == (screen_name, exact_name)
+    kernels = cpu_screen._kernels()
+    assert (kernels.screen, kernels.exact) == (screen_name, exact_name)
     g = torch.Generator().manual_seed(0)
     n, k = 3000, 192
     w = torch.randn(n, k, generator=g) * 0.05
@@ -32,13 +33,7 @@ def check_screen(lib, screen_name: str, exact_name: str, max_rows: int) -> None:
 
     def logits(x, rows):
         y = torch.empty(x.shape[0], rows.shape[0], dtype=torch.bfloat16)
-        r = rows.shape[0]
-        head = (x.data_ptr(), x.stride(0), x.shape[0], rows.data_ptr())
-        if exact_name == "vx_gemv_bf16":
-            rc = lib.vx_gemv_bf16(*head, None, None, y.data_ptr(), r, r, k)
-        else:
-            rc = getattr(lib, exact_name)(*head, None, y.data_ptr(), r, r, k)
-        assert rc == 0
+        assert kernels.gemv(x, rows.contiguous(), y) == 0
         return y
 
     taken = 0
@@ -100,7 +95,7 @@ def test_screen_gives_the_skinny_gemms_greedy_tokens(monkeypatch) -> None:
 
     lib = gemv_kernels()
     kernels = cpu_screen._kernels()
-    if lib is None or kernels is None or kernels[1] != "vx_screen_i8":
+    if lib is None or kernels is None or kernels.screen != "vx_screen_i8":
         pytest.skip("no AVX512-BF16 skinny GEMM here")
     monkeypatch.setattr(cpu_screen, "MAX_ROWS", 4)
     check_screen(lib, "vx_screen_i8", "vx_gemv_bf16", 4)

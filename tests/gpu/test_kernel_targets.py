@@ -20,6 +20,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _own_kernel_caches(monkeypatch):
+    """Each test here works on copies of the modules' kernel caches: a library built for an
+    older target and bound while a test ran must not stay behind in a cache that the later
+    tests (and the Worker's code under them) read, or their C paths silently go missing."""
+    from vx.gpu import cpu_ops, cpu_vnni, cpu_widen
+
+    for module, name in ((kv_cache, "_kernel_state"), (kv_cache, "_fast_state"),
+                         (cpu_ops, "_gemv_state"), (cpu_vnni, "_state"),
+                         (cpu_widen, "_state")):  # fmt: skip
+        monkeypatch.setattr(module, name, dict(getattr(module, name)))
+
+
 def _build(march: str, tmp_path, monkeypatch):
     """The kernel library built for `march` instead of this CPU (its own cache directory)."""
     flags = [f if f != "-march=native" else f"-march={march}" for f in kv_cache.CFLAGS]

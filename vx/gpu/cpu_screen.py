@@ -30,6 +30,7 @@ bit-identical to the full product's (tested). Memory: the int8 copy, half the bf
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,19 +44,35 @@ _MAX_CANDIDATE_SHARE = 1 / 16
 _CHUNK = 4096  # rows quantized at a time, so the fp32 temporaries stay small
 
 
-def _kernels() -> tuple[object, str, str] | None:
-    """(library, screen kernel, exact kernel) of this build, or None: the AVX2 pair where the
-    AVX2 skinny GEMM runs (`vx.gpu.cpu_widen`), else the AVX512-BF16 pair where the AVX-512
-    skinny GEMM is built with VDPBF16PS (`vx.gpu.cpu_ops`)."""
+class ScreenKernels(NamedTuple):
+    """One build's pair: `screen` the int8 kernel's name, `exact` the bf16 GEMM's, in `lib`."""
+
+    lib: Any
+    screen: str
+    exact: str
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> int:
+        """y [M, N] = x [M, K] @ w [N, K].T in bf16 by the exact kernel (its return code)."""
+        m, (n, k) = x.shape[0], w.shape
+        head = (x.data_ptr(), x.stride(0), m, w.data_ptr())
+        if self.exact == "vx_gemv_bf16":  # it takes a scale before the bias
+            return self.lib.vx_gemv_bf16(*head, None, None, y.data_ptr(), n, n, k)
+        return getattr(self.lib, self.exact)(*head, None, y.data_ptr(), n, n, k)
+
+
+def _kernels() -> ScreenKernels | None:
+    """This build's pair, or None: the AVX2 one where the AVX2 skinny GEMM runs
+    (`vx.gpu.cpu_widen`), else the AVX512-BF16 one where the AVX-512 skinny GEMM is built with
+    VDPBF16PS (`vx.gpu.cpu_ops`)."""
     from vx.gpu.cpu_widen import _skinny_rows, _state
 
     if _skinny_rows():
-        return _state["lib"], "vx_screen_i8_avx2", "vx_gemv_bf16_avx2"
+        return ScreenKernels(_state["lib"], "vx_screen_i8_avx2", "vx_gemv_bf16_avx2")
     from vx.gpu.cpu_ops import gemv_kernels
 
     lib = gemv_kernels()
     if lib is not None and lib.vx_has_screen() == 1:
-        return lib, "vx_screen_i8", "vx_gemv_bf16"
+        return ScreenKernels(lib, "vx_screen_i8", "vx_gemv_bf16")
     return None
 
 
@@ -71,7 +88,7 @@ def screen_wanted(weight: torch.Tensor) -> bool:
         and weight.shape[1] <= 16384
         and (kernels := _kernels()) is not None
         # the AVX2 kernels take K in 8s, the VDPBF16PS ones in 32s
-        and weight.shape[1] % (8 if kernels[1] == "vx_screen_i8_avx2" else 32) == 0
+        and weight.shape[1] % (8 if kernels.screen == "vx_screen_i8_avx2" else 32) == 0
     )
 
 
@@ -99,41 +116,34 @@ class ScreenedHead:
         # E[n] = |x|_1 * bound[n]; the last factor covers this product's own rounding.
         self.bound = ((err + gamma * (2 * wmax + err)) * (1 + 1e-6)).numpy()
         self._bound_ptr = self.bound.ctypes.data
+        self._kernels = _kernels()  # the build's pair, looked up once
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def argmax(self, x: torch.Tensor) -> np.ndarray | None:
         """[M, K] bf16 -> [M] int64 (see the module docstring); None: not taken here."""
-        kernels = _kernels()
+        kernels = self._kernels
         m = x.shape[0]
         n, k = self.weight.shape
-        if kernels is None or not 0 < m <= MAX_ROWS or x.dtype != torch.bfloat16:
+        if kernels is None or not 0 < m <= MAX_ROWS:
             return None
-        if x.stride(1) != 1:
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1:
             return None
-        lib, screen_name, exact_name = kernels
         a, union, cand = self._scratch(m)
-        rc = getattr(lib, screen_name)(
+        rc = getattr(kernels.lib, kernels.screen)(
             x.data_ptr(), x.stride(0), m, self.q.data_ptr(), self.s.data_ptr(), a.data_ptr(), n, k
         )
         if rc != 0:
             return None
         cap = union.shape[0]
-        u = lib.vx_screen_select(  # type: ignore[attr-defined]
+        u = kernels.lib.vx_screen_select(
             a.data_ptr(), m, n, self._bound_ptr, x.data_ptr(), x.stride(0), k,
             union.data_ptr(), cand.data_ptr(), cap,
         )  # fmt: skip
         if u < 0:  # too many candidates, or x not finite
             return None
         union, cand = union[:u], cand[:, :u]
-        rows = self.weight.index_select(0, union)
         y = torch.empty(m, u, dtype=torch.bfloat16)
-        exact = getattr(lib, exact_name)
-        if exact_name == "vx_gemv_bf16":  # (x, x_st, M, W, scale, bias, y, y_st, N, K)
-            rc = exact(x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, None, y.data_ptr(),
-                       u, u, k)  # fmt: skip
-        else:  # vx_gemv_bf16_avx2: (x, x_st, M, W, bias, y, y_st, N, K)
-            rc = exact(x.data_ptr(), x.stride(0), m, rows.data_ptr(), None, y.data_ptr(), u, u, k)
-        if rc != 0:
+        if kernels.gemv(x, self.weight.index_select(0, union), y) != 0:
             return None
         # Non-candidates of a row are -inf there, so its first maximum is a candidate's.
         best = np.where(cand.numpy().astype(bool), y.float().numpy(), -np.inf)

@@ -8,8 +8,8 @@ Why it exists: at batch 1 a decode step only streams weights, and SmolLM2's bf16
 fifth of them (57 MB of ~270: ~1.4 ms of a ~7 ms step on a 2-core Zen 5). The int8 copy is
 half the bytes; `vx.gpu.cpu_screen` states the search and the bound it rests on.
 
-`vx_screen_i8`: y [M, N] fp32, y[m, n] = s[n] * (x[m] . Q[n]) for bf16 x [M, K] (row stride
-x_st) and int8 Q [N, K]; 1 <= M <= VX_SCREEN_MAX_ROWS, K % 32 == 0. Each 32 weights are widened
+`vx_screen_i8`: y [M, N] fp32, y[m, n] = s[n] * (x[m] . W[n]) for bf16 x [M, K] (row stride
+x_st) and int8 W [N, K]; 1 <= M <= VX_SCREEN_MAX_ROWS, K % 32 == 0. Each 32 weights are widened
 to bf16 once (int8 values are exact in bf16) and VDPBF16PS takes them against each row of x
 (the products are exact in fp32, the sums rounded in fp32), so the bytes read are the int8
 copy's and the arithmetic stays well under what the memory delivers. It is the bf16 GEMV's
@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) __m512bh vx_screen_widen(const int8
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
     return _mm512_cvtne2ps_pbh(hi, lo);  /* weights 0-15 in the low half, as stored */
 }
-/* R weight rows from n0 against M rows of x: out[m * 4 + r] = Q[n0 + r] . x[m]. */
+/* R weight rows from n0 against M rows of x: out[m * 4 + r] = W[n0 + r] . x[m]. */
 VX_DP_TILE(vx_screen_tile, int8_t, vx_screen_widen, VX_SCREEN_PD, VX_SCREEN_MAX_ROWS)
 #define VX_SCREEN_BODY(M) \
     VX_DP_BODY(vx_screen_tile, M, 4, VX_SCREEN_MAX_ROWS, \
@@ -57,9 +57,9 @@ int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* W, const f
 }
 int vx_has_screen(void) { return 1; }
 #else
-int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
+int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* W, const float* s,
                  float* y, int64_t N, int64_t K) {
-    (void)x; (void)x_st; (void)M; (void)Q; (void)s; (void)y; (void)N; (void)K;
+    (void)x; (void)x_st; (void)M; (void)W; (void)s; (void)y; (void)N; (void)K;
     return -2;
 }
 int vx_has_screen(void) { return 0; }
