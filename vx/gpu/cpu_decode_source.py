@@ -193,6 +193,72 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     }
     return 0;
 }
+/* A decode-only step (s->np == 0) as up to `parts` independent sub-steps, one per thread of
+   the pool: thread t runs every layer for its rows with the kernels single-threaded, so the
+   two cores meet once per step instead of at each of ~300 parallel regions, and one core's
+   memory-bound attention runs beside the other's compute-bound GEMMs. Rows are cut where the
+   running total of (row cost + keys) is even. Same kernels per row, so the same bits as
+   vx_llama_decode_bf16 on the whole step. Returns as that, or -2 for a step it does not take
+   (prefill chunks, fewer than 2 rows per part). */
+int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts) {
+    const int64_t T = s->T;
+    if (s->np || s->nd != T || parts < 2) return -2;
+#if defined(__AVX512F__)
+    /* parts route as the whole step only on AMX or on every linear's VNNI copy (the skinny
+       GEMM's row cap would otherwise split the routing), and a part must not decline after
+       another has written: so nothing is left to decline */
+    if (!VX_STEP_AMX)
+        for (int l = 0; l < n_layers; l++)
+            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
+                || !layers[l].down.vn)
+                return -2;
+#else
+    return -2;  /* AVX2: steps of up to 24 rows, bound by the weights' stream */
+#endif
+    if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
+    if (parts > VX_WS_MAX) parts = VX_WS_MAX;
+    if (parts < 2 || T < 2 * parts) return -2;
+    /* a row's GEMM work, in keys of attention: ~400 on SmolLM2 (2-core Zen 5: 0.7 ms of
+       GEMMs a row, 1.7 us a key over all layers) */
+    const int64_t row_cost = 400;
+    int64_t total = 0, cut[VX_WS_MAX + 1];
+    for (int64_t i = 0; i < T; i++) total += row_cost + s->lens[i];
+    cut[0] = 0;
+    {
+        int64_t acc = 0, p = 1;
+        for (int64_t i = 0; i < T && p < parts; i++) {
+            acc += row_cost + s->lens[i];
+            if (acc * parts >= total * p) cut[p++] = i + 1;
+        }
+        for (; p <= parts; p++) cut[p] = T;
+    }
+    /* every part must route its GEMMs as the whole step does (int8 up to quant_rows, the
+       skinny GEMM up to skinny_rows, AMX from 3 rows) */
+    const int64_t route = s->quant_rows > s->skinny_rows ? s->quant_rows : s->skinny_rows;
+    for (int p = 0; p < parts; p++)
+        if (cut[p + 1] - cut[p] <= (route > 2 ? route : 2)) return -2;
+    int rcs[VX_WS_MAX];
+    const int64_t H = s->H, D = s->D, qkv_n = (s->Hq + 2 * s->Hkv) * D;
+    _Pragma("omp parallel num_threads(parts)") {
+        const int t = omp_get_thread_num();
+        omp_set_num_threads(1);  /* this thread's nested regions: itself alone */
+        const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
+        rcs[t] = 0;
+        if (n > 0) {
+            vx_step u = *s;
+            u.T = u.nd = n;
+            u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
+            u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
+            u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
+            u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
+            u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
+            rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
+        }
+    }
+    for (int t = 0; t < parts; t++)
+        if (rcs[t]) return rcs[t];
+    return 0;
+}
 #if defined(__AVX512F__)
 int vx_has_decode_step(void) { return 1; }
 #else

@@ -319,6 +319,8 @@ def _build_kernels() -> ctypes.CDLL | None:
     if lib.vx_has_decode_step():
         lib.vx_llama_decode_bf16.restype = ctypes.c_int
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
+        lib.vx_llama_decode_split.restype = ctypes.c_int
+        lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32]
     lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
