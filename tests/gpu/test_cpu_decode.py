@@ -9,6 +9,8 @@ multiple of 32); it must give the very same logits.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -255,3 +257,31 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
         if counting is not None:
             assert counting.taken == 3
     assert runs[True] == runs[False]
+
+
+def test_split_cuts_follow_the_threads_speeds() -> None:
+    """`vx_split_cut`: each part's rows x 400 + keys in proportion to its thread's measured
+    speed, even until both are measured, each share kept within [1/4, 3/4] on two parts."""
+    lib = load_cpu_kernels()
+    if lib is None or lib.vx_has_decode_step() != 1:
+        pytest.skip("no split steps here (AVX2 or no kernels)")
+
+    def cut(lens: list[int], speeds: list[float]) -> int:
+        lib.vx_split_set_speeds((ctypes.c_double * 2)(*speeds), 2)
+        lens_c = (ctypes.c_int32 * len(lens))(*lens)
+        out = (ctypes.c_int64 * 3)()
+        lib.vx_split_cut(lens_c, len(lens), 2, out)
+        assert out[0] == 0 and out[2] == len(lens)
+        return out[1]
+
+    try:
+        assert cut([128] * 64, [0, 0]) == 32  # not measured yet: even
+        assert cut([128] * 64, [5e6, 0]) == 32  # one unmeasured: even
+        assert cut([128] * 64, [2e6, 2e6]) == 32
+        assert cut([128] * 64, [3e6, 1e6]) == 48  # three times as fast: three quarters
+        assert cut([128] * 64, [1e6, 3e6]) == 16
+        assert cut([128] * 64, [100e6, 1e6]) == 48  # bounded at 3/4
+        # 8 rows of 1,000 keys then 56 of none: half of 33,600 is rows 0-21
+        assert cut([1000] * 8 + [0] * 56, [1e6, 1e6]) == 22
+    finally:
+        lib.vx_set_split_adapt(1)  # the speeds measured from here on

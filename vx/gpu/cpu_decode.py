@@ -66,7 +66,8 @@ def _split_parts(rows: int, vnni: bool) -> int:
     `VX_CPU_SPLIT_MIN_ROWS` rows (default 16): every part streams all the weights, so small
     steps, bound by that stream, lose (2-core Zen 5, SmolLM2, medians of 4 x 127 alternated
     steps: 16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7
-    against 37.9)."""
+    against 37.9). The rows are cut in proportion to each thread's measured speed
+    (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly."""
     env = os.environ.get("VX_CPU_SPLIT_STEP")
     if env is not None:
         parts = int(env)
@@ -139,6 +140,8 @@ class FusedDecode:
         ) else 0  # fmt: skip
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
+        if lib.vx_has_decode_step() == 1:  # the parts' cuts follow the threads' speeds
+            lib.vx_set_split_adapt(int(os.environ.get("VX_CPU_SPLIT_ADAPT", "1") != "0"))
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]

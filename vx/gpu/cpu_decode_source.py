@@ -193,13 +193,67 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     }
     return 0;
 }
+/* The split's row cuts follow each thread's speed: the threads are pinned, one per core, and
+   a core shared with the host processes (or slowed by its host) runs its part 5-30% slower for
+   tens of steps at a time (2-core Zen 5, 64 rows: the parts' times differed by a median 1.6-3.3
+   ms a step, one side for runs of 10-40 steps). vx_split_speed[t]: thread t's cost units a
+   second, smoothed over steps (0: not yet measured). */
+#define VX_SPLIT_ROW_COST 400  /* a row's GEMM work in keys of attention (SmolLM2 on 2-core
+                                  Zen 5: 0.7 ms of GEMMs a row, 1.7 us a key over all layers) */
+static double vx_split_speed[VX_WS_MAX];
+static int vx_split_adapt = 1;
+/* 1: cuts follow the measured speeds (the default); 0: even cuts. Either way the speeds
+   measured so far are dropped. */
+void vx_set_split_adapt(int on) {
+    vx_split_adapt = on;
+    for (int t = 0; t < VX_WS_MAX; t++) vx_split_speed[t] = 0;
+}
+void vx_split_set_speeds(const double* v, int n) {  /* tests */
+    for (int t = 0; t < VX_WS_MAX; t++) vx_split_speed[t] = t < n ? v[t] : 0;
+}
+/* Cuts T rows of keys lens into parts: cut[0] = 0 <= cut[p] <= cut[parts] = T, part p's cost
+   (rows x VX_SPLIT_ROW_COST + keys) in proportion to thread p's speed (even while any is
+   unmeasured, or adaptation is off), each share within [1 / (2 parts), 3 / (2 parts)]
+   before it is normalised. */
+void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
+    double w[VX_WS_MAX], wsum = 0;
+    int known = vx_split_adapt;
+    for (int p = 0; p < parts; p++) known = known && vx_split_speed[p] > 0;
+    for (int p = 0; p < parts; p++) {
+        w[p] = known ? vx_split_speed[p] : 1.0;
+        wsum += w[p];
+    }
+    double fsum = 0;
+    for (int p = 0; p < parts; p++) {  /* bound each share: a bad spell must not swing it */
+        const double f = w[p] / wsum, lo = 0.5 / parts, hi = 1.5 / parts;
+        w[p] = f < lo ? lo : f > hi ? hi : f;
+        fsum += w[p];
+    }
+    wsum = fsum;
+    int64_t total = 0;
+    for (int64_t i = 0; i < T; i++) total += VX_SPLIT_ROW_COST + lens[i];
+    cut[0] = 0;
+    double goal = total * w[0] / wsum;
+    int64_t acc = 0, p = 1;
+    for (int64_t i = 0; i < T && p < parts; i++) {
+        const int64_t c = VX_SPLIT_ROW_COST + lens[i];
+        /* the row goes to part p - 1 if that leaves its total nearer the goal */
+        if (acc + c / 2 > goal) {
+            cut[p] = i;
+            goal += total * w[p] / wsum;
+            p++;
+        }
+        acc += c;
+    }
+    for (; p <= parts; p++) cut[p] = T;
+}
 /* A decode-only step (s->np == 0) as up to `parts` independent sub-steps, one per thread of
    the pool: thread t runs every layer for its rows with the kernels single-threaded, so the
    two cores meet once per step instead of at each of ~300 parallel regions, and one core's
-   memory-bound attention runs beside the other's compute-bound GEMMs. Rows are cut where the
-   running total of (row cost + keys) is even. Same kernels per row, so the same bits as
-   vx_llama_decode_bf16 on the whole step. Returns as that, or -2 for a step it does not take
-   (prefill chunks, fewer than 2 rows per part). */
+   memory-bound attention runs beside the other's compute-bound GEMMs. Rows are cut by
+   vx_split_cut. Same kernels per row, so the same bits as vx_llama_decode_bf16 on the whole
+   step. Returns as that, or -2 for a step it does not take (prefill chunks, a part too small
+   to route its GEMMs as the whole step does). */
 int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts) {
     const int64_t T = s->T;
     if (s->np || s->nd != T || parts < 2) return -2;
@@ -218,45 +272,42 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
     if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
     if (parts > VX_WS_MAX) parts = VX_WS_MAX;
     if (parts < 2 || T < 2 * parts) return -2;
-    /* a row's GEMM work, in keys of attention: ~400 on SmolLM2 (2-core Zen 5: 0.7 ms of
-       GEMMs a row, 1.7 us a key over all layers) */
-    const int64_t row_cost = 400;
-    int64_t total = 0, cut[VX_WS_MAX + 1];
-    for (int64_t i = 0; i < T; i++) total += row_cost + s->lens[i];
-    cut[0] = 0;
-    {
-        int64_t acc = 0, p = 1;
-        for (int64_t i = 0; i < T && p < parts; i++) {
-            acc += row_cost + s->lens[i];
-            if (acc * parts >= total * p) cut[p++] = i + 1;
-        }
-        for (; p <= parts; p++) cut[p] = T;
-    }
+    int64_t cut[VX_WS_MAX + 1];
+    vx_split_cut(s->lens, T, parts, cut);
     /* every part must route its GEMMs as the whole step does (int8 up to quant_rows, the
        skinny GEMM up to skinny_rows, AMX from 3 rows) */
     const int64_t route = s->quant_rows > s->skinny_rows ? s->quant_rows : s->skinny_rows;
     for (int p = 0; p < parts; p++)
         if (cut[p + 1] - cut[p] <= (route > 2 ? route : 2)) return -2;
     int rcs[VX_WS_MAX];
+    double secs[VX_WS_MAX];
     const int64_t H = s->H, D = s->D, qkv_n = (s->Hq + 2 * s->Hkv) * D;
     _Pragma("omp parallel num_threads(parts)") {
         const int t = omp_get_thread_num();
         omp_set_num_threads(1);  /* this thread's nested regions: itself alone */
         const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
-        rcs[t] = 0;
-        if (n > 0) {
-            vx_step u = *s;
-            u.T = u.nd = n;
-            u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
-            u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
-            u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
-            u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
-            u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
-            rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
-        }
+        vx_step u = *s;
+        u.T = u.nd = n;
+        u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
+        u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
+        u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
+        u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
+        u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
+        const double t0 = omp_get_wtime();
+        rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
+        secs[t] = omp_get_wtime() - t0;
     }
     for (int t = 0; t < parts; t++)
         if (rcs[t]) return rcs[t];
+    if (vx_split_adapt)
+        for (int t = 0; t < parts; t++) {
+            int64_t c = 0;
+            for (int64_t i = cut[t]; i < cut[t + 1]; i++) c += VX_SPLIT_ROW_COST + s->lens[i];
+            if (secs[t] <= 0) continue;
+            const double v = c / secs[t];
+            /* smoothed: the slow spells last tens of steps, a preempted step one */
+            vx_split_speed[t] = vx_split_speed[t] > 0 ? 0.7 * vx_split_speed[t] + 0.3 * v : v;
+        }
     return 0;
 }
 #if defined(__AVX512F__)

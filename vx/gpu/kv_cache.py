@@ -321,6 +321,12 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
         lib.vx_llama_decode_split.restype = ctypes.c_int
         lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32]
+        lib.vx_split_cut.restype = None
+        lib.vx_split_cut.argtypes = [ptr, i64, i32, ptr]
+        lib.vx_split_set_speeds.restype = None
+        lib.vx_split_set_speeds.argtypes = [ptr, i32]
+        lib.vx_set_split_adapt.restype = None
+        lib.vx_set_split_adapt.argtypes = [i32]
     lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
