@@ -122,24 +122,22 @@ def test_fused_decode_over_64_rows(tmp_path) -> None:
 @pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias", "llama-int8"])
 def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) -> None:
     """Decode steps as two independent sub-steps (`vx_llama_decode_split`), rows cut by their
-    keys (prompts of 1-39 tokens): the same logits. With int8 weights a part of up to 8 rows
-    would take the int8 GEMM where the whole step takes the bf16 one, so such steps are run
-    whole."""
+    keys (prompts of 1-39 tokens): the same logits. Where the linears have no VNNI copies
+    (int8 weights, AMX) the step runs whole."""
     model, fused = _load(tmp_path, case)
     if load_cpu_kernels().vx_has_decode_step() != 1 or torch.get_num_threads() < 2:
         pytest.skip("no split steps here (AVX2, or one thread)")
     monkeypatch.setenv("VX_CPU_SPLIT_STEP", "2")
     monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "1")
-    # AMX, or every linear's VNNI copy (not with int8 weights): else no split
-    whole = case == "llama-int8" and not load_cpu_kernels().vx_fast_amx(-1)
+    # only on every linear's VNNI copy (not with int8 weights, not on AMX): else no split
+    whole = case == "llama-int8" or bool(load_cpu_kernels().vx_fast_amx(-1))
     for batch in (6, 17, 70):
         if batch > fused.max_rows():
             continue
         counting = _Counting(fused)
         assert _compare(model, fused, batch, steps=2, counting=counting) == 2
         split = [p for p in counting.parts[1:] if p]  # the decode steps
-        whole_rows = case == "llama-int8" and batch < 2 * 9  # a part of <= 8 rows
-        assert len(split) == (0 if whole or whole_rows else 2), (batch, counting.parts)
+        assert len(split) == (0 if whole else 2), (batch, counting.parts)
     monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "21")  # 40 rows: 20 a part, too few
     counting = _Counting(fused)
     _compare(model, fused, 40, steps=1, counting=counting)

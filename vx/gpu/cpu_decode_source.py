@@ -258,14 +258,15 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
     const int64_t T = s->T;
     if (s->np || s->nd != T || parts < 2) return -2;
 #if defined(__AVX512F__)
-    /* parts route as the whole step only on AMX or on every linear's VNNI copy (the skinny
-       GEMM's row cap would otherwise split the routing), and a part must not decline after
-       another has written: so nothing is left to decline */
-    if (!VX_STEP_AMX)
-        for (int l = 0; l < n_layers; l++)
-            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
-                || !layers[l].down.vn)
-                return -2;
+    /* Only on every linear's VNNI copy: the parts then route as the whole step does (the
+       skinny GEMM's row cap would split the routing), nothing is left for a part to decline
+       after another has written, and no kernel they run keeps scratch between calls (the AMX
+       GEMM's re-laid x and the skinny GEMM's widened x are static: two parts at once would
+       share them). */
+    if (VX_STEP_AMX) return -2;
+    for (int l = 0; l < n_layers; l++)
+        if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn || !layers[l].down.vn)
+            return -2;
 #else
     return -2;  /* AVX2: steps of up to 24 rows, bound by the weights' stream */
 #endif
