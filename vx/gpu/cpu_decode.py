@@ -201,6 +201,7 @@ class FusedDecode:
         md: Any,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All layers for a step of T rows: (last MLP output, residual), or None."""
+        self.last_parts = 0
         t, nd = x.shape[0], md.num_decodes
         if t == 0 or (nd and not md.decode_kernel):
             return None
@@ -251,7 +252,6 @@ class FusedDecode:
         )  # fmt: skip
         parts = 0 if md.prefills else _split_parts(t, bool(self._vnni_rows))
         rc = -2
-        self.last_parts = 0
         if parts:
             rc = self._lib.vx_llama_decode_split(
                 ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step), parts

@@ -217,8 +217,10 @@ void vx_split_set_speeds(const double* v, int n) {  /* tests */
    before it is normalised. */
 void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
     double w[VX_WS_MAX], wsum = 0;
+    parts = parts < 1 ? 1 : parts > VX_WS_MAX ? VX_WS_MAX : parts;
     int known = vx_split_adapt;
-    for (int p = 0; p < parts; p++) known = known && vx_split_speed[p] > 0;
+    for (int p = 0; p < parts; p++)
+        known = known && vx_split_speed[p] > 0 && isfinite(vx_split_speed[p]);
     for (int p = 0; p < parts; p++) {
         w[p] = known ? vx_split_speed[p] : 1.0;
         wsum += w[p];
@@ -284,22 +286,30 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
     double secs[VX_WS_MAX];
     const int64_t H = s->H, D = s->D, qkv_n = (s->Hq + 2 * s->Hkv) * D;
     _Pragma("omp parallel num_threads(parts)") {
-        const int t = omp_get_thread_num();
-        omp_set_num_threads(1);  /* this thread's nested regions: itself alone */
-        const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
-        vx_step u = *s;
-        u.T = u.nd = n;
-        u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
-        u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
-        u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
-        u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
-        u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
-        const double t0 = omp_get_wtime();
-        rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
-        secs[t] = omp_get_wtime() - t0;
+        /* Load-bearing: with nesting inactive the inner regions run on this thread alone,
+           but omp_get_max_threads() would still say 2, and vx_ws_init would make ranges for
+           a partner that never comes (taken only by stealing). Scoped to this implicit
+           task: the caller's later regions keep the pool. */
+        omp_set_num_threads(1);
+        const int nth = omp_get_num_threads();  /* fewer than asked (OMP_DYNAMIC): loop */
+        for (int t = omp_get_thread_num(); t < parts; t += nth) {
+            const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
+            vx_step u = *s;
+            u.T = u.nd = n;
+            u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
+            u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
+            u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
+            u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
+            u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
+            const double t0 = omp_get_wtime();
+            rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
+            secs[t] = omp_get_wtime() - t0;
+        }
     }
+    /* Nothing is left for a part to decline (checked above), and after another part has
+       written, a decline could not be taken back: any failure is an error here. */
     for (int t = 0; t < parts; t++)
-        if (rcs[t]) return rcs[t];
+        if (rcs[t]) return rcs[t] == -2 ? -1 : rcs[t];
     if (vx_split_adapt)
         for (int t = 0; t < parts; t++) {
             int64_t c = 0;
