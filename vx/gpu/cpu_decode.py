@@ -21,8 +21,9 @@ the kernels refuse; on AVX2: int8, or layers without the AVX2 skinny GEMM). `VX_
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
 sub-steps, one per thread (`vx_llama_decode_split`, `_split_parts`): the threads meet once a
 step instead of at each of ~300 parallel regions, and one core's memory-bound attention
-overlaps the other's GEMMs (served SmolLM2, 64 clients: +7.6% output tok/s). Each row goes
-through the same kernels with the same routing, so the logits are the same bits.
+may overlap the other's GEMMs (served SmolLM2, 64 clients: 0-7% more output tok/s, within the
+noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
+routing, so the logits are the same bits.
 """
 
 from __future__ import annotations

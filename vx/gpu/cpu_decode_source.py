@@ -252,7 +252,7 @@ void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
 /* A decode-only step (s->np == 0) as up to `parts` independent sub-steps, one per thread of
    the pool: thread t runs every layer for its rows with the kernels single-threaded, so the
    two cores meet once per step instead of at each of ~300 parallel regions, and one core's
-   memory-bound attention runs beside the other's compute-bound GEMMs. Rows are cut by
+   memory-bound attention may run beside the other's compute-bound GEMMs. Rows are cut by
    vx_split_cut. Same kernels per row, so the same bits as vx_llama_decode_bf16 on the whole
    step. Returns as that, or -2 for a step it does not take (prefill chunks, a part too small
    to route its GEMMs as the whole step does). */
