@@ -124,11 +124,12 @@ def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) 
     """Decode steps as two independent sub-steps (`vx_llama_decode_split`), rows cut by their
     keys (prompts of 1-39 tokens): the same logits. Where the linears have no VNNI copies
     (int8 weights, AMX) the step runs whole."""
+    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "2")  # read when the step is built
+    monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "1")
     model, fused = _load(tmp_path, case)
     if load_cpu_kernels().vx_has_decode_step() != 1 or torch.get_num_threads() < 2:
         pytest.skip("no split steps here (AVX2, or one thread)")
-    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "2")
-    monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "1")
+    assert (fused.split_parts, fused.split_min_rows) == (2, 1)
     # only on every linear's VNNI copy (not with int8 weights, not on AMX): else no split
     whole = not fused._vnni_rows or bool(load_cpu_kernels().vx_fast_amx(-1))
     # 12+ rows: with the cuts following the measured speeds (shares within [1/4, 3/4]) every
@@ -140,7 +141,7 @@ def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) 
         assert _compare(model, fused, batch, steps=2, counting=counting) == 2
         split = [p for p in counting.parts[1:] if p]  # the decode steps
         assert len(split) == (0 if whole else 2), (batch, counting.parts)
-    monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "21")  # 40 rows: 20 a part, too few
+    fused.split_min_rows = 21  # 40 rows: 20 a part, too few
     counting = _Counting(fused)
     _compare(model, fused, 40, steps=1, counting=counting)
     assert counting.parts == [0, 0]

@@ -19,7 +19,7 @@ cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention 
 the kernels refuse; on AVX2: int8, or layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
 
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
-sub-steps, one per thread (`vx_llama_decode_split`, `_split_parts`): the threads meet once a
+sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the threads meet once a
 step instead of at each of ~300 parallel regions, and one core's memory-bound attention
 may overlap the other's GEMMs (served SmolLM2, 64 clients: 0-7% more output tok/s, within the
 noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
@@ -59,24 +59,23 @@ class _Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _split_parts(rows: int, vnni: bool) -> int:
-    """Parts for `vx_llama_decode_split` at a decode-only step of `rows` rows (< 2: one step).
+def _split_policy(vnni: bool) -> tuple[int, int]:
+    """(parts, least rows a part) for `vx_llama_decode_split` at decode-only steps (parts < 2:
+    never), fixed when the model's step is built (the Worker has set its threads by then).
 
-    `VX_CPU_SPLIT_STEP`: the parts (0 or 1: off); unset, 2 where it was measured to pay: two
-    threads on the VNNI GEMM (AVX512-BF16 without AMX). Each part needs at least
+    `VX_CPU_SPLIT_STEP`: the parts (0 or 1: off); unset, 2 where it was measured not to lose:
+    two threads on the VNNI GEMM (AVX512-BF16 without AMX). Each part needs at least
     `VX_CPU_SPLIT_MIN_ROWS` rows (default 16): every part streams all the weights, so small
-    steps, bound by that stream, lose (2-core Zen 5, SmolLM2, medians of 4 x 127 alternated
-    steps: 16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7
-    against 37.9). The rows are cut in proportion to each thread's measured speed
-    (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly."""
+    steps, bound by that stream, lose (2-core Zen 5, SmolLM2, alternated rounds of 127 steps:
+    16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7 against 37.9
+    in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
+    thread's measured speed (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly."""
     env = os.environ.get("VX_CPU_SPLIT_STEP")
     if env is not None:
         parts = int(env)
     else:
         parts = 2 if vnni and torch.get_num_threads() == 2 else 0
-    if parts < 2 or rows < parts * int(os.environ.get("VX_CPU_SPLIT_MIN_ROWS", "16")):
-        return 0
-    return parts
+    return (parts if parts >= 2 else 0), int(os.environ.get("VX_CPU_SPLIT_MIN_ROWS", "16"))
 
 
 class _Step(ctypes.Structure):
@@ -141,6 +140,7 @@ class FusedDecode:
         ) else 0  # fmt: skip
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
+        self.split_parts, self.split_min_rows = _split_policy(bool(self._vnni_rows))
         if lib.vx_has_decode_step() == 1:  # the parts' cuts follow the threads' speeds
             lib.vx_set_split_adapt(int(os.environ.get("VX_CPU_SPLIT_ADAPT", "1") != "0"))
         attn = model.layers[0].self_attn
@@ -251,7 +251,9 @@ class FusedDecode:
             pbt.stride(0) if pbt is not None else 0,
             x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
         )  # fmt: skip
-        parts = 0 if md.prefills else _split_parts(t, bool(self._vnni_rows))
+        parts = self.split_parts
+        if md.prefills or t < parts * self.split_min_rows:
+            parts = 0
         rc = -2
         if parts:
             rc = self._lib.vx_llama_decode_split(
