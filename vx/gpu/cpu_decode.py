@@ -23,7 +23,10 @@ sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the thread
 step instead of at each of ~300 parallel regions, and one core's memory-bound attention
 may overlap the other's GEMMs (served SmolLM2, 64 clients: 0-7% more output tok/s, within the
 noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
-routing, so the logits are the same bits.
+routing, so the logits are the same bits. Where every row of such a step is one argmax
+(`vx.gpu.greedy.fused_greedy_step`), `greedy_step` puts the embedding lookup, the final norm and
+the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
+clients: ~5-9% more output tok/s; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import ctypes
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
@@ -48,6 +52,15 @@ _VNNI_STEP_ROWS = 1 << 30
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
+    ]  # fmt: skip
+
+
+class _GreedyTail(ctypes.Structure):
+    """`vx_greedy_tail` (see `FusedDecode.greedy_step`)."""
+
+    _fields_ = [
+        ("ids", _P), ("positions", _P), ("embed", _P), ("cos_table", _P), ("sin_table", _P),
+        ("norm", _P), ("head", _P), ("vocab", _I64), ("out", _P),
     ]  # fmt: skip
 
 
@@ -200,8 +213,11 @@ class FusedDecode:
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         md: Any,
+        tail: _GreedyTail | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers for a step of T rows: (last MLP output, residual), or None."""
+        """All layers for a step of T rows: (last MLP output, residual), or None. With `tail`
+        (`greedy_step`), only as the split's parts, and (final normed hidden states, the
+        residual); x, cos and sin are then scratch the parts fill."""
         self.last_parts = 0
         t, nd = x.shape[0], md.num_decodes
         if t == 0 or (nd and not md.decode_kernel):
@@ -256,10 +272,17 @@ class FusedDecode:
             parts = 0
         rc = -2
         if parts:
+            g = None if tail is None else ctypes.addressof(tail)
             rc = self._lib.vx_llama_decode_split(
-                ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step), parts
+                ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step), parts, g
             )
             self.last_parts = parts if rc != -2 else 0
+        if tail is not None:  # the parts filled x, cos and sin: the whole step cannot run
+            if rc == -2:
+                return None
+            if rc != 0:
+                raise MemoryError("the fused CPU decode step could not allocate scratch")
+            return bufs[0], residual
         if rc == -2:
             rc = self._lib.vx_llama_decode_bf16(
                 ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step)
@@ -269,3 +292,55 @@ class FusedDecode:
         if rc != 0:
             raise MemoryError("the fused CPU decode step could not allocate scratch")
         return x, residual
+
+    def greedy_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+        head: Any,
+    ) -> tuple[torch.Tensor, np.ndarray] | None:
+        """A decode-only step whose every row is one argmax, as the split's parts with the
+        embedding lookup before the layers and the final RMSNorm and the LM head's argmax on
+        its VNNI copy (`head`, a `VnniWeight`) after them, each part for its rows
+        (`vx_greedy_tail`): (the final normed hidden states [T, H], the tokens [T] int64), or
+        None, with nothing written, where the split does not take the step. The same kernels
+        as `LlamaModel.forward` and `VnniWeight.argmax`, so the same tokens."""
+        t = input_ids.shape[0]
+        if not self.split_parts or t < self.split_parts * self.split_min_rows or md.prefills:
+            return None
+        model = self._model
+        embed, rotary = model.embed_tokens.weight, model.rotary
+        hq, hkv, d = self._shape
+        h = self._hidden
+        tables = (embed, rotary.cos, rotary.sin, model.norm.weight)
+        if (
+            model.embed_tokens.tp_size != 1
+            or head.k != h
+            or embed.shape[1] != h
+            or rotary.cos.shape[1] != d // 2
+            or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in tables)
+            or input_ids.dtype != torch.int64
+            or positions.dtype != torch.int64
+        ):
+            return None
+        # C reads the rows unchecked: an id or a position past its table is refused here
+        # (F.embedding and the rotary's lookup raise on them on the module path).
+        if int(input_ids.max()) >= embed.shape[0] or int(input_ids.min()) < 0:
+            return None
+        if int(positions.max()) >= rotary.cos.shape[0] or int(positions.min()) < 0:
+            return None
+        out = np.empty(t, dtype=np.int64)
+        tail = _GreedyTail(
+            input_ids.data_ptr(), positions.data_ptr(), embed.data_ptr(), rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), model.norm.weight.data_ptr(), head.packed.data_ptr(), head.n,
+            out.ctypes.data,
+        )  # fmt: skip
+        new = torch.empty
+        x = new(t, h, dtype=torch.bfloat16)
+        rope = (new(t, 1, d // 2, dtype=torch.bfloat16), new(t, 1, d // 2, dtype=torch.bfloat16))
+        done = self.run(x, rope, kv_caches, md, tail)
+        if done is None:
+            return None
+        return done[0], out

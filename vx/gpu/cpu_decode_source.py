@@ -249,14 +249,34 @@ void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
     }
     for (; p <= parts; p++) cut[p] = T;
 }
+/* What a greedy decode step adds around the layers (`vx.gpu.greedy`), each part for its own
+   rows: before them the embeddings (into s->x) and the rotary's cos and sin (into s->cos and
+   s->sin, [T, D / 2] scratch), after them the final RMSNorm (into s->h) and the LM head's
+   argmax on its VNNI copy (into out). The same kernels as the module path's embedding
+   lookup, `RMSNorm` and `VnniWeight.argmax`, so the same tokens; one parallel region a step
+   instead of four (a host process that wakes at a step's start held the second thread out of
+   the embedding's, the norm's and the head's regions in turn). */
+typedef struct {
+    const int64_t* ids;         /* [T] input tokens */
+    const int64_t* positions;   /* [T] */
+    const vx_bf16* embed;       /* [vocab rows, H] */
+    const vx_bf16* cos_table;   /* [max position, D / 2] */
+    const vx_bf16* sin_table;
+    const vx_bf16* norm;        /* [H] the final RMSNorm's weight */
+    const uint32_t* head;       /* the LM head packed for vx_argmax_vnni_bf16 */
+    int64_t vocab;              /* its rows (N) */
+    int64_t* out;               /* [T] each row's first maximum */
+} vx_greedy_tail;
 /* A decode-only step (s->np == 0) as up to `parts` independent sub-steps, one per thread of
    the pool: thread t runs every layer for its rows with the kernels single-threaded, so the
    two cores meet once per step instead of at each of ~300 parallel regions, and one core's
    memory-bound attention may run beside the other's compute-bound GEMMs. Rows are cut by
    vx_split_cut. Same kernels per row, so the same bits as vx_llama_decode_bf16 on the whole
-   step. Returns as that, or -2 for a step it does not take (prefill chunks, a part too small
-   to route its GEMMs as the whole step does). */
-int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts) {
+   step. With `g` (not NULL), each part also runs the greedy tail above for its rows. Returns
+   as vx_llama_decode_bf16, or -2 for a step it does not take (prefill chunks, a part too
+   small to route its GEMMs as the whole step does), before anything is written. */
+int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts,
+                          const vx_greedy_tail* g) {
     const int64_t T = s->T;
     if (s->np || s->nd != T || parts < 2) return -2;
 #if defined(__AVX512F__)
@@ -302,7 +322,20 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
             u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
             u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
             const double t0 = omp_get_wtime();
+            if (g) {
+                const int64_t h2 = D / 2;
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t r = r0 + i, pos = g->positions[r];
+                    memcpy(u.x + i * H, g->embed + g->ids[r] * H, (size_t)H * sizeof(vx_bf16));
+                    memcpy((vx_bf16*)u.cos + i * h2, g->cos_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
+                    memcpy((vx_bf16*)u.sin + i * h2, g->sin_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
+                }
+            }
             rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
+            if (g && !rcs[t]) {
+                vx_add_rms_norm_bf16(u.x, H, u.residual, u.residual, g->norm, u.h, n, H, s->eps);
+                rcs[t] = vx_argmax_vnni_bf16(u.h, H, (int)n, g->head, g->vocab, H, g->out + r0);
+            }
             secs[t] = omp_get_wtime() - t0;
         }
     }

@@ -1,6 +1,7 @@
 """Greedy tokens straight from the LM head's C argmax, without the [rows, vocab] logits.
 
-Runs in: each Worker process on CPU (`ModelRunner._greedy_ids`).
+Runs in: each Worker process on CPU (`ModelRunner._greedy_ids`; `fused_greedy_step` before
+the model's forward, for decode steps it can take whole).
 
 Why: where every sampled row is one argmax (see `argmax_only`) and the model's LM head takes
 it in C (AMX, the VNNI GEMM without AMX, or the int8 screen on AVX2), writing, widening and
@@ -18,6 +19,7 @@ Zen 5).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,10 @@ import torch
 from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.sampling_metadata import argmax_only, min_tokens_masked
 
-__all__ = ["greedy_tokens"]
+__all__ = ["fused_greedy_step", "greedy_tokens"]
+
+#: Whether `fused_greedy_step` is tried (`VX_CPU_GREEDY_STEP=0`: never, for A/B timing).
+FUSED_STEP = os.environ.get("VX_CPU_GREEDY_STEP", "1") != "0"
 
 
 def greedy_tokens(
@@ -37,13 +42,57 @@ def greedy_tokens(
     greedy_ids = getattr(model, "greedy_ids", None)
     if greedy_ids is None:
         return None
-    row_list = rows.tolist()
-    params = [batch.sampling_params[r] for r in row_list]
-    if not argmax_only(params, RowTokens(batch, rows, outputs=True), masked_ok=True):
+    params = _argmax_params(batch, rows)
+    if params is None:
         return None
     ids = greedy_ids(hidden)
     if ids is None:
         return None
+    return _unmask(model, batch, hidden, rows, params, ids)
+
+
+def fused_greedy_step(
+    model: Any, batch: InputBatch, inputs: Any, kv_caches: list
+) -> tuple[torch.Tensor, np.ndarray] | None:
+    """A decode-only step whose every row is sampled and greedy, through the layers, the final
+    norm and the LM head's argmax in one C call (`LlamaForCausalLM.greedy_decode`): (final
+    hidden states, [T] int64 tokens), or None with nothing written (the caller runs the model
+    and `greedy_tokens`, which give the same). Why: at 64 rows on a 2-core Zen 5 the step
+    otherwise opened four parallel regions (embedding, step, norm, head), and a host process
+    waking at the step's start kept the second thread out of each in turn."""
+    greedy_decode = getattr(model, "greedy_decode", None)
+    t = inputs.input_ids.shape[0]
+    if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t or len(inputs.req_ids) != t:
+        return None
+    params = _argmax_params(batch, inputs.rows)
+    if params is None:
+        return None
+    done = greedy_decode(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
+    if done is None:
+        return None
+    hidden, ids = done
+    return hidden, _unmask(model, batch, hidden, inputs.rows, params, ids)
+
+
+def _argmax_params(batch: InputBatch, rows: np.ndarray) -> list | None:
+    """The rows' sampling params where each row is one argmax (`argmax_only`), else None."""
+    params = [batch.sampling_params[r] for r in rows.tolist()]
+    if not argmax_only(params, RowTokens(batch, rows, outputs=True), masked_ok=True):
+        return None
+    return params
+
+
+def _unmask(
+    model: Any,
+    batch: InputBatch,
+    hidden: torch.Tensor,
+    rows: np.ndarray,
+    params: list,
+    ids: np.ndarray,
+) -> np.ndarray:
+    """`ids`, with the rows whose argmax is one of their min_tokens-masked ids taken from the
+    logits as the sampler masks them (see the module docstring)."""
+    row_list = rows.tolist()
     redo: list[tuple[int, list[int]]] = []
     for j, p in enumerate(params):
         if p.min_tokens > 0:

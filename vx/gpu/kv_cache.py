@@ -320,7 +320,7 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_llama_decode_bf16.restype = ctypes.c_int
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
         lib.vx_llama_decode_split.restype = ctypes.c_int
-        lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32]
+        lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32, ptr]
         lib.vx_split_cut.restype = None
         lib.vx_split_cut.argtypes = [ptr, i64, i32, ptr]
         lib.vx_split_set_speeds.restype = None

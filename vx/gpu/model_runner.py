@@ -24,7 +24,7 @@ import torch
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
 from vx.gpu.attention import AttentionMetadata, build_attention_metadata
-from vx.gpu.greedy import greedy_tokens
+from vx.gpu.greedy import fused_greedy_step, greedy_tokens
 from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.kv_cache import (
     KVCache,
@@ -244,17 +244,24 @@ class ModelRunner:
         keep = None
         if not wants_prompt_logprobs and last.size < inputs.input_ids.shape[0]:
             keep = last_rows
-        hidden = forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
-        )
+        fused = None
+        if self.device.type == "cpu" and self._poison_seed is None and not wants_prompt_logprobs:
+            fused = fused_greedy_step(model, batch, inputs, self.kv_caches)
+        if fused is not None:  # a greedy decode step, its tokens included, in one C call
+            hidden, sampled = fused
+        else:
+            hidden = forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
+            )
 
         num_reqs = len(inputs.req_ids)
         sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs_out: list[Logprobs | None] | None = None
         if sample_idx.size:
-            hidden_last = hidden if keep is not None else hidden[last_rows]
+            hidden_last = hidden if keep is not None or fused is not None else hidden[last_rows]
             rows = inputs.rows[sample_idx]
-            sampled = self._greedy_ids(hidden_last, rows)
+            if fused is None:
+                sampled = self._greedy_ids(hidden_last, rows)
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)

@@ -22,7 +22,7 @@ from torch import nn
 
 from vx.gpu.cpu_ops import gemv_fits, gemv_kernels, skinny_argmax, skinny_gemm
 from vx.gpu.cpu_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
-from vx.gpu.cpu_vnni import VnniWeight, vnni_takes, vnni_wanted
+from vx.gpu.cpu_vnni import VNNI_MIN_ROWS, VnniWeight, vnni_takes, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.layers import _all_gather_last_dim, _all_reduce
 from vx.gpu.quantization import (
@@ -157,6 +157,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
             return None  # compute_logits takes the quantized weight there
         return skinny_argmax(hidden, self.plain)
+
+    def argmax_weight(self, rows: int) -> VnniWeight | None:
+        """The VNNI copy `greedy_ids` takes the argmax of `rows` bf16 rows on, or None where
+        it takes another path (the screen, the skinny GEMM, none)."""
+        if self.screen is not None and rows <= SCREEN_MAX_ROWS:
+            return None
+        if self.tp_size != 1 or self.num_per_rank != self.vocab_size or rows < VNNI_MIN_ROWS:
+            return None
+        return self.vnni
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""

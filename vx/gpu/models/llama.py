@@ -317,6 +317,22 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 
+    def greedy_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, np.ndarray] | None:
+        """A decode-only step's (final hidden states [T, hidden], argmax tokens [T]) in one C
+        call (`FusedDecode.greedy_step`), or None with nothing written where that does not
+        take it: the caller runs `forward` and `greedy_ids` instead, which give the same."""
+        fused = self.model.fused_decode
+        head = self.lm_head.argmax_weight(input_ids.shape[0])
+        if not isinstance(fused, FusedDecode) or head is None:
+            return None
+        return fused.greedy_step(input_ids, positions, kv_caches, attn_metadata, head)
+
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""
         return self.lm_head.greedy_ids(hidden)
