@@ -113,12 +113,15 @@ def test_greedy_step_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> N
     assert not calls  # a sampling row: the step is not even tried
     fused = runner._model.model.fused_decode
     assert isinstance(fused, FusedDecode)
-    fused.split_min_rows = 4  # 6 rows: fewer than 4 a part
+    fused.split_min_rows = 4  # 6 rows: fewer than 4 a part, so the step is not offered
+    assert runner._model.greedy_decode_rows() == 8
     _run(runner, [plain] * 6, steps=4)
-    assert calls and not any(calls)
-    fused.split_min_rows = 1
+    assert not any(calls)
     model, md = runner._model, types.SimpleNamespace(prefills=[])
-    ids = torch.tensor([0, 512], dtype=torch.int64)  # 512: past the table's rows
-    pos = torch.tensor([0, 1], dtype=torch.int64)
-    head = model.lm_head.argmax_weight(2)
+    ids = torch.tensor([0, 5, 9, 7], dtype=torch.int64)
+    pos = torch.tensor([0, 1, 2, 3], dtype=torch.int64)
+    head = model.lm_head.argmax_weight(4)
+    assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None  # 2 rows a part
+    fused.split_min_rows = 1
+    ids[1] = 512  # past the table's rows: refused before C reads it
     assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None

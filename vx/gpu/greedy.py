@@ -62,7 +62,10 @@ def fused_greedy_step(
     waking at the step's start kept the second thread out of each in turn."""
     greedy_decode = getattr(model, "greedy_decode", None)
     t = inputs.input_ids.shape[0]
-    if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t or len(inputs.req_ids) != t:
+    if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t:
+        return None
+    least = model.greedy_decode_rows()  # before the rows' params: most steps stop here
+    if not least or t < least or len(inputs.req_ids) != t:
         return None
     params = _argmax_params(batch, inputs.rows)
     if params is None:

@@ -333,6 +333,14 @@ class LlamaForCausalLM(nn.Module):
             return None
         return fused.greedy_step(input_ids, positions, kv_caches, attn_metadata, head)
 
+    def greedy_decode_rows(self) -> int:
+        """The fewest rows `greedy_decode` may take (0: none, or not known before the first
+        step builds the fused step): steps below it need not be offered."""
+        fused = self.model.fused_decode
+        if not isinstance(fused, FusedDecode) or not fused.split_parts:
+            return 0
+        return fused.split_parts * fused.split_min_rows
+
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""
         return self.lm_head.greedy_ids(hidden)
