@@ -45,8 +45,12 @@ class PagedDriver:
         return {r: x[-1] for r, x in self.step_all(batch).items()}
 
     @torch.no_grad()
-    def step_all(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Run one step; {req_id: float32 logits [n_new, vocab] after each new token}."""
+    def step_all(
+        self, batch: dict[str, list[int]], keep_last: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Run one step; {req_id: float32 logits [n_new, vocab] after each new token}, or,
+        with `keep_last`, [1, vocab] after its last one (the model is asked for those rows
+        only, as the ModelRunner asks)."""
         # decodes (one new token) first, as the attention metadata requires
         order = sorted(batch, key=lambda r: len(batch[r]) != 1)
         num_decodes = sum(len(batch[r]) == 1 for r in order)
@@ -75,14 +79,16 @@ class PagedDriver:
             slot_mapping=np.array(slots),
             num_decodes=num_decodes,
         )
+        keep = torch.tensor(np.cumsum(query_lens) - 1) if keep_last else None
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.kv_caches,
             md,
+            keep,
         )
         logits = self.model.compute_logits(hidden)
-        return dict(zip(order, logits.split(query_lens), strict=True))
+        return dict(zip(order, logits.split([1] * len(order) if keep_last else query_lens), strict=True))
 
     def greedy(self, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
         """Prefill all prompts in one step, then decode them together."""

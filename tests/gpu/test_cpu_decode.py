@@ -48,13 +48,17 @@ class _Counting:
     """Wraps FusedDecode.run: counts the steps it took."""
 
     def __init__(self, fused: FusedDecode) -> None:
-        self.fused, self.taken, self.parts = fused, 0, []
+        self.fused, self.taken, self.parts, self.kept = fused, 0, [], []
 
-    def run(self, *args):
-        out = self.fused.run(*args)
+    def run(self, *args, **kwargs):
+        out = self.fused.run(*args, **kwargs)
         self.taken += out is not None
+        self.kept.append(kwargs.get("keep") is not None)
         self.parts.append(self.fused.last_parts)
         return out
+
+    def kept_rows(self, *args):
+        return self.fused.kept_rows(*args)
 
 
 def _prefill_fused(model, rows: int, max_rows: int) -> bool:
@@ -147,6 +151,34 @@ def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) 
     assert counting.parts == [0, 0]
 
 
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias", "llama-int8"])
+def test_fused_step_carries_only_the_kept_rows_past_the_last_attention(tmp_path, case) -> None:
+    """Asked for each request's last row (`keep`, as the ModelRunner asks), the fused step runs
+    the last layer's o_proj and MLP on those rows alone: the module path's logits for them,
+    bit for bit, in mixed steps and decode steps (one kept row: the 1-row GEMMs)."""
+    model, fused = _load(tmp_path, case)
+    if not _prefill_fused(model, 64, fused.max_rows()):
+        pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(9)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    steps = [
+        {"a": tok(20), "b": tok(33)},
+        {"a": tok(1), "b": tok(17), "c": tok(40)},
+        {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
+        {"c": tok(5)},  # one kept row
+    ]
+    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
+    for step in steps:
+        model.model.fused_decode = counting
+        la = a.step_all(step, keep_last=True)
+        model.model.fused_decode = None
+        lb = b.step_all(step, keep_last=True)
+        for r in step:
+            assert la[r].shape[0] == 1 and torch.equal(la[r], lb[r]), r
+    assert counting.taken == len(steps) and all(counting.kept)
+
+
 @pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
 def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
     """Decodes, a chunk after a cached prefix and a new prompt in one step."""
@@ -203,10 +235,12 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
     answers = []
 
     class _AmxOffAtRun:
-        def run(self, *args):
+        kept_rows = staticmethod(fused.kept_rows)
+
+        def run(self, *args, **kwargs):
             lib.vx_fast_amx(0)
             try:
-                out = fused.run(*args)
+                out = fused.run(*args, **kwargs)
             finally:
                 lib.vx_fast_amx(int(amx))
             answers.append(out)
@@ -227,8 +261,8 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
 
 def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
     """Through the ModelRunner a prefill step asks for the sampled rows only (`keep`); the
-    fused step still takes it (its last layer on every row, the rows cut after), with the
-    module path's tokens. Without this a step of up to 192 rows ran ~14 Python-level ops a
+    fused step still takes it (its last layer past the attention on those rows alone), with
+    the module path's tokens. Without this a step of up to 192 rows ran ~14 Python-level ops a
     layer: 10-14 ms more a 32-192-token prefill for SmolLM2."""
     from tests.gpu.test_model_runner import Sim, make_runner
 
@@ -256,7 +290,7 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
         outs = [sim.step(plan) for plan in plans]
         runs[fused_on] = [o.sampled_token_ids for o in outs]
         if counting is not None:
-            assert counting.taken == 3
+            assert counting.taken == 3 and counting.kept[0]
     assert runs[True] == runs[False]
 
 

@@ -11,7 +11,8 @@ library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first
 module path when it answers None.
 
 Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
-fused step is bit-identical to the module path (tests/gpu/test_cpu_decode.py checks it). `run`
+fused step is bit-identical to the module path (asked for some rows only, `keep`, its last layer
+runs past the attention on those rows alone, as the module path's does) (tests/gpu/test_cpu_decode.py checks it). `run`
 answers None, before touching anything, for every step it does not cover: more rows than the
 skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
 the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
@@ -101,7 +102,7 @@ class _Step(ctypes.Structure):
         ("nd", _I64), ("np", _I64), ("p_starts", _P), ("p_lens", _P), ("p_computed", _P),
         ("p_bt", _P), ("p_bt_s", _I64),
         ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
-        ("act", _P),
+        ("act", _P), ("keep", _P), ("nkeep", _I64),
     ]  # fmt: skip
 
 
@@ -214,10 +215,13 @@ class FusedDecode:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         md: Any,
         tail: _GreedyTail | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All layers for a step of T rows: (last MLP output, residual), or None. With `tail`
-        (`greedy_step`), only as the split's parts, and (final normed hidden states, the
-        residual); x, cos and sin are then scratch the parts fill."""
+        """All layers for a step of T rows: (last MLP output, residual), or None. With `keep`
+        (`kept_rows`), the last layer's o_proj and MLP run on those rows alone, as the module
+        path's, and the two come back for them only. With `tail` (`greedy_step`), only as
+        the split's parts, and (final normed hidden states, the residual); x, cos and sin are
+        then scratch the parts fill."""
         self.last_parts = 0
         t, nd = x.shape[0], md.num_decodes
         if t == 0 or (nd and not md.decode_kernel):
@@ -266,9 +270,10 @@ class FusedDecode:
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),
             pbt.stride(0) if pbt is not None else 0,
             x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
+            _ptr(keep), 0 if keep is None else keep.numel(),
         )  # fmt: skip
         parts = self.split_parts
-        if md.prefills or t < parts * self.split_min_rows:
+        if md.prefills or t < parts * self.split_min_rows or keep is not None:
             parts = 0
         rc = -2
         if parts:
@@ -291,7 +296,22 @@ class FusedDecode:
             return None
         if rc != 0:
             raise MemoryError("the fused CPU decode step could not allocate scratch")
+        if keep is not None:
+            return x[: keep.numel()], residual[: keep.numel()]
         return x, residual
+
+    def kept_rows(self, keep: torch.Tensor | None, t: int) -> torch.Tensor | None:
+        """`keep` as `run` takes it (int64, ascending, each row below t, and routed past the
+        attention as the module path routes them: not the int8 rows torch's kernel takes),
+        or None (the caller then cuts the rows after the step, as before)."""
+        if keep is None or keep.dtype != torch.int64 or not keep.is_contiguous():
+            return None
+        n = keep.numel()
+        if GEMV_MAX_ROWS_INT8 < n <= self._quant_rows:
+            return None
+        if n and (int(keep[0]) < 0 or int(keep[-1]) >= t or not bool((keep[1:] > keep[:-1]).all())):
+            return None
+        return keep
 
     def greedy_step(
         self,

@@ -98,6 +98,10 @@ typedef struct {
     vx_bf16* attn;          /* scratch [T, Hq D] */
     vx_bf16* gu;            /* scratch [T, 2 I] */
     vx_bf16* act;           /* scratch [T, I] */
+    const int64_t* keep;    /* NULL, or the rows (ascending, < T) the last layer carries past
+                               its attention, as the module path's `keep`: x and residual
+                               then hold those rows first, in order */
+    int64_t nkeep;
 } vx_step;
 
 static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
@@ -182,13 +186,28 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
                 D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
                 (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
         if (rc) return rc;
-        rc = vx_linear_apply(&L->o, s->attn, T, s->quant_rows, s->skinny_rows, s->x);
+        int64_t Tl = T;  /* the rows past the attention */
+        if (s->keep && l == n_layers - 1) {
+            /* Only the kept rows go on (a prompt chunk's last row, the decodes): the rest of
+               the last layer is ~1/30 of a prompt row's work. Moved down in order (keep is
+               ascending, so no row is overwritten before it is read). */
+            const int64_t ar = Hq * D;
+            for (int64_t i = 0; i < s->nkeep; i++) {
+                const int64_t k = s->keep[i];
+                if (k == i) continue;
+                memcpy(s->attn + i * ar, s->attn + k * ar, (size_t)ar * e);
+                memcpy(s->residual + i * H, s->residual + k * H, (size_t)H * e);
+            }
+            Tl = s->nkeep;
+            if (!Tl) break;
+        }
+        rc = vx_linear_apply(&L->o, s->attn, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
-        vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, T, H, s->eps);
-        rc = vx_linear_apply(&L->gate_up, s->h, T, s->quant_rows, s->skinny_rows, s->gu);
+        vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, Tl, H, s->eps);
+        rc = vx_linear_apply(&L->gate_up, s->h, Tl, s->quant_rows, s->skinny_rows, s->gu);
         if (rc) return rc;
-        vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, T, s->I);
-        rc = vx_linear_apply(&L->down, s->act, T, s->quant_rows, s->skinny_rows, s->x);
+        vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, Tl, s->I);
+        rc = vx_linear_apply(&L->down, s->act, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
     }
     return 0;
@@ -278,7 +297,7 @@ typedef struct {
 int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts,
                           const vx_greedy_tail* g) {
     const int64_t T = s->T;
-    if (s->np || s->nd != T || parts < 2) return -2;
+    if (s->np || s->nd != T || parts < 2 || s->keep) return -2;
 #if defined(__AVX512F__)
     /* Only on every linear's VNNI copy: the parts then route as the whole step does (the
        skinny GEMM's row cap would split the routing), nothing is left for a part to decline

@@ -235,14 +235,14 @@ class LlamaModel(nn.Module):
         if self.fused_decode is _UNBUILT:  # after loading: the weights are final by now
             self.fused_decode = FusedDecode.build(self) if x.device.type == "cpu" else None
         if self.fused_decode is not None:  # all layers in one C call
-            fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata)
+            kept = self.fused_decode.kept_rows(keep, x.shape[0])
+            fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata, keep=kept)
             if fused is not None:
-                # Its last layer ran on every row (1/30 of the MLP work of a step it takes,
-                # against ~14 Python-level ops a layer on the module path); the rows are cut
-                # here instead.
                 h, residual = fused
-                if keep is not None:
+                if keep is not None and kept is None:  # its last layer ran on every row
                     h, residual = h[keep], residual[keep]
+                if h.shape[0] == 0:
+                    return h
                 return self.norm(h, residual)[0]
         residual = None
         last = len(self.layers) - 1
