@@ -72,13 +72,17 @@ def _prefill_fused(model, rows: int, max_rows: int) -> bool:
     )
 
 
-def _step_both(model, counting: _Counting, a: PagedDriver, b: PagedDriver, step: dict) -> dict:
-    """One step through `a` with the fused path offered and `b` without: equal logits."""
+def _step_both(
+    model, counting: _Counting, a: PagedDriver, b: PagedDriver, step: dict, keep_last=False
+) -> dict:
+    """One step through `a` with the fused path offered and `b` without: equal logits (of each
+    request's last row only, with `keep_last`)."""
     model.model.fused_decode = counting
-    la = a.step_all(step)
+    la = a.step_all(step, keep_last)
     model.model.fused_decode = None
-    lb = b.step_all(step)
+    lb = b.step_all(step, keep_last)
     for r in step:
+        assert la[r].shape[0] == (1 if keep_last else len(step[r])), r
         assert torch.equal(la[r], lb[r]), r
     return {r: x[-1] for r, x in la.items()}
 
@@ -151,37 +155,13 @@ def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) 
     assert counting.parts == [0, 0]
 
 
-@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias", "llama-int8"])
-def test_fused_step_carries_only_the_kept_rows_past_the_last_attention(tmp_path, case) -> None:
-    """Asked for each request's last row (`keep`, as the ModelRunner asks), the fused step runs
-    the last layer's o_proj and MLP on those rows alone: the module path's logits for them,
-    bit for bit, in mixed steps and decode steps (one kept row: the 1-row GEMMs)."""
-    model, fused = _load(tmp_path, case)
-    if not _prefill_fused(model, 64, fused.max_rows()):
-        pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
-    counting = _Counting(fused)
-    g = torch.Generator().manual_seed(9)
-    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
-    steps = [
-        {"a": tok(20), "b": tok(33)},
-        {"a": tok(1), "b": tok(17), "c": tok(40)},
-        {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
-        {"c": tok(5)},  # one kept row
-    ]
-    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
-    for step in steps:
-        model.model.fused_decode = counting
-        la = a.step_all(step, keep_last=True)
-        model.model.fused_decode = None
-        lb = b.step_all(step, keep_last=True)
-        for r in step:
-            assert la[r].shape[0] == 1 and torch.equal(la[r], lb[r]), r
-    assert counting.taken == len(steps) and all(counting.kept)
-
-
+@pytest.mark.parametrize("keep_last", [False, True])
 @pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
-def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
-    """Decodes, a chunk after a cached prefix and a new prompt in one step."""
+def test_fused_mixed_steps_equal_module_path(tmp_path, case: str, keep_last: bool) -> None:
+    """Decodes, a chunk after a cached prefix and a new prompt in one step. Asked for each
+    request's last row only (`keep_last`, as the ModelRunner asks), the fused step runs the
+    last layer's o_proj and MLP on those rows alone: the module path's logits for them, bit for
+    bit (one kept row too: the 1-row GEMMs)."""
     model, fused = _load(tmp_path, case)
     if not _prefill_fused(model, 64, fused.max_rows()):
         pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
@@ -192,11 +172,12 @@ def test_fused_mixed_steps_equal_module_path(tmp_path, case: str) -> None:
         {"a": tok(20), "b": tok(33)},
         {"a": tok(1), "b": tok(17), "c": tok(40)},  # decode, chunk after 33 cached, new prompt
         {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
+        {"c": tok(5)},
     ]
     a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
     for step in steps:
-        _step_both(model, counting, a, b, step)
-    assert counting.taken == len(steps)
+        _step_both(model, counting, a, b, step, keep_last)
+    assert counting.taken == len(steps) and all(counting.kept) == keep_last
 
 
 def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> None:
