@@ -11,9 +11,9 @@ library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first
 module path when it answers None.
 
 Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
-fused step is bit-identical to the module path (asked for some rows only, `keep`, its last layer
-runs past the attention on those rows alone, as the module path's does) (tests/gpu/test_cpu_decode.py checks it). `run`
-answers None, before touching anything, for every step it does not cover: more rows than the
+fused step is bit-identical to the module path (tests/gpu/test_cpu_decode.py checks it); asked
+for some rows only (`keep`), its last layer runs past the attention on those rows alone, as the
+module path's does. `run` answers None, before touching anything, for every step it does not cover: more rows than the
 skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
 the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
 cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
