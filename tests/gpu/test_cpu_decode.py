@@ -203,6 +203,28 @@ def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> 
     assert _compare(model, fused, 17, steps=1) == (1 if fused.max_rows() >= 17 else 0)
 
 
+def test_kept_rows_torchs_int8_kernel_takes_go_the_module_path(tmp_path, monkeypatch) -> None:
+    """Int8 weights with torch's kernel up to 10 rows (past the C kernel's 8): a 12-row step
+    keeping 10 rows would route those 10 to torch's int8 kernel on the module path, so the
+    fused step is not offered; the logits are the module path's."""
+    monkeypatch.setenv("VX_QUANT_MAX_ROWS", "10")
+    arch, overrides, quant = CASES["llama-int8"]
+    path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
+    fused = FusedDecode.build(model.model)
+    if fused is None or not _prefill_fused(model, 12, fused.max_rows()):
+        pytest.skip("no fused int8 step with prefill chunks of 12 rows here")
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    first = {f"r{i}": tok(1) for i in range(9)}
+    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
+    _step_both(model, counting, a, b, first, keep_last=True)
+    taken = counting.taken
+    _step_both(model, counting, a, b, {**first, "p": tok(3)}, keep_last=True)
+    assert counting.taken == taken  # 12 rows, 10 kept: not offered
+
+
 def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> None:
     """AMX switched off after the rows were counted: on an AMX machine (no VNNI copies) the C
     step answers -2 before writing anything (its GEMMs without AMX take fewer rows), `run`

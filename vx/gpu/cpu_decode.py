@@ -303,7 +303,7 @@ class FusedDecode:
     def kept_rows(self, keep: torch.Tensor | None, t: int) -> torch.Tensor | None:
         """`keep` as `run` takes it (int64, ascending, each row below t, and routed past the
         attention as the module path routes them: not the int8 rows torch's kernel takes),
-        or None (the caller then cuts the rows after the step, as before)."""
+        or None (the caller then takes the module path for the step)."""
         if keep is None or keep.dtype != torch.int64 or not keep.is_contiguous():
             return None
         n = keep.numel()
@@ -343,6 +343,9 @@ class FusedDecode:
             or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in tables)
             or input_ids.dtype != torch.int64
             or positions.dtype != torch.int64
+            or input_ids.shape != (t,)
+            or positions.shape != (t,)
+            or not (input_ids.is_contiguous() and positions.is_contiguous())
         ):
             return None
         # C reads the rows unchecked: an id or a position past its table is refused here

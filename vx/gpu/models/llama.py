@@ -228,19 +228,19 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] final hidden states, or [len(keep), hidden] for the rows `keep` of T:
         the last layer then runs its o_proj, MLP and norms on those rows alone (as llama.cpp
-        does for the rows it needs no output of; the fused C step runs it on all of them).
+        does for the rows it needs no output of; the fused C step too, `FusedDecode.kept_rows`).
         Every layer writes every row's K/V."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions)  # cos, sin [T, 1, D/2], shared by every layer
         if self.fused_decode is _UNBUILT:  # after loading: the weights are final by now
             self.fused_decode = FusedDecode.build(self) if x.device.type == "cpu" else None
-        if self.fused_decode is not None:  # all layers in one C call
-            kept = self.fused_decode.kept_rows(keep, x.shape[0])
+        kept = None if self.fused_decode is None else self.fused_decode.kept_rows(keep, x.shape[0])
+        # A `keep` it cannot take (rows torch's int8 kernel would take past the attention):
+        # the module path, whose last layer runs on those rows alone (the same routing).
+        if self.fused_decode is not None and (keep is None or kept is not None):
             fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata, keep=kept)
-            if fused is not None:
+            if fused is not None:  # all layers in one C call
                 h, residual = fused
-                if keep is not None and kept is None:  # its last layer ran on every row
-                    h, residual = h[keep], residual[keep]
                 if h.shape[0] == 0:
                     return h
                 return self.norm(h, residual)[0]
