@@ -8,6 +8,7 @@ real scheduler, and `FakeWorker` from the helpers for the model).
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable
 
@@ -97,8 +98,9 @@ def test_decode_steps_are_still_scheduled_ahead() -> None:
 
 
 def test_profile_steps_splits_decode_and_prefill_steps(caplog) -> None:
-    """`--profile-steps` logs every 200 steps: the host share, and the decode-only steps apart
-    from those that carry prefill tokens (their counts, rows, tokens and time)."""
+    """`--profile-steps` logs every 200 steps: their wall time and the share of it with no step
+    under way, the host share, and the decode-only steps apart from those that carry prefill
+    tokens (their counts, rows, tokens and time)."""
     import logging
 
     import msgspec
@@ -123,3 +125,4 @@ def test_profile_steps_splits_decode_and_prefill_steps(caplog) -> None:
     assert f"decode steps {kinds['decode']}:" in lines[0]
     assert f"prefill steps {kinds['prefill']}:" in lines[0]
     assert kinds["prefill"] > 0 and "host share" in lines[0]
+    assert re.search(r"profile over 200 steps \([0-9.]+ s, idle [0-9.]+%\)", lines[0]), lines[0]

@@ -244,6 +244,8 @@ class EngineCore:
         step: messages.SchedulerOutput,
     ) -> None:
         p = self._prof
+        now = time.perf_counter()
+        p.setdefault("start", now - schedule_s - wait_s - update_s)
         p["steps"] += 1
         p["schedule"] += schedule_s
         p["wait"] += wait_s
@@ -261,10 +263,13 @@ class EngineCore:
             n = p["steps"]
             host = p["schedule"] + p["update"]
             total = host + p["wait"]
+            wall = now - p["start"]
             logger.info(
-                "profile over %d steps: schedule %.0f us, update+emit %.0f us, wait %.2f ms "
-                "(worker execute %.2f ms); host share %.1f%%; %s",
+                "profile over %d steps (%.2f s, idle %.1f%%): schedule %.0f us, update+emit "
+                "%.0f us, wait %.2f ms (worker execute %.2f ms); host share %.1f%%; %s",
                 n,
+                wall,
+                100.0 * max(0.0, wall - total) / wall if wall > 0 else 0.0,
                 1e6 * p["schedule"] / n,
                 1e6 * p["update"] / n,
                 1e3 * p["wait"] / n,
