@@ -135,6 +135,7 @@ def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
         ("cpu_prefill_avx512_source.py", "PREFILL_AVX512_SOURCE"),
         ("cpu_prefill_source.py", "PREFILL_DISPATCH_SOURCE"),
         ("cpu_decode_source.py", "DECODE_STEP_SOURCE"),
+        ("cpu_split_source.py", "SPLIT_STEP_SOURCE"),
     ]:
         try:
             parts.append(_literals(rev, f"vx/gpu/{path}").get(name, ""))

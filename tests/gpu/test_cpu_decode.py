@@ -49,12 +49,15 @@ class _Counting:
 
     def __init__(self, fused: FusedDecode) -> None:
         self.fused, self.taken, self.parts, self.kept = fused, 0, [], []
+        self.handovers: list[int] = []
 
     def run(self, *args, **kwargs):
         out = self.fused.run(*args, **kwargs)
         self.taken += out is not None
         self.kept.append(kwargs.get("keep") is not None)
         self.parts.append(self.fused.last_parts)
+        split = self.fused.last_parts and out is not None
+        self.handovers.append(load_cpu_kernels().vx_split_handovers() if split else 0)
         return out
 
     def kept_rows(self, *args):
@@ -153,6 +156,37 @@ def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) 
     counting = _Counting(fused)
     _compare(model, fused, 40, steps=1, counting=counting)
     assert counting.parts == [0, 0]
+
+
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+def test_split_hands_rows_to_the_thread_done_first(tmp_path, monkeypatch, case: str) -> None:
+    """A part cut to a quarter of the rows (its thread measured a third as fast) ends first and
+    takes half of the rows the other part has left, from that part's next layer on (or for the
+    greedy tail): the same logits as the module path, with hand-overs; with them off, none."""
+    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "2")
+    monkeypatch.setenv("VX_CPU_SPLIT_MIN_ROWS", "1")
+    model, fused = _load(tmp_path, case)
+    lib = load_cpu_kernels()
+    if lib.vx_has_decode_step() != 1 or torch.get_num_threads() < 2:
+        pytest.skip("no split steps here (AVX2, or one thread)")
+    if not fused._vnni_rows or lib.vx_fast_amx(-1):
+        pytest.skip("no split steps on these linears (no VNNI copies, or AMX)")
+    try:
+        handovers = {}
+        for steal in (1, 0):
+            lib.vx_set_split_steal(steal)
+            parts, handovers[steal] = [], 0
+            for _ in range(3):  # the cut, [16, 54) rows, holds for the first decode step
+                lib.vx_split_set_speeds((ctypes.c_double * 2)(1e6, 3e6), 2)
+                counting = _Counting(fused)
+                assert _compare(model, fused, 70, steps=2, counting=counting) == 2
+                parts += counting.parts
+                handovers[steal] += sum(counting.handovers)
+            assert sum(1 for p in parts if p) == 6, parts
+        assert handovers[0] == 0 and handovers[1] >= 1, handovers
+    finally:
+        lib.vx_set_split_steal(1)
+        lib.vx_set_split_adapt(1)  # drops the speeds set here
 
 
 @pytest.mark.parametrize("keep_last", [False, True])

@@ -83,7 +83,9 @@ def _split_policy(vnni: bool) -> tuple[int, int]:
     steps, bound by that stream, lose (2-core Zen 5, SmolLM2, alternated rounds of 127 steps:
     16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7 against 37.9
     in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
-    thread's measured speed (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly."""
+    thread's measured speed (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly. A thread
+    done with its rows takes half of those the other has left, from its next layer on
+    (`vx.gpu.cpu_split_source`); `VX_CPU_SPLIT_STEAL=0` turns that off."""
     env = os.environ.get("VX_CPU_SPLIT_STEP")
     if env is not None:
         parts = int(env)
@@ -157,6 +159,7 @@ class FusedDecode:
         self.split_parts, self.split_min_rows = _split_policy(bool(self._vnni_rows))
         if lib.vx_has_decode_step() == 1:  # the parts' cuts follow the threads' speeds
             lib.vx_set_split_adapt(int(os.environ.get("VX_CPU_SPLIT_ADAPT", "1") != "0"))
+            lib.vx_set_split_steal(int(os.environ.get("VX_CPU_SPLIT_STEAL", "1") != "0"))
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]

@@ -119,31 +119,16 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
 #endif
 }
-/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
-   (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the
-   caller validated the shapes, so an error means scratch could not be allocated). */
-int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
+/* Decoder layers [l0, l1) of n_layers for s->T rows (layer 0 takes s->x as the embeddings;
+   past it s->x and s->residual hold the previous layer's output). No checks: the callers'
+   (vx_llama_decode_bf16's, the split's). Returns 0 or the first kernel's error. */
+static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
+                           const vx_step* s) {
     const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
     const int64_t c_sh = s->c_sh, c_sb = s->c_sb;
     int rc;
-    /* the prefill kernel would decline them (AVX2 builds; shapes the caller checked): -2
-       before anything is written, and the caller takes the module path */
-#if defined(VX_PF_512)
-    if (s->np && (D % 32 || D > 256 || Hq % Hkv)) return -2;
-#else
-    if (s->np) return -2;
-#endif
-#if defined(__AVX512F__)
-    /* rows past what the skinny GEMM takes without AMX (AMX switched off since the caller
-       counted the rows) need every linear's VNNI copy: else -2, before anything is written */
-    if (T > 2 && !VX_STEP_AMX && T > vx_gemv_bf16_max_rows())
-        for (int l = 0; l < n_layers; l++)
-            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
-                || !layers[l].down.vn)
-                return -2;
-#endif
-    for (int l = 0; l < n_layers; l++) {
+    for (int l = l0; l < l1; l++) {
         const vx_layer* L = layers + l;
         if (l == 0) {  /* the embeddings are the first residual */
             vx_add_rms_norm_bf16(s->x, H, NULL, NULL, L->in_norm, s->h, T, H, s->eps);
@@ -212,173 +197,29 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     }
     return 0;
 }
-/* The split's row cuts follow each thread's speed: the threads are pinned, one per core, and
-   a core shared with the host processes (or slowed by its host) runs its part 5-30% slower for
-   tens of steps at a time (2-core Zen 5, 64 rows: the parts' times differed by a median 1.6-3.3
-   ms a step, one side for runs of 10-40 steps). vx_split_speed[t]: thread t's cost units a
-   second, smoothed over steps (0: not yet measured). */
-#define VX_SPLIT_ROW_COST 400  /* a row's GEMM work in keys of attention (SmolLM2 on 2-core
-                                  Zen 5: 0.7 ms of GEMMs a row, 1.7 us a key over all layers) */
-static double vx_split_speed[VX_WS_MAX];
-static int vx_split_adapt = 1;
-/* 1: cuts follow the measured speeds (the default); 0: even cuts. Either way the speeds
-   measured so far are dropped. */
-void vx_set_split_adapt(int on) {
-    vx_split_adapt = on;
-    for (int t = 0; t < VX_WS_MAX; t++) vx_split_speed[t] = 0;
-}
-void vx_split_set_speeds(const double* v, int n) {  /* tests */
-    for (int t = 0; t < VX_WS_MAX; t++) vx_split_speed[t] = t < n ? v[t] : 0;
-}
-/* Cuts T rows of keys lens into parts: cut[0] = 0 <= cut[p] <= cut[parts] = T, part p's cost
-   (rows x VX_SPLIT_ROW_COST + keys) in proportion to thread p's speed (even while any is
-   unmeasured, or adaptation is off), each share within [1 / (2 parts), 3 / (2 parts)]
-   before it is normalised. */
-void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
-    double w[VX_WS_MAX], wsum = 0;
-    parts = parts < 1 ? 1 : parts > VX_WS_MAX ? VX_WS_MAX : parts;
-    int known = vx_split_adapt;
-    for (int p = 0; p < parts; p++)
-        known = known && vx_split_speed[p] > 0 && isfinite(vx_split_speed[p]);
-    for (int p = 0; p < parts; p++) {
-        w[p] = known ? vx_split_speed[p] : 1.0;
-        wsum += w[p];
-    }
-    double fsum = 0;
-    for (int p = 0; p < parts; p++) {  /* bound each share: a bad spell must not swing it */
-        const double f = w[p] / wsum, lo = 0.5 / parts, hi = 1.5 / parts;
-        w[p] = f < lo ? lo : f > hi ? hi : f;
-        fsum += w[p];
-    }
-    wsum = fsum;
-    int64_t total = 0;
-    for (int64_t i = 0; i < T; i++) total += VX_SPLIT_ROW_COST + lens[i];
-    cut[0] = 0;
-    double goal = total * w[0] / wsum;
-    int64_t acc = 0, p = 1;
-    for (int64_t i = 0; i < T && p < parts; i++) {
-        const int64_t c = VX_SPLIT_ROW_COST + lens[i];
-        /* the row goes to part p - 1 if that leaves its total nearer the goal */
-        if (acc + c / 2 > goal) {
-            cut[p] = i;
-            goal += total * w[p] / wsum;
-            p++;
-        }
-        acc += c;
-    }
-    for (; p <= parts; p++) cut[p] = T;
-}
-/* What a greedy decode step adds around the layers (`vx.gpu.greedy`), each part for its own
-   rows: before them the embeddings (into s->x) and the rotary's cos and sin (into s->cos and
-   s->sin, [T, D / 2] scratch), after them the final RMSNorm (into s->h) and the LM head's
-   argmax on its VNNI copy (into out). The same kernels as the module path's embedding
-   lookup, `RMSNorm` and `VnniWeight.argmax`, so the same tokens; one parallel region a step
-   instead of four (a host process that wakes at a step's start held the second thread out of
-   the embedding's, the norm's and the head's regions in turn). */
-typedef struct {
-    const int64_t* ids;         /* [T] input tokens */
-    const int64_t* positions;   /* [T] */
-    const vx_bf16* embed;       /* [vocab rows, H] */
-    const vx_bf16* cos_table;   /* [max position, D / 2] */
-    const vx_bf16* sin_table;
-    const vx_bf16* norm;        /* [H] the final RMSNorm's weight */
-    const uint32_t* head;       /* the LM head packed for vx_argmax_vnni_bf16 */
-    int64_t vocab;              /* its rows (N) */
-    int64_t* out;               /* [T] each row's first maximum */
-} vx_greedy_tail;
-/* A decode-only step (s->np == 0) as up to `parts` independent sub-steps, one per thread of
-   the pool: thread t runs every layer for its rows with the kernels single-threaded, so the
-   two cores meet once per step instead of at each of ~300 parallel regions, and one core's
-   memory-bound attention may run beside the other's compute-bound GEMMs. Rows are cut by
-   vx_split_cut. Same kernels per row, so the same bits as vx_llama_decode_bf16 on the whole
-   step. With `g` (not NULL), each part also runs the greedy tail above for its rows. Returns
-   as vx_llama_decode_bf16, or -2 for a step it does not take (prefill chunks, a part too
-   small to route its GEMMs as the whole step does), before anything is written. */
-int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts,
-                          const vx_greedy_tail* g) {
-    const int64_t T = s->T;
-    if (s->np || s->nd != T || parts < 2 || s->keep) return -2;
-#if defined(__AVX512F__)
-    /* Only on every linear's VNNI copy: the parts then route as the whole step does (the
-       skinny GEMM's row cap would split the routing), nothing is left for a part to decline
-       after another has written, and no kernel they run keeps scratch between calls (the AMX
-       GEMM's re-laid x and the skinny GEMM's widened x are static: two parts at once would
-       share them). */
-    if (VX_STEP_AMX) return -2;
-    for (int l = 0; l < n_layers; l++)
-        if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn || !layers[l].down.vn)
-            return -2;
+/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
+   (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the
+   caller validated the shapes, so an error means scratch could not be allocated). */
+int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
+    const int64_t T = s->T, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
+    (void)T; (void)D; (void)Hq; (void)Hkv;  /* each check uses some of them, per build */
+    /* the prefill kernel would decline them (AVX2 builds; shapes the caller checked): -2
+       before anything is written, and the caller takes the module path */
+#if defined(VX_PF_512)
+    if (s->np && (D % 32 || D > 256 || Hq % Hkv)) return -2;
 #else
-    return -2;  /* AVX2: steps of up to 24 rows, bound by the weights' stream */
+    if (s->np) return -2;
 #endif
-    if (parts > omp_get_max_threads()) parts = omp_get_max_threads();
-    if (parts > VX_WS_MAX) parts = VX_WS_MAX;
-    if (parts < 2 || T < 2 * parts) return -2;
-    int64_t cut[VX_WS_MAX + 1];
-    vx_split_cut(s->lens, T, parts, cut);
-    /* every part must route its GEMMs as the whole step does (int8 up to quant_rows, the
-       skinny GEMM up to skinny_rows, AMX from 3 rows) */
-    const int64_t route = s->quant_rows > s->skinny_rows ? s->quant_rows : s->skinny_rows;
-    for (int p = 0; p < parts; p++)
-        if (cut[p + 1] - cut[p] <= (route > 2 ? route : 2)) return -2;
-    int rcs[VX_WS_MAX];
-    double secs[VX_WS_MAX];
-    const int64_t H = s->H, D = s->D, qkv_n = (s->Hq + 2 * s->Hkv) * D;
-    _Pragma("omp parallel num_threads(parts)") {
-        /* Load-bearing: with nesting inactive the inner regions run on this thread alone,
-           but omp_get_max_threads() would still say 2, and vx_ws_init would make ranges for
-           a partner that never comes (taken only by stealing). Scoped to this implicit
-           task: the caller's later regions keep the pool. */
-        omp_set_num_threads(1);
-        const int nth = omp_get_num_threads();  /* fewer than asked (OMP_DYNAMIC): loop */
-        for (int t = omp_get_thread_num(); t < parts; t += nth) {
-            const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
-            vx_step u = *s;
-            u.T = u.nd = n;
-            u.cos += r0 * (D / 2); u.sin += r0 * (D / 2);
-            u.slots += r0; u.bt += r0 * s->bt_s; u.lens += r0;
-            u.x += r0 * H; u.residual += r0 * H; u.h += r0 * H;
-            u.qkv += r0 * qkv_n; u.attn += r0 * s->Hq * D;
-            u.gu += r0 * 2 * s->I; u.act += r0 * s->I;
-            const double t0 = omp_get_wtime();
-            if (g) {
-                const int64_t h2 = D / 2;
-                for (int64_t i = 0; i < n; i++) {
-                    const int64_t r = r0 + i, pos = g->positions[r];
-                    memcpy(u.x + i * H, g->embed + g->ids[r] * H, (size_t)H * sizeof(vx_bf16));
-                    memcpy((vx_bf16*)u.cos + i * h2, g->cos_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-                    memcpy((vx_bf16*)u.sin + i * h2, g->sin_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-                }
-            }
-            rcs[t] = vx_llama_decode_bf16(layers, n_layers, &u);
-            if (g && !rcs[t]) {
-                vx_add_rms_norm_bf16(u.x, H, u.residual, u.residual, g->norm, u.h, n, H, s->eps);
-                rcs[t] = vx_argmax_vnni_bf16(u.h, H, (int)n, g->head, g->vocab, H, g->out + r0);
-            }
-            secs[t] = omp_get_wtime() - t0;
-        }
-    }
-    /* Nothing is left for a part to decline (checked above), and after another part has
-       written, a decline could not be taken back: any failure is an error here. */
-    for (int t = 0; t < parts; t++)
-        if (rcs[t]) return rcs[t] == -2 ? -1 : rcs[t];
-    if (vx_split_adapt)
-        for (int t = 0; t < parts; t++) {
-            int64_t c = 0;
-            for (int64_t i = cut[t]; i < cut[t + 1]; i++) c += VX_SPLIT_ROW_COST + s->lens[i];
-            if (secs[t] <= 0) continue;
-            const double v = c / secs[t];
-            /* smoothed: the slow spells last tens of steps, a preempted step one */
-            vx_split_speed[t] = vx_split_speed[t] > 0 ? 0.7 * vx_split_speed[t] + 0.3 * v : v;
-        }
-    return 0;
-}
 #if defined(__AVX512F__)
-int vx_has_decode_step(void) { return 1; }
-#else
-int vx_has_decode_step(void) { return 2; }  /* AVX2: up to vx_gemv_avx2_max_rows() rows */
+    /* rows past what the skinny GEMM takes without AMX (AMX switched off since the caller
+       counted the rows) need every linear's VNNI copy: else -2, before anything is written */
+    if (T > 2 && !VX_STEP_AMX && T > vx_gemv_bf16_max_rows())
+        for (int l = 0; l < n_layers; l++)
+            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
+                || !layers[l].down.vn)
+                return -2;
 #endif
-#else
-int vx_has_decode_step(void) { return 0; }
+    return vx_llama_layers(layers, 0, n_layers, n_layers, s);
+}
 #endif
 """

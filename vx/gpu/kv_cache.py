@@ -47,6 +47,7 @@ from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
 from vx.gpu.cpu_prefill_avx512_source import PREFILL_AVX512_SOURCE
 from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE, PREFILL_DISPATCH_SOURCE
 from vx.gpu.cpu_screen_source import SCREEN_SOURCE
+from vx.gpu.cpu_split_source import SPLIT_STEP_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ _DECODE_KERNEL_SOURCE = (
     + PREFILL_AVX512_SOURCE
     + PREFILL_DISPATCH_SOURCE
     + DECODE_STEP_SOURCE
+    + SPLIT_STEP_SOURCE
 )
 _CFLAGS = CFLAGS
 
@@ -327,6 +329,9 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_split_set_speeds.argtypes = [ptr, i32]
         lib.vx_set_split_adapt.restype = None
         lib.vx_set_split_adapt.argtypes = [i32]
+        lib.vx_set_split_steal.restype = None
+        lib.vx_set_split_steal.argtypes = [i32]
+        lib.vx_split_handovers.restype = ctypes.c_int
     lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
