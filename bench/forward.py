@@ -61,6 +61,17 @@ def random_smollm2(path: str) -> str:
     return path
 
 
+def model_path(random: bool) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """SmolLM2-135M's directory, or (`random`) a random model of its shapes in a temporary
+    directory that the caller cleans up (the second item; None for the real model)."""
+    if random:
+        tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
+        return random_smollm2(tmp.name), tmp
+    from vx.gpu.resolve import resolve_model
+
+    return resolve_model("smollm2-135m"), None
+
+
 class Driver:
     """Feeds the runner hand-made SchedulerOutputs; blocks come from a simple free list."""
 
@@ -188,14 +199,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    tmp = None
-    if args.random:
-        tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
-        path = random_smollm2(tmp.name)
-    else:
-        from vx.gpu.resolve import resolve_model
-
-        path = resolve_model("smollm2-135m")
+    path, tmp = model_path(args.random)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -35,7 +35,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.forward import Driver, prompt_of, random_smollm2
+from bench.forward import Driver, model_path, prompt_of
 from vx.config import BLOCK_SIZE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from vx.gpu.model_runner import ModelRunner
 
@@ -265,14 +264,7 @@ def main() -> int:
     ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tmp = None
-    if args.random:
-        tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
-        path = random_smollm2(tmp.name)
-    else:
-        from vx.gpu.resolve import resolve_model
-
-        path = resolve_model("smollm2-135m")
+    path, tmp = model_path(args.random)
     per_req = math.ceil((args.kv + 4 * (args.repeats + 1) + 2) / BLOCK_SIZE)
     num_blocks = args.decodes * per_req + args.prompts * 2 * math.ceil(
         (args.prompt_len + 1) / BLOCK_SIZE
