@@ -57,8 +57,8 @@ OPS = (
 
 class OpTimer:
     """Times the module path's ops by category while `active` (hooks and wrappers stay
-    installed; inactive, each costs one attribute check). `times[op]` sums seconds since the
-    last `reset`."""
+    installed until `close`; inactive, each costs one attribute check). `times[op]` sums the
+    seconds of the current `module_path` step."""
 
     def __init__(self, runner: ModelRunner) -> None:
         import vx.gpu.models.llama as llama_mod
@@ -67,8 +67,7 @@ class OpTimer:
         self.times: dict[str, float] = defaultdict(float)
         self._handles: list[Any] = []
         self._patched: list[tuple[Any, str, Any]] = []
-        top = runner.model
-        inner = top.model
+        inner = runner.model.model
         self.model = inner
         for layer in inner.layers:
             attn = layer.self_attn

@@ -34,8 +34,12 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
             assert ops[op] > 0, (name, op)
         # the categories split the step: they add up to it, and no op's time is counted twice
         assert sum(ops.values()) <= max(module) * 1.0001
-    # hooks, wrappers and the fused step are as they were
+    # hooks, wrappers and the fused step are as they were (the module path's steps set the
+    # fused step aside; the served steps after them must find it again)
     model = runner.model.model
+    from vx.gpu.cpu_decode import FusedDecode
+
+    assert (model.fused_decode is None) == (FusedDecode.build(model) is None)
     assert llama_mod.apply_rotary is rotary and llama_mod.silu_and_mul is silu
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
