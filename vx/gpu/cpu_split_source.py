@@ -19,7 +19,9 @@ from __future__ import annotations
 
 SPLIT_STEP_SOURCE = r"""
 /* 1 (the default): a thread done with its part takes rows from the other (two parts); 0: each
-   part runs its own rows only (A/B, tests). */
+   part runs its own rows only (A/B, tests); 2 (tests): as 1, and the thread with more rows
+   waits after its first stage until the other asks, so that a hand-over comes whatever the
+   threads' timing (on a loaded host the part with fewer rows can end last). */
 static int vx_split_steal = 1;
 void vx_set_split_steal(int on) { vx_split_steal = on; }
 /* The hand-overs in the last split step (tests, profiling). */
@@ -109,6 +111,8 @@ typedef struct { int64_t a, e; int l; } vx_unit;
    overwrites a later request. done: this thread takes and gives no more work. */
 typedef struct {
     int req, resp, done;
+    int hold;                   /* vx_split_steal 2: wait after stage 0 for a request */
+    const int* peer_done;       /* the other box's done (ends such a wait) */
     vx_unit given;
     char pad[64];
 } vx_mbox;
@@ -139,6 +143,10 @@ static int vx_split_run(const vx_layer* layers, int n_layers, const vx_step* s,
     const int64_t H = s->H, D = s->D, qkv_n = (s->Hq + 2 * s->Hkv) * D;
     const int stages = n_layers + (g ? 1 : 0);
     while (u->l < stages) {
+        if (box && box->hold && u->l == 1) {
+            while (!vx_ld_acq(&box->req) && !vx_ld_acq(box->peer_done)) _mm_pause();
+            box->hold = 0;
+        }
         if (box) vx_split_answer(box, u, min_rows);
         const int64_t r0 = u->a, n = u->e - u->a;
         vx_step v = *s;  /* the step's view of rows [r0, r0 + n): every buffer is by row */
@@ -206,6 +214,10 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
     double secs[VX_WS_MAX], cost[VX_WS_MAX];
     vx_mbox box[2];
     memset(box, 0, sizeof(box));
+    for (int t = 0; t < 2 && parts == 2; t++) {
+        box[t].peer_done = &box[1 - t].done;
+        box[t].hold = vx_split_steal == 2 && cut[t + 1] - cut[t] > cut[2 - t] - cut[1 - t];
+    }
     vx_split_handovers_last = 0;
     _Pragma("omp parallel num_threads(parts)") {
         /* Load-bearing: with nesting inactive the inner regions run on this thread alone,
