@@ -48,7 +48,7 @@ def _runner(tmp_path, case: str, calls: list, monkeypatch):
 
     def counted(*args):
         out = real(*args)
-        calls.append(None if out is None else len(out[1]))
+        calls.append(None if out is None else len(out[1]) if out[1] is not None else 0)
         return out
 
     monkeypatch.setattr(model, "greedy_decode", counted)
@@ -113,15 +113,55 @@ def test_greedy_step_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> N
     assert not calls  # a sampling row: the step is not even tried
     fused = runner._model.model.fused_decode
     assert isinstance(fused, FusedDecode)
-    fused.split_min_rows = 4  # 6 rows: fewer than 4 a part, so the step is not offered
-    assert runner._model.greedy_decode_rows() == 8
-    _run(runner, [plain] * 6, steps=4)
-    assert not any(calls)
     model, md = runner._model, types.SimpleNamespace(prefills=[])
     ids = torch.tensor([0, 5, 9, 7], dtype=torch.int64)
     pos = torch.tensor([0, 1, 2, 3], dtype=torch.int64)
     head = model.lm_head.argmax_weight(4)
-    assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None  # 2 rows a part
+    fused.split_min_rows = 4  # 4 rows: too few to split, so whole steps take them
+    assert fused.greedy_takes(4, head, None) and not fused.greedy_takes(4, None, None)
+    assert not fused.greedy_takes(8, None, model.lm_head.argmax_screen(1))  # split: a VNNI head
     fused.split_min_rows = 1
     ids[1] = 512  # past the table's rows: refused before C reads it
     assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None
+    ids[1], pos[2] = 5, model.model.rotary.cos.shape[0]  # past the rotary's table: refused too
+    assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_small_greedy_steps_run_whole_in_one_call(tmp_path, monkeypatch, rows: int) -> None:
+    """Steps too small to split (the split is off here) run whole on the pool: the head's
+    VNNI argmax, or for one row its int8 screen. The same tokens as the forward path, and the
+    one call took every decode step."""
+    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "0")
+    if not _split_here():
+        pytest.skip("no whole greedy steps here (AVX2, AMX or one thread)")
+    plain = SamplingParams.create(temperature=0.0, max_tokens=64)
+    outs, calls = {}, {True: [], False: []}
+    for fast in (True, False):
+        monkeypatch.setattr(greedy, "FUSED_STEP", fast)
+        runner = _runner(tmp_path / str(fast), "llama-tied", calls[fast], monkeypatch)
+        if rows == 1:
+            assert runner._model.lm_head.argmax_screen(1) is not None  # the screen's path
+        outs[fast] = _run(runner, [plain] * rows, steps=10)
+    assert outs[True] == outs[False]
+    assert not calls[False]
+    assert calls[True] and all(c == rows for c in calls[True])
+
+
+def test_screen_without_a_token_falls_back_to_the_logits(tmp_path, monkeypatch) -> None:
+    """One row whose int8 screen finds too many candidates: the whole step still runs the
+    layers once (its K/V written), hands back the final states without a token, and the
+    logits path gives the forward path's tokens."""
+    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "0")
+    if not _split_here():
+        pytest.skip("no whole greedy steps here (AVX2, AMX or one thread)")
+    plain = SamplingParams.create(temperature=0.0, max_tokens=64)
+    outs, calls = {}, {True: [], False: []}
+    for fast in (True, False):
+        monkeypatch.setattr(greedy, "FUSED_STEP", fast)
+        runner = _runner(tmp_path / str(fast), "llama-tied", calls[fast], monkeypatch)
+        screen = runner._model.lm_head.argmax_screen(1)
+        screen.bound[:] = 1e30  # in place (C holds its pointer): every row is a candidate
+        outs[fast] = _run(runner, [plain], steps=6)
+    assert outs[True] == outs[False]
+    assert calls[True] and all(c == 0 for c in calls[True])  # no token from the screen

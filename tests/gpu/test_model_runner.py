@@ -461,9 +461,11 @@ def test_runner_one_greedy_row_takes_the_int8_screen(tiny_llama, monkeypatch):
     """Where the screen is built (AVX2, the LM head widened; AVX512-BF16, the skinny GEMM on
     the plain head) a step with one greedy row takes its token from the int8 screen of the LM
     head (vx.gpu.cpu_screen): the logits path's tokens, step by step; `VX_CPU_SCREEN_HEAD=0`
-    leaves it out."""
-    from vx.gpu import cpu_widen
+    leaves it out. (The one-call greedy step takes such steps through the screen in C where
+    it is built, tests/gpu/test_greedy_step.py; it is off here.)"""
+    from vx.gpu import cpu_widen, greedy
 
+    monkeypatch.setattr(greedy, "FUSED_STEP", False)
     outs, taken = {}, []
     for on in ("1", "0"):
         monkeypatch.setenv("VX_CPU_SCREEN_HEAD", on)

@@ -27,7 +27,9 @@ noise in most A/Bs; docs/performance.md). Each row goes through the same kernels
 routing, so the logits are the same bits. Where every row of such a step is one argmax
 (`vx.gpu.greedy.fused_greedy_step`), `greedy_step` puts the embedding lookup, the final norm and
 the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
-clients: ~5-9% more output tok/s; docs/performance.md).
+clients: ~5-9% more output tok/s; docs/performance.md). Greedy decode steps too small to split
+run the same way whole on the pool (`vx.gpu.cpu_greedy_source`), the head's argmax for one row
+by its int8 screen (`vx.gpu.cpu_screen`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ class _GreedyTail(ctypes.Structure):
     _fields_ = [
         ("ids", _P), ("positions", _P), ("embed", _P), ("cos_table", _P), ("sin_table", _P),
         ("norm", _P), ("head", _P), ("vocab", _I64), ("out", _P),
+    ]  # fmt: skip
+
+
+class _ScreenHead(ctypes.Structure):
+    """`vx_screen_head` (see `FusedDecode.greedy_step`)."""
+
+    _fields_ = [
+        ("q", _P), ("s", _P), ("bound", _P), ("w", _P), ("a", _P), ("idx", _P), ("cand", _P),
+        ("cap", _I64),
     ]  # fmt: skip
 
 
@@ -135,6 +146,23 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
         q, scale = layer.quant.qweight, layer.quant.scales
     vn = None if avx2 or layer.vnni is None else layer.vnni.packed
     return _Linear(w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn))
+
+
+def _screen_head(screen: Any) -> int | None:
+    """A `vx_screen_head` for `screen` (a `ScreenedHead`, its scratch for one row), or None;
+    kept on the screen, so it lives as long as the pointers in it."""
+    if screen is None:
+        return None
+    desc = getattr(screen, "_c_desc", None)
+    if desc is None:
+        a, idx, cand = screen.row_scratch()
+        desc = _ScreenHead(
+            screen.q.data_ptr(), screen.s.data_ptr(), screen.bound.ctypes.data,
+            screen.weight.data_ptr(), a.data_ptr(), idx.data_ptr(), cand.data_ptr(),
+            idx.shape[0],
+        )  # fmt: skip
+        screen._c_desc = desc
+    return ctypes.addressof(desc)
 
 
 class FusedDecode:
@@ -219,12 +247,14 @@ class FusedDecode:
         md: Any,
         tail: _GreedyTail | None = None,
         keep: torch.Tensor | None = None,
+        screen: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All layers for a step of T rows: (last MLP output, residual), or None. With `keep`
         (`kept_rows`), the last layer's o_proj and MLP run on those rows alone, as the module
-        path's, and the two come back for them only. With `tail` (`greedy_step`), only as
-        the split's parts, and (final normed hidden states, the residual); x, cos and sin are
-        then scratch the parts fill."""
+        path's, and the two come back for them only. With `tail` (`greedy_step`): as the
+        split's parts, or whole where the split does not take the step (with `screen` for the
+        head's argmax), and (final normed hidden states, the residual); x, cos and sin are
+        then scratch the C call fills."""
         self.last_parts = 0
         t, nd = x.shape[0], md.num_decodes
         if t == 0 or (nd and not md.decode_kernel):
@@ -285,7 +315,13 @@ class FusedDecode:
                 ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step), parts, g
             )
             self.last_parts = parts if rc != -2 else 0
-        if tail is not None:  # the parts filled x, cos and sin: the whole step cannot run
+        if tail is not None:  # x, cos and sin are filled in C: only the greedy calls run
+            if rc == -2 and not parts:
+                rc = self._lib.vx_llama_greedy_whole(
+                    ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
+                    ctypes.addressof(tail), _screen_head(screen),
+                )  # fmt: skip
+                rc = 0 if rc == 1 else rc  # the layers ran; the screen gave no token
             if rc == -2:
                 return None
             if rc != 0:
@@ -316,6 +352,19 @@ class FusedDecode:
             return None
         return keep
 
+    def greedy_takes(self, t: int, head: Any, screen: Any) -> bool:
+        """Whether `greedy_step` may take a decode-only step of t rows with this head: as the
+        split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`,
+        AVX-512 builds: `head`, or for one row `screen`, a `ScreenedHead` whose exact rows go
+        through `vx_gemv_bf16`)."""
+        if self.split_parts and t >= self.split_parts * self.split_min_rows:
+            return head is not None
+        if self._avx2_rows:
+            return False
+        if screen is not None:
+            return t == 1 and screen.exact_kernel() == "vx_gemv_bf16"
+        return head is not None
+
     def greedy_step(
         self,
         input_ids: torch.Tensor,
@@ -323,24 +372,29 @@ class FusedDecode:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         md: Any,
         head: Any,
-    ) -> tuple[torch.Tensor, np.ndarray] | None:
-        """A decode-only step whose every row is one argmax, as the split's parts with the
-        embedding lookup before the layers and the final RMSNorm and the LM head's argmax on
-        its VNNI copy (`head`, a `VnniWeight`) after them, each part for its rows
-        (`vx_greedy_tail`): (the final normed hidden states [T, H], the tokens [T] int64), or
-        None, with nothing written, where the split does not take the step. The same kernels
-        as `LlamaModel.forward` and `VnniWeight.argmax`, so the same tokens."""
+        screen: Any = None,
+    ) -> tuple[torch.Tensor, np.ndarray | None] | None:
+        """A decode-only step whose every row is one argmax, in one C call: the embedding
+        lookup before the layers, and the final RMSNorm and the LM head's argmax after them.
+        Steps the split takes run as its parts, each for its rows (`vx_greedy_tail`), the head
+        the VNNI copy `head` (a `VnniWeight`); smaller ones whole on the pool
+        (`vx_llama_greedy_whole`), the head `head` or, for one row, the int8 screen `screen`.
+        Returns (the final normed hidden states [T, H], the tokens [T] int64, or None where
+        the screen gave none: the caller forms the logits), or None, with nothing written,
+        where the step is not taken (`greedy_takes`). The same kernels as
+        `LlamaModel.forward` and `greedy_ids`, so the same tokens."""
         t = input_ids.shape[0]
-        if not self.split_parts or t < self.split_parts * self.split_min_rows or md.prefills:
+        if md.prefills or not self.greedy_takes(t, head, screen):
             return None
         model = self._model
         embed, rotary = model.embed_tokens.weight, model.rotary
         hq, hkv, d = self._shape
         h = self._hidden
         tables = (embed, rotary.cos, rotary.sin, model.norm.weight)
+        head_k, vocab = (head.k, head.n) if screen is None else screen.weight.shape[::-1]
         if (
             model.embed_tokens.tp_size != 1
-            or head.k != h
+            or head_k != h
             or embed.shape[1] != h
             or rotary.cos.shape[1] != d // 2
             or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in tables)
@@ -357,16 +411,16 @@ class FusedDecode:
             return None
         if int(positions.max()) >= rotary.cos.shape[0] or int(positions.min()) < 0:
             return None
-        out = np.empty(t, dtype=np.int64)
+        out = np.full(t, -1, dtype=np.int64)  # -1: no token (whole steps: the screen's)
         tail = _GreedyTail(
             input_ids.data_ptr(), positions.data_ptr(), embed.data_ptr(), rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), model.norm.weight.data_ptr(), head.packed.data_ptr(), head.n,
-            out.ctypes.data,
+            rotary.sin.data_ptr(), model.norm.weight.data_ptr(),
+            None if screen is not None else head.packed.data_ptr(), vocab, out.ctypes.data,
         )  # fmt: skip
         new = torch.empty
         x = new(t, h, dtype=torch.bfloat16)
         rope = (new(t, 1, d // 2, dtype=torch.bfloat16), new(t, 1, d // 2, dtype=torch.bfloat16))
-        done = self.run(x, rope, kv_caches, md, tail)
+        done = self.run(x, rope, kv_caches, md, tail, screen=screen)
         if done is None:
             return None
-        return done[0], out
+        return done[0], (out if out.min() >= 0 else None)

@@ -149,6 +149,15 @@ class ScreenedHead:
         best = np.where(cand.numpy().astype(bool), y.float().numpy(), -np.inf)
         return union.numpy()[np.argmax(best, axis=1)]
 
+    def exact_kernel(self) -> str | None:
+        """The name of the bf16 GEMM the candidates' logits come from (None: no kernels)."""
+        return None if self._kernels is None else self._kernels.exact
+
+    def row_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One row's scratch, as `argmax` uses it: allocated once for `MAX_ROWS` rows and
+        never replaced after (C callers keep pointers to it)."""
+        return self._scratch(MAX_ROWS)
+
     def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The screen's [m, N] fp32 out, the candidates' union and their [m, cap] row flags:
         kept between steps (a fresh 196 KB array is fresh pages each step)."""

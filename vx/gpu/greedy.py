@@ -56,16 +56,18 @@ def fused_greedy_step(
 ) -> tuple[torch.Tensor, np.ndarray] | None:
     """A decode-only step whose every row is sampled and greedy, through the layers, the final
     norm and the LM head's argmax in one C call (`LlamaForCausalLM.greedy_decode`): (final
-    hidden states, [T] int64 tokens), or None with nothing written (the caller runs the model
-    and `greedy_tokens`, which give the same). Why: at 64 rows on a 2-core Zen 5 the step
-    otherwise opened four parallel regions (embedding, step, norm, head), and a host process
-    waking at the step's start kept the second thread out of each in turn."""
+    hidden states, [T] int64 tokens, or None where the head's int8 screen gave none: the
+    caller forms the logits from the states), or None with nothing written (the caller runs
+    the model and `greedy_tokens`, which give the same). Why: at 64 rows on a 2-core Zen 5
+    the step otherwise opened four parallel regions (embedding, step, norm, head), and a host
+    process waking at the step's start kept the second thread out of each in turn; at one
+    row, ~1 ms of Python around the C calls left the second core idle."""
     greedy_decode = getattr(model, "greedy_decode", None)
     t = inputs.input_ids.shape[0]
     if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t:
         return None
-    least = model.greedy_decode_rows()  # before the rows' params: most steps stop here
-    if not least or t < least or len(inputs.req_ids) != t:
+    # before the rows' params: steps it would decline stop here
+    if len(inputs.req_ids) != t or not model.greedy_decode_takes(t):
         return None
     params = _argmax_params(batch, inputs.rows)
     if params is None:
@@ -74,6 +76,8 @@ def fused_greedy_step(
     if done is None:
         return None
     hidden, ids = done
+    if ids is None:  # the layers ran; the head's screen gave no token: the logits path
+        return hidden, None
     return hidden, _unmask(model, batch, hidden, inputs.rows, params, ids)
 
 

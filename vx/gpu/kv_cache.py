@@ -41,6 +41,7 @@ from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
 from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
+from vx.gpu.cpu_greedy_source import GREEDY_STEP_SOURCE
 from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
 from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
 from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
@@ -163,6 +164,7 @@ _DECODE_KERNEL_SOURCE = (
     + PREFILL_DISPATCH_SOURCE
     + DECODE_STEP_SOURCE
     + SPLIT_STEP_SOURCE
+    + GREEDY_STEP_SOURCE
 )
 _CFLAGS = CFLAGS
 
@@ -323,6 +325,8 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
         lib.vx_llama_decode_split.restype = ctypes.c_int
         lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32, ptr]
+        lib.vx_llama_greedy_whole.restype = ctypes.c_int
+        lib.vx_llama_greedy_whole.argtypes = [ptr, i32, ptr, ptr, ptr]
         lib.vx_split_cut.restype = None
         lib.vx_split_cut.argtypes = [ptr, i64, i32, ptr]
         lib.vx_split_set_speeds.restype = None

@@ -167,6 +167,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             return None
         return self.vnni
 
+    def argmax_screen(self, rows: int) -> ScreenedHead | None:
+        """The int8 screen `greedy_ids` tries first for `rows` rows, or None."""
+        if self.screen is None or rows > SCREEN_MAX_ROWS or self.num_per_rank != self.vocab_size:
+            return None
+        return self.screen
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:

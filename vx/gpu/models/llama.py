@@ -328,18 +328,20 @@ class LlamaForCausalLM(nn.Module):
         call (`FusedDecode.greedy_step`), or None with nothing written where that does not
         take it: the caller runs `forward` and `greedy_ids` instead, which give the same."""
         fused = self.model.fused_decode
-        head = self.lm_head.argmax_weight(input_ids.shape[0])
-        if not isinstance(fused, FusedDecode) or head is None:
+        t = input_ids.shape[0]
+        head, screen = self.lm_head.argmax_weight(t), self.lm_head.argmax_screen(t)
+        if not isinstance(fused, FusedDecode):
             return None
-        return fused.greedy_step(input_ids, positions, kv_caches, attn_metadata, head)
+        return fused.greedy_step(input_ids, positions, kv_caches, attn_metadata, head, screen)
 
-    def greedy_decode_rows(self) -> int:
-        """The fewest rows `greedy_decode` may take (0: none, or not known before the first
-        step builds the fused step): steps below it need not be offered."""
+    def greedy_decode_takes(self, rows: int) -> bool:
+        """Whether `greedy_decode` may take a step of this many rows (False before the first
+        step builds the fused step): other steps need not be offered."""
         fused = self.model.fused_decode
-        if not isinstance(fused, FusedDecode) or not fused.split_parts:
-            return 0
-        return fused.split_parts * fused.split_min_rows
+        if not isinstance(fused, FusedDecode):
+            return False
+        lm = self.lm_head
+        return fused.greedy_takes(rows, lm.argmax_weight(rows), lm.argmax_screen(rows))
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""
