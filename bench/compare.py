@@ -1,7 +1,7 @@
 """Serve the same model with vx and its peers, one after the other, under the same load.
 
 Usage:
-    python bench/compare.py [--peers vllm,llamacpp[,llamacpp-q4_1]] [--concurrency 1,8,32,64]
+    python bench/compare.py [--peers vllm,llamacpp,llamacpp-q4_1] [--concurrency 1,8,32,64]
         [--repeats 1] [--vx-variant 'int8=--quantization int8']
 
 For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
@@ -155,10 +155,11 @@ def servers(args: argparse.Namespace) -> list[Server]:
                               PEER_DIR / f"vllm.{vllm_port}.pid"))
         else:
             print("vLLM peer not set up (peers.sh vllm-setup); skipping", file=sys.stderr)
-    if "llamacpp" in peers:
+    variants = [v for v, name in (("bf16", "llamacpp"), ("q4_1", "llamacpp-q4_1")) if name in peers]
+    if variants:
         if (PEER_DIR / "llamabin/bin/python").exists():
             env = {"PORT": str(llama_port)}
-            for variant in ("bf16", "q4_1") if "llamacpp-q4_1" in peers else ("bf16",):
+            for variant in variants:
                 out.append(Server(f"llama.cpp {variant}", f"http://127.0.0.1:{llama_port}", "",
                                   ["bash", str(PEERS_SH), "start", variant],
                                   ["bash", str(PEERS_SH), "stop"], env,
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="throughput, TTFT and ITL against concurrency, one line per server")
     args = p.parse_args(argv)
+    if args.interleave and {"llamacpp", "llamacpp-q4_1"} <= set(args.peers.split(",")):
+        # peers.sh keeps one llama-server (one pid file): interleaved, one variant a run
+        p.error("--interleave takes one llama.cpp variant: llamacpp or llamacpp-q4_1")
     concs = [int(c) for c in args.concurrency.split(",")]
     results: dict[str, dict[int, list[dict]]] = {}
     if args.from_json:
