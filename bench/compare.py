@@ -69,6 +69,8 @@ def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: in
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
+    if os.path.isabs(result.get("model") or ""):  # a server's local file (llama.cpp's GGUF)
+        result["model"] = os.path.basename(result["model"])
     return result
 
 

@@ -2,7 +2,7 @@
 
 Runs in: a plain process (no EngineCore, no workers). The vx part runs here; the vLLM part runs
 this same file in a subprocess under vLLM's interpreter (`--vllm-python`, env VLLM_PYTHON, or
-~/.cache/vx-peers/vllmcpu/bin/python; set up with `bash /work/shared/peers/peers.sh vllm-setup`).
+~/.cache/vx-peers/vllmcpu/bin/python; set up with `peers.sh vllm-setup` from the shared peers folder).
 
 Timed per step: `add_request` for that step's arrivals, `schedule()`, `update_from_output()` and
 the stats snapshot (`make_stats()` in vx; vLLM builds its stats inside `update_from_output` with
