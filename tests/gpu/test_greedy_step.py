@@ -127,11 +127,9 @@ def test_greedy_step_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> N
     assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7])
-def test_small_greedy_steps_run_whole_in_one_call(tmp_path, monkeypatch, rows: int) -> None:
-    """Steps too small to split (the split is off here) run whole on the pool: the head's
-    VNNI argmax, or for one row its int8 screen. The same tokens as the forward path, and the
-    one call took every decode step."""
+def _whole_steps_both_ways(tmp_path, monkeypatch, rows: int, steps: int, prepare) -> list:
+    """`rows` greedy rows with the split off, with and without the one-call step (`prepare`
+    called on each runner first): asserts the same tokens; the one-call runs' `calls`."""
     monkeypatch.setenv("VX_CPU_SPLIT_STEP", "0")
     if not _split_here():
         pytest.skip("no whole greedy steps here (AVX2, AMX or one thread)")
@@ -140,28 +138,32 @@ def test_small_greedy_steps_run_whole_in_one_call(tmp_path, monkeypatch, rows: i
     for fast in (True, False):
         monkeypatch.setattr(greedy, "FUSED_STEP", fast)
         runner = _runner(tmp_path / str(fast), "llama-tied", calls[fast], monkeypatch)
-        if rows == 1:
-            assert runner._model.lm_head.argmax_screen(1) is not None  # the screen's path
-        outs[fast] = _run(runner, [plain] * rows, steps=10)
+        prepare(runner)
+        outs[fast] = _run(runner, [plain] * rows, steps=steps)
     assert outs[True] == outs[False]
     assert not calls[False]
-    assert calls[True] and all(c == rows for c in calls[True])
+    return calls[True]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_small_greedy_steps_run_whole_in_one_call(tmp_path, monkeypatch, rows: int) -> None:
+    """Steps too small to split (the split is off here) run whole on the pool: the head's
+    VNNI argmax, or for one row its int8 screen. The same tokens as the forward path, and the
+    one call took every decode step."""
+    def check(runner):
+        if rows == 1:
+            assert runner._model.lm_head.argmax_screen(1) is not None  # the screen's path
+
+    calls = _whole_steps_both_ways(tmp_path, monkeypatch, rows, 10, check)
+    assert calls and all(c == rows for c in calls)
 
 
 def test_screen_without_a_token_falls_back_to_the_logits(tmp_path, monkeypatch) -> None:
     """One row whose int8 screen finds too many candidates: the whole step still runs the
     layers once (its K/V written), hands back the final states without a token, and the
     logits path gives the forward path's tokens."""
-    monkeypatch.setenv("VX_CPU_SPLIT_STEP", "0")
-    if not _split_here():
-        pytest.skip("no whole greedy steps here (AVX2, AMX or one thread)")
-    plain = SamplingParams.create(temperature=0.0, max_tokens=64)
-    outs, calls = {}, {True: [], False: []}
-    for fast in (True, False):
-        monkeypatch.setattr(greedy, "FUSED_STEP", fast)
-        runner = _runner(tmp_path / str(fast), "llama-tied", calls[fast], monkeypatch)
-        screen = runner._model.lm_head.argmax_screen(1)
-        screen.bound[:] = 1e30  # in place (C holds its pointer): every row is a candidate
-        outs[fast] = _run(runner, [plain], steps=6)
-    assert outs[True] == outs[False]
-    assert calls[True] and all(c == 0 for c in calls[True])  # no token from the screen
+    def loosen(runner):  # in place (C holds its pointer): every row is a candidate
+        runner._model.lm_head.argmax_screen(1).bound[:] = 1e30
+
+    calls = _whole_steps_both_ways(tmp_path, monkeypatch, 1, 6, loosen)
+    assert calls and all(c == 0 for c in calls)  # the layers ran; no token from the screen
