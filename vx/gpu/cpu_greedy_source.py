@@ -2,7 +2,7 @@
 call on the pool: the embeddings, every layer, the final RMSNorm and the LM head's argmax.
 
 Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
-split step's source, whose `vx_greedy_tail` it takes; `vx.gpu.cpu_decode.FusedDecode` calls
+split step's source, whose `vx_greedy_tail` and `vx_greedy_inputs` it takes; `vx.gpu.cpu_decode.FusedDecode` calls
 `vx_llama_greedy_whole`).
 
 Why: at one row a SmolLM2 step streams ~240 MB in ~6.5 ms of C, yet the step took ~7.7 ms:
@@ -63,15 +63,9 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
    written; else the first kernel's error. */
 int vx_llama_greedy_whole(const vx_layer* layers, int n_layers, const vx_step* s,
                           const vx_greedy_tail* g, const vx_screen_head* sh) {
-    const int64_t T = s->T, H = s->H, h2 = s->D / 2;
+    const int64_t T = s->T, H = s->H;
     if (T < 1 || s->np || s->nd != T || s->keep || (sh ? T != 1 : !g->head)) return -2;
-    vx_bf16 *cs = (vx_bf16*)s->cos, *sn = (vx_bf16*)s->sin;
-    for (int64_t r = 0; r < T; r++) {
-        const int64_t pos = g->positions[r];
-        memcpy(s->x + r * H, g->embed + g->ids[r] * H, (size_t)H * sizeof(vx_bf16));
-        memcpy(cs + r * h2, g->cos_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-        memcpy(sn + r * h2, g->sin_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-    }
+    vx_greedy_inputs(s, g, 0, T);
     int rc = vx_llama_decode_bf16(layers, n_layers, s);  /* -2: before anything is written */
     if (rc) return rc;
     vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, g->norm, s->h, T, H, s->eps);

@@ -102,6 +102,18 @@ typedef struct {
     int64_t vocab;              /* its rows (N) */
     int64_t* out;               /* [T] each row's first maximum */
 } vx_greedy_tail;
+/* Rows [r0, r0 + n) of the step's inputs from g: the embeddings into s->x, the rotary's cos
+   and sin at their positions into s->cos and s->sin (scratch here). */
+static void vx_greedy_inputs(const vx_step* s, const vx_greedy_tail* g, int64_t r0, int64_t n) {
+    const int64_t H = s->H, h2 = s->D / 2;
+    vx_bf16 *cs = (vx_bf16*)s->cos, *sn = (vx_bf16*)s->sin;
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const int64_t pos = g->positions[r];
+        memcpy(s->x + r * H, g->embed + g->ids[r] * H, (size_t)H * sizeof(vx_bf16));
+        memcpy(cs + r * h2, g->cos_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
+        memcpy(sn + r * h2, g->sin_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
+    }
+}
 /* Rows [a, e) of a split step from stage l on: stages 0 .. n_layers - 1 are the layers, stage
    n_layers the greedy tail where there is one. */
 typedef struct { int64_t a, e; int l; } vx_unit;
@@ -231,18 +243,7 @@ int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s
             const int64_t r0 = cut[t], n = cut[t + 1] - cut[t];
             secs[t] = cost[t] = 0;
             const double t0 = omp_get_wtime();
-            if (g) {
-                const int64_t H = s->H, h2 = s->D / 2;
-                vx_bf16* x = s->x + r0 * H;
-                vx_bf16* cs = (vx_bf16*)s->cos + r0 * h2;
-                vx_bf16* sn = (vx_bf16*)s->sin + r0 * h2;
-                for (int64_t i = 0; i < n; i++) {
-                    const int64_t r = r0 + i, pos = g->positions[r];
-                    memcpy(x + i * H, g->embed + g->ids[r] * H, (size_t)H * sizeof(vx_bf16));
-                    memcpy(cs + i * h2, g->cos_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-                    memcpy(sn + i * h2, g->sin_table + pos * h2, (size_t)h2 * sizeof(vx_bf16));
-                }
-            }
+            if (g) vx_greedy_inputs(s, g, r0, n);
             secs[t] = omp_get_wtime() - t0;
             vx_unit u = {r0, r0 + n, 0};
             vx_mbox *mine = steal ? &box[t] : 0, *other = steal ? &box[1 - t] : 0;

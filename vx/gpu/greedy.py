@@ -53,7 +53,7 @@ def greedy_tokens(
 
 def fused_greedy_step(
     model: Any, batch: InputBatch, inputs: Any, kv_caches: list
-) -> tuple[torch.Tensor, np.ndarray] | None:
+) -> tuple[torch.Tensor, np.ndarray | None] | None:
     """A decode-only step whose every row is sampled and greedy, through the layers, the final
     norm and the LM head's argmax in one C call (`LlamaForCausalLM.greedy_decode`): (final
     hidden states, [T] int64 tokens, or None where the head's int8 screen gave none: the
