@@ -13,10 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 import anyio
-import msgspec
-import pytest
 
-from vx import codec
 from vx.core.engine_core import EngineCore
 from vx.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -129,61 +126,3 @@ def test_profile_steps_splits_decode_and_prefill_steps(caplog) -> None:
     assert f"prefill steps {kinds['prefill']}:" in lines[0]
     assert kinds["prefill"] > 0 and "host share" in lines[0]
     assert re.search(r"profile over 200 steps \([0-9.]+ s, idle [0-9.]+%\)", lines[0]), lines[0]
-
-
-class _TimedWorkers(_Workers):
-    """Reports every step as taking `step_s` to execute (what the late hold predicts from)."""
-
-    def __init__(self, step_s: float) -> None:
-        super().__init__()
-        self.step_s = step_s
-
-    def send(self, out: SchedulerOutput) -> None:
-        super().send(out)
-        self.results[-1] = msgspec.structs.replace(self.results[-1], execute_time_s=self.step_s)
-
-
-class _ArrivingInbox(_Inbox):
-    """Hands over `arrivals` (encoded inputs) only to a waiting `recv(timeout)`, as if they
-    came while the EngineCore held its next step; empty, the wait times out at once."""
-
-    def __init__(self, arrivals: list[bytes]) -> None:
-        self.arrivals = arrivals
-        self.timeouts: list[float] = []
-
-    def recv(self, timeout: float | None = None) -> bytes:
-        if self.arrivals:
-            return self.arrivals.pop(0)
-        assert timeout is not None and timeout > 0
-        self.timeouts.append(timeout)
-        raise TimeoutError
-
-
-@pytest.mark.parametrize("late", [True, False])
-def test_a_request_arriving_during_a_decode_step_joins_the_step_after_it(monkeypatch, late) -> None:
-    """Late scheduling: step n+1 is held until shortly before the decode step n is expected
-    to end (its rows' last execute time), taking what arrives meanwhile; off
-    (`VX_ASYNC_SCHEDULE_LATE=0`), it is scheduled at once and the arrival waits for n+2."""
-    monkeypatch.setenv("VX_ASYNC_SCHEDULE_LATE", "1" if late else "0")
-    config = make_config(async_scheduling=True, max_num_batched_tokens=64)
-    workers = _TimedWorkers(step_s=10.0)  # long: the hold's deadline is always ahead
-    b = make_add_request("b", list(range(100, 120)), max_tokens=4)
-    inbox = _ArrivingInbox([codec.engine_input_codec().encode(b)])
-    engine = EngineCore(config, 0, inbox, _Outbox(), workers, 64)  # type: ignore[arg-type]
-    engine.scheduler.add_request(make_add_request("a", list(range(1, 21)), max_tokens=8))
-    engine.step()  # a's prompt
-    engine.step()  # its result: a prefill step has nothing scheduled ahead of it
-    engine.step()  # decode step 1, sent at once (nothing in flight)
-    engine.step()  # decode step 2: no time known yet for 1 row, so no hold; step 1 back
-    assert [dict(o.num_scheduled_tokens) for o in workers.sent] == [{"a": 20}, {"a": 1}, {"a": 1}]
-    assert not inbox.timeouts
-    engine.step()  # decode step 3, while step 2 runs (10 s expected: held, b arrives)
-    third = workers.sent[3]
-    if late:
-        assert [r.req_id for r in third.scheduled_new_reqs] == ["b"]
-        assert third.num_scheduled_tokens == {"a": 1, "b": 20}
-        # held until the margin before step 2's expected end: 7.5 s from now at most
-        assert len(inbox.timeouts) == 1 and 7.0 < inbox.timeouts[0] <= 7.5
-    else:
-        assert third.num_scheduled_tokens == {"a": 1} and not inbox.timeouts
-        assert inbox.arrivals  # never read while the step ran

@@ -6,8 +6,7 @@ KV BlockPool) and drives its Workers through a `WorkerGroup`.
 
 With async scheduling the loop keeps a batch queue of two: step n+1 is scheduled and sent while
 step n runs, with placeholders standing for step n's tokens, so the workers never wait for this
-process; it is scheduled late in step n (from the last execute time of a step of as many rows),
-so that requests arriving during step n join it. Aborts are drained again just before a step's output is applied, so a request that was
+process. Aborts are drained again just before a step's output is applied, so a request that was
 aborted while its step ran is freed before its tokens could be emitted.
 
 Invariants: every `SchedulerOutput` sent is matched by exactly one `ModelRunnerOutput`, in order;
@@ -43,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 #: How long the EngineCore waits for its workers to load the model and size the KV pool.
 STARTUP_TIMEOUT_S = 600.0
-#: Async scheduling holds step n+1 back until this long before step n is expected to end (the
-#: larger of the two): a request arriving during most of step n still makes step n+1.
-LATE_MARGIN_S = 0.001
-LATE_MARGIN_SHARE = 0.25
 
 
 class _ShutdownRequested(Exception):
@@ -75,12 +70,6 @@ class EngineCore:
         self._out_codec = codec.engine_event_codec()
         self._depth = 2 if config.scheduler.async_scheduling else 1
         self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
-        # Late scheduling (async only): when each in-flight step was sent, when the last
-        # result came back, and the last execute time of a decode-only step of N rows.
-        self._late = self._depth > 1 and os.environ.get("VX_ASYNC_SCHEDULE_LATE", "1") != "0"
-        self._sent_at: dict[int, float] = {}
-        self._last_recv_at = 0.0
-        self._decode_s: dict[int, float] = {}
         self._shutdown = False
         self._stats_dirty = False
         self._poison_seed = poison_seed("engine")
@@ -192,26 +181,19 @@ class EngineCore:
         carries prefill tokens: such a step is long (a 1,024-token chunk takes hundreds of ms
         on CPU), and a request arriving during it could otherwise only join step n+2, after
         another whole step; the overlap given up there is the EngineCore's part of one step
-        boundary (well under a millisecond). Behind a decode-only step, step n+1 is held
-        until shortly before step n is expected to end (`_hold_until_late`), so that requests
-        arriving meanwhile join it. Which tokens each request gets is the same either way.
+        boundary (well under a millisecond). Which tokens each request gets is the same
+        either way.
         """
         t0 = time.perf_counter()
-        hold = 0.0
         if (
             len(self._in_flight) < self._depth
             and self.scheduler.has_unfinished_requests()
             and not (self._in_flight and _carries_prefill(self._in_flight[-1]))
         ):
-            if self._in_flight and self._late:
-                th = time.perf_counter()
-                self._hold_until_late(self._in_flight[-1])
-                hold = time.perf_counter() - th  # waiting on the workers, not host work
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
                 self._workers.send(scheduler_output)
                 self._in_flight.append(scheduler_output)
-                self._sent_at[scheduler_output.step_id] = time.perf_counter()
                 # Queue not full yet: go back and schedule step n+1 before waiting on step n.
                 if len(self._in_flight) < self._depth:
                     self._prof["schedule"] += time.perf_counter() - t0
@@ -226,15 +208,11 @@ class EngineCore:
             raise EngineDeadError(
                 f"worker answered step {result.step_id}, expected {scheduler_output.step_id}"
             )
-        self._sent_at.pop(scheduler_output.step_id, None)
-        self._last_recv_at = t2
-        if result.execute_time_s > 0 and not _carries_prefill(scheduler_output):
-            self._decode_s[len(scheduler_output.num_scheduled_tokens)] = result.execute_time_s
         # Drain aborts just before applying the output, so aborted requests emit nothing more.
         self._drain_input(block=False)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
         self._stats_dirty = False
-        stats = self._make_stats(scheduler_output, result, t2 - t1 + hold)
+        stats = self._make_stats(scheduler_output, result, t2 - t1)
         self._emit(
             messages.EngineCoreOutputs(
                 engine_index=self.engine_index,
@@ -245,33 +223,7 @@ class EngineCore:
         )
         t3 = time.perf_counter()
         if self.config.profile_steps:
-            self._profile(
-                t1 - t0 - hold, t2 - t1 + hold, t3 - t2, result.execute_time_s, scheduler_output
-            )
-
-    def _hold_until_late(self, running: messages.SchedulerOutput) -> None:
-        """Wait for input (applying it as it comes) until shortly before the decode-only step
-        `running` is expected to end, then return so that step n+1 is scheduled.
-
-        Scheduled as soon as step n was sent, step n+1 would miss every request that arrives
-        while step n runs, which then waits one more whole step for its prompt (one decode
-        step of TTFT). Held until `LATE_MARGIN_*` before step n's expected end, it takes them,
-        and the workers still find it queued when step n ends. The expected end is when the
-        step started (sent, or when the step before it came back, whichever is later) plus the
-        last execute time of a decode-only step of as many rows; with no such time yet, or
-        past the deadline, it returns at once (the step is scheduled as before).
-        """
-        expected = self._decode_s.get(len(running.num_scheduled_tokens))
-        if expected is None:
-            return
-        start = max(self._sent_at.get(running.step_id, 0.0), self._last_recv_at)
-        deadline = start + expected - max(LATE_MARGIN_S, LATE_MARGIN_SHARE * expected)
-        while (left := deadline - time.perf_counter()) > 0 and not self._shutdown:
-            try:
-                data = self._input.recv(timeout=left)
-            except TimeoutError:
-                return
-            self._handle_input(self._in_codec.decode(data))
+            self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
 
     def _make_stats(
         self,
