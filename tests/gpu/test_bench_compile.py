@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config
 
 from bench.compile import hf_step
 from tests.models import make_tiny_model
@@ -13,9 +14,12 @@ from tests.models import make_tiny_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_compiled_side_matches_eager_decode_and_prefill(tmp_path):
+def test_compiled_side_matches_eager_decode_and_prefill(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
+    # inductor's generated code and its compile workers: in this test's directory, in-process
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
     path = make_tiny_model(tmp_path, "llama", vocab_size=512)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     compiled = torch.compile(hf.forward, fullgraph=True, dynamic=False)
@@ -39,3 +43,4 @@ def test_compiled_side_matches_eager_decode_and_prefill(tmp_path):
             got = hf_step(compiled, prompts[:1], static, 0)
             want = hf_step(hf, prompts[:1], DynamicCache(), 0)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert any((tmp_path / "inductor").rglob("*.cpp"))  # compiled here, not from a cache
