@@ -51,6 +51,20 @@ def hf_step(hf, ids: torch.Tensor, cache, start: int) -> torch.Tensor:
        position_ids=pos.expand(b, n), logits_to_keep=1).logits  # fmt: skip
 
 
+def filled_static_cache(hf, ids: torch.Tensor, max_len: int, *, reset: bool):
+    """A `StaticCache` whose tensors one eager forward of `ids` allocated, so that a compiled
+    graph finds them and never allocates them itself: holding `ids`' K/V (decode on from
+    position len(ids)), or `reset` (the cache counts what it holds: a prompt from position 0
+    needs it empty)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=hf.config, max_cache_len=max_len)
+    hf_step(hf, ids, cache, 0)
+    if reset:
+        cache.reset()
+    return cache
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -58,7 +72,7 @@ def _timed(fn) -> float:
 
 
 def bench_decode(driver: Driver, hf, compiled, batch: int, repeats: int) -> dict[str, list]:
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
 
     ids = [f"d{batch}-{i}" for i in range(batch)]
     prompts = [prompt_of(KV_LEN, i) for i in range(batch)]
@@ -68,9 +82,10 @@ def bench_decode(driver: Driver, hf, compiled, batch: int, repeats: int) -> dict
         driver.step(new[i : i + per_step], {r: KV_LEN for r in ids[i : i + per_step]})
     times: dict[str, list] = {"vx": [], "eager": [], "compiled": [], "compile": []}
     with torch.inference_mode():
-        dyn, static = DynamicCache(), StaticCache(config=hf.config, max_cache_len=KV_LEN + 32)
+        dyn = DynamicCache()
         hf_step(hf, torch.tensor(prompts), dyn, 0)
-        hf_step(hf, torch.tensor(prompts), static, 0)  # eager: the compiled graph decodes only
+        # the prompts eagerly: the compiled graph decodes only
+        static = filled_static_cache(hf, torch.tensor(prompts), KV_LEN + 32, reset=False)
         tok = torch.randint(100, 40000, (batch, 1))
         times["compile"].append(_timed(lambda: hf_step(compiled, tok, static, KV_LEN)))
         for i in range(repeats + 1):
@@ -86,16 +101,12 @@ def bench_decode(driver: Driver, hf, compiled, batch: int, repeats: int) -> dict
 
 
 def bench_prefill(driver: Driver, hf, compiled, n: int, repeats: int) -> dict[str, list]:
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
 
     times: dict[str, list] = {"vx": [], "eager": [], "compiled": [], "compile": []}
     with torch.inference_mode():
-        # The cache counts what it holds: each prompt starts on a reset one (untimed). Its
-        # tensors come from a first, eager, call, so the graph does not allocate them.
-        static = StaticCache(config=hf.config, max_cache_len=n + 16)
         warm = torch.tensor([prompt_of(n, 999)])
-        hf_step(hf, warm, static, 0)
-        static.reset()
+        static = filled_static_cache(hf, warm, n + 16, reset=True)
         times["compile"].append(_timed(lambda: hf_step(compiled, warm, static, 0)))
         for rep in range(repeats + 1):
             rid, prompt = f"p{n}-{rep}", prompt_of(n, 1000 + rep)
@@ -103,7 +114,7 @@ def bench_prefill(driver: Driver, hf, compiled, n: int, repeats: int) -> dict[st
             driver.finish([rid])
             ids = torch.tensor([prompt])
             eager = _timed(lambda ids=ids: hf_step(hf, ids, DynamicCache(), 0))
-            static.reset()
+            static.reset()  # each prompt on an empty cache (untimed)
             comp = _timed(lambda ids=ids: hf_step(compiled, ids, static, 0))
             if rep:
                 times["vx"].append(vx)
