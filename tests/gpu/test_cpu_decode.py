@@ -40,7 +40,7 @@ def _load(tmp_path, case: str):
     model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
     fused = FusedDecode.build(model.model)
     if fused is None:
-        pytest.skip("no fused CPU decode step here (AVX-512 or AVX2 kernels; int8: AVX-512)")
+        pytest.skip("no fused CPU decode step here (AVX-512 or AVX2 kernels)")
     return model, fused
 
 
@@ -231,10 +231,10 @@ def test_fused_decode_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> 
     path = make_tiny_model(tmp_path / "int8", arch, vocab_size=512, **overrides)
     model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
     fused = FusedDecode.build(model.model)
-    if fused is None:  # AVX2: no C int8 kernel, so no fused step for int8 models
-        assert load_cpu_kernels().vx_has_decode_step() == 2
-        return
-    assert _compare(model, fused, 12, steps=1) == 0
+    assert fused is not None
+    # AVX-512: 12 rows are past the C int8 kernel's 8, so torch's takes them on the module
+    # path and the step is declined; AVX2: its C int8 kernel takes up to 24 rows, fused
+    assert _compare(model, fused, 12, steps=1) == (fused._int8_rows() >= 12)
     # past 16 rows: bf16, fused where the skinny GEMM takes 17 rows (AMX; 12 without)
     assert _compare(model, fused, 17, steps=1) == (1 if fused.max_rows() >= 17 else 0)
 

@@ -100,6 +100,38 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_avx2_int8_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
+    """The AVX2 int8 kernel (`--quantization int8` on AVX2 CPUs, from the x86-64-v3 build):
+    (x . q) * scale + bias from fp32 sums of exact products, one rounding, as the AVX-512
+    kernel computes it; the tiles of 1-3 rows, a last group of fewer than 4 weight rows, and a
+    row stride past K."""
+    import torch
+
+    from vx.gpu.quantization import quantize_int8
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 72), (8, 33, 576),
+                    (24, 64, 128)]:  # fmt: skip
+        q, s = quantize_int8((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+        x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]
+        for bias in (torch.randn(n, generator=g).bfloat16(), None):
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            b = None if bias is None else bias.data_ptr()
+            args = (q.data_ptr(), s.data_ptr(), b, y.data_ptr(), n, n, k)
+            assert lib.vx_gemv_int8_avx2(x.data_ptr(), x.stride(0), m, *args) == 0
+            exact = (x.double() @ q.double().T) * s.double()
+            want = (exact + (0 if bias is None else bias.double())).bfloat16()
+            tol = want.float().abs() * 2**-7 + 1e-5 * (x.float().abs() @ q.float().abs().T)
+            assert ((y.float() - want.float()).abs() <= tol).all(), (m, n, k)
+            assert (y == want).float().mean() > 0.95
+    x = torch.randn(25, k, generator=g).bfloat16()
+    y = torch.empty(25, n, dtype=torch.bfloat16)
+    args = (q.data_ptr(), s.data_ptr(), None, y.data_ptr(), n, n, k)
+    assert lib.vx_gemv_int8_avx2(x.data_ptr(), k, 25, *args) == -1  # > 24 rows
+
+
+@pytest.mark.timeout(240)
 def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch) -> None:
     """The AVX2 decode attention from the x86-64-v3 build (run on any AVX2 CPU) against the
     portable kernel of the same build: bf16 outputs within a bf16 step."""
@@ -192,11 +224,12 @@ def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias"])
+@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias", "llama-int8"])
 def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str) -> None:
     """The fused step of the x86-64-v3 build (its AVX2 GEMM and attention, on any AVX2 CPU)
     against the module path on the same build: bit-identical logits at 1-24 rows, declined past
-    them."""
+    them; with int8 weights, the AVX2 int8 kernel up to `max_rows` (8) rows and the bf16 GEMM
+    past them, alike on both paths."""
     import torch
 
     from tests.gpu.test_cpu_decode import CASES, _compare
@@ -211,11 +244,12 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
     monkeypatch.setattr(cpu_ops, "_gemv_state", {})
     monkeypatch.setattr(cpu_widen, "_state", {})
     monkeypatch.setenv("VX_CPU_WIDEN", "1")
-    arch, overrides, _ = CASES[case]
+    arch, overrides, quant = CASES[case]
     path = make_tiny_model(tmp_path / "m", arch, vocab_size=512, **overrides)
-    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
     fused = FusedDecode.build(model.model)
     assert fused is not None and fused.max_rows() == 24
+    assert fused._quant_rows == (8 if quant else 0)
     for batch in (1, 4, 17, 24, 25):
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 

@@ -17,7 +17,7 @@ module path's does. `run` answers None, before touching anything, for every step
 skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
 the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
 cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
-the kernels refuse; on AVX2: int8, or layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
+the kernels refuse; on AVX2: layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
 
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
 sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the threads meet once a
@@ -125,10 +125,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     """The C view of one linear, or None where the C kernels would not be the module's path
-    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, never int8)."""
+    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, and its int8 twin)."""
     if avx2:
         wide = layer.wide
-        w = wide.bf16 if wide is not None and wide.skinny_rows and layer.quant is None else None
+        w = wide.bf16 if wide is not None and wide.skinny_rows else None
     else:
         w = layer.plain
     bias = layer.bias
@@ -239,6 +239,11 @@ class FusedDecode:
         GEMM; AMX can be switched off)."""
         return self._avx2_rows or max(bf16_max_rows(), self._vnni_rows)
 
+    def _int8_rows(self) -> int:
+        """The most rows the C int8 kernel takes (8 on AVX-512, the skinny GEMM's on AVX2):
+        int8 rows past it go to torch's int8 kernel on the module path."""
+        return self._avx2_rows or GEMV_MAX_ROWS_INT8
+
     def run(
         self,
         x: torch.Tensor,
@@ -263,7 +268,7 @@ class FusedDecode:
         # prefill chunks: only where the module path takes the same C kernel for them
         if md.prefills and (md.prefill_starts is None or d % 32 or d > 256 or hq % hkv):
             return None
-        if t > self.max_rows() or GEMV_MAX_ROWS_INT8 < t <= self._quant_rows:
+        if t > self.max_rows() or self._int8_rows() < t <= self._quant_rows:
             return None
         if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
             return None
@@ -346,7 +351,7 @@ class FusedDecode:
         if keep is None or keep.dtype != torch.int64 or not keep.is_contiguous():
             return None
         n = keep.numel()
-        if GEMV_MAX_ROWS_INT8 < n <= self._quant_rows:
+        if self._int8_rows() < n <= self._quant_rows:
             return None
         if n and (int(keep[0]) < 0 or int(keep[-1]) >= t or not bool((keep[1:] > keep[:-1]).all())):
             return None

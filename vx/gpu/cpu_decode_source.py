@@ -114,8 +114,10 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     if (L->vn && T > skinny_rows)  /* past the skinny GEMM's rows: as `linear` routes them */
         return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
-#else  /* AVX2: the skinny GEMM of `WideWeight._skinny` (no int8 here: the caller checked) */
-    (void)quant_rows; (void)skinny_rows;
+#else  /* AVX2: `QuantizedWeight`'s int8 kernel, else the skinny GEMM of `WideWeight._skinny` */
+    (void)skinny_rows;
+    if (L->q && T <= quant_rows)
+        return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
 #endif
 }

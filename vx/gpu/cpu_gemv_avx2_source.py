@@ -1,5 +1,6 @@
 """The C source of the skinny bf16 GEMM for CPUs with AVX2 and no AVX-512 (most laptops,
-AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x; and the LM head's int8 screen.
+AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x, W bf16 or (`--quantization int8`)
+int8 with per-row scales; and the LM head's int8 screen.
 
 Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
 `vx.gpu.cpu_widen.WideWeight` calls it for the rows its fp32 copy is not worth).
@@ -136,8 +137,32 @@ int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, co
     free(xf);
     return 0;
 }
+/* Weight-only int8 (`--quantization int8`): y = (x @ Q.T) * scale[n] + bias, Q [N, K] int8 with
+   bf16 per-row scales, as `vx_gemv_int8` (the AVX-512 kernel) computes it: fp32 products and
+   sums, one bf16 rounding. Half the bytes of vx_gemv_bf16_avx2's weight, the same tiles. */
+int vx_gemv_int8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q,
+                      const vx_bf16* scale, const vx_bf16* bias, vx_bf16* y, int64_t y_st,
+                      int64_t N, int64_t K) {
+    if (M < 1 || M > VX_AVX2_MAX_ROWS || K % 8 || K > VX_AVX2_MAX_K) return -1;
+    float* xf = vx_avx2_widen_x(x, x_st, M, K);
+    if (!xf) return -3;
+    VX_AVX2_GEMM(vx_avx2_tile_i8, Q, for (int64_t r = 0; r < nr; r++) {
+        const float s = ld_bf16(scale[n0 + r]);
+        const float b = bias ? ld_bf16(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < mm; m++) y[(m0 + m) * y_st + n0 + r] = st_bf16(o[m * 4 + r] * s + b);
+    });
+    free(xf);
+    return 0;
+}
 int vx_gemv_avx2_max_rows(void) { return VX_AVX2_MAX_ROWS; }
 #else
+int vx_gemv_int8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q,
+                      const vx_bf16* scale, const vx_bf16* bias, vx_bf16* y, int64_t y_st,
+                      int64_t N, int64_t K) {
+    (void)x; (void)x_st; (void)M; (void)Q; (void)scale; (void)bias; (void)y; (void)y_st;
+    (void)N; (void)K;
+    return -2;
+}
 int vx_screen_i8_avx2(const vx_bf16* x, int64_t x_st, int M, const int8_t* Q, const float* s,
                       float* y, int64_t N, int64_t K) {
     (void)x; (void)x_st; (void)M; (void)Q; (void)s; (void)y; (void)N; (void)K;

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WideWeight", "widen_wanted"]
+__all__ = ["WideWeight", "avx2_int8_gemm", "avx2_int8_rows", "widen_wanted"]
 
 #: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
@@ -53,6 +53,35 @@ def _skinny_rows() -> int:
         _state["skinny"] = rows if os.environ.get("VX_CPU_GEMV", "1") != "0" else 0
         _state["lib"] = lib
     return _state["skinny"]  # type: ignore[return-value]
+
+
+def avx2_int8_rows() -> int:
+    """Rows up to which `avx2_int8_gemm` takes x here (0: the AVX2 kernels are not built)."""
+    return _skinny_rows()
+
+
+def avx2_int8_gemm(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [M, K] bf16 @ (q [N, K] int8 * scales [N] bf16).T + bias in bf16, through vx's AVX2
+    kernel (`vx_gemv_int8_avx2`: half the bytes of the bf16 weight), or None where it does not
+    take them (not built, too many rows, K % 8; the caller falls back to torch's kernel)."""
+    m, (n, k) = x.shape[0], q.shape
+    if not (0 < m <= _skinny_rows() and x.dtype == torch.bfloat16 and scales.dtype == x.dtype):
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        y = avx2_int8_gemm(x, q, scales, None)
+        return None if y is None else y + bias
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = _state["lib"].vx_gemv_int8_avx2(  # type: ignore[union-attr]
+        x.data_ptr(), x.stride(0), m, q.data_ptr(), scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, n, k,
+    )  # fmt: skip
+    if rc == -3:
+        raise MemoryError("vx AVX2 int8 GEMM could not allocate scratch")
+    return y if rc == 0 else None
 
 
 def _native_bf16() -> bool:

@@ -36,7 +36,7 @@ from vx.gpu.cpu_ops import (
     skinny_gemm,
 )
 from vx.gpu.cpu_vnni import VnniWeight, vnni_takes
-from vx.gpu.cpu_widen import WideWeight
+from vx.gpu.cpu_widen import WideWeight, avx2_int8_gemm, avx2_int8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,11 @@ class QuantizedWeight:
         self.method = method
         self.out_features, self.in_features = weight.shape
         env = os.environ.get("VX_QUANT_MAX_ROWS")
-        fast = method == "int8" and weight.dtype == torch.bfloat16 and gemv_kernels() is not None
+        fast = (
+            method == "int8"
+            and weight.dtype == torch.bfloat16
+            and (gemv_kernels() is not None or avx2_int8_rows() > 0)
+        )
         default = GEMV_MAX_ROWS_INT8 if fast else DEFAULT_QUANT_MAX_ROWS
         self.max_rows = int(env) if env else default
         if method == "int8":
@@ -182,6 +186,9 @@ class QuantizedWeight:
         if self.method == "int8" and gemv_fits(x, self.qweight, GEMV_MAX_ROWS_INT8):
             return skinny_gemm(x, self.qweight, self.scales, bias)
         if self.method == "int8":
+            y = avx2_int8_gemm(x, self.qweight, self.scales, bias)  # AVX2 CPUs
+            if y is not None:
+                return y
             out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
