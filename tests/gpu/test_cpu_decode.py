@@ -31,6 +31,9 @@ CASES = {
                              "num_key_value_heads": 2}, None),
     "llama-int8": ("llama", {"hidden_size": 128, "num_attention_heads": 2,
                              "num_key_value_heads": 1}, "int8"),
+    # int4 takes the fused step on AVX2 only (vx_gemv_int4_avx2: K a multiple of 64)
+    "llama-int4": ("llama", {"hidden_size": 128, "num_attention_heads": 2,
+                             "num_key_value_heads": 1, "intermediate_size": 256}, "int4"),
 }  # fmt: skip
 
 

@@ -101,24 +101,29 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.timeout(240)
 def test_avx2_int8_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
-    """The AVX2 int8 kernel (`--quantization int8` on AVX2 CPUs, from the x86-64-v3 build):
-    (x . q) * scale + bias from fp32 sums of exact products, one rounding, as the AVX-512
-    kernel computes it; the tiles of 1-3 rows, a last group of fewer than 4 weight rows, and a
-    row stride past K."""
+    """The AVX2 int8 kernel (`--quantization int8` on AVX2 CPUs, from the x86-64-v3 build) on
+    its packed layout: (x . q) * scale + bias from fp32 sums of exact products, one rounding,
+    as the AVX-512 kernel computes it; the tiles of 1-3 rows, a last group of fewer than 4
+    weight rows, and a row stride past K."""
     import torch
 
+    from vx.gpu import cpu_widen
     from vx.gpu.quantization import quantize_int8
 
     lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(cpu_widen, "_state", {})
     g = torch.Generator().manual_seed(1)
-    for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 72), (8, 33, 576),
+    for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 96), (8, 33, 576),
                     (24, 64, 128)]:  # fmt: skip
         q, s = quantize_int8((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+        packed = cpu_widen.pack_int8_avx2(q)
+        assert packed is not None and not torch.equal(packed, q)
         x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]
         for bias in (torch.randn(n, generator=g).bfloat16(), None):
             y = torch.empty(m, n, dtype=torch.bfloat16)
             b = None if bias is None else bias.data_ptr()
-            args = (q.data_ptr(), s.data_ptr(), b, y.data_ptr(), n, n, k)
+            args = (packed.data_ptr(), s.data_ptr(), b, y.data_ptr(), n, n, k)
             assert lib.vx_gemv_int8_avx2(x.data_ptr(), x.stride(0), m, *args) == 0
             exact = (x.double() @ q.double().T) * s.double()
             want = (exact + (0 if bias is None else bias.double())).bfloat16()
@@ -127,8 +132,46 @@ def test_avx2_int8_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
             assert (y == want).float().mean() > 0.95
     x = torch.randn(25, k, generator=g).bfloat16()
     y = torch.empty(25, n, dtype=torch.bfloat16)
-    args = (q.data_ptr(), s.data_ptr(), None, y.data_ptr(), n, n, k)
+    args = (packed.data_ptr(), s.data_ptr(), None, y.data_ptr(), n, n, k)
     assert lib.vx_gemv_int8_avx2(x.data_ptr(), k, 25, *args) == -1  # > 24 rows
+    assert lib.vx_gemv_int8_avx2(x.data_ptr(), k, 1, *args[:-1], k - 8) == -1  # K % 32
+    assert cpu_widen.pack_int8_avx2(q[:, :-8]) is None
+
+
+@pytest.mark.timeout(240)
+def test_avx2_int4_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
+    """The AVX2 int4 kernel (`--quantization int4` on AVX2 CPUs, from the x86-64-v3 build):
+    x @ W.T + bias for W the dequantized groups of 32 ((q - 8) s + z), fp32 sums, one
+    rounding; tiles of 1 and 2 rows, a last group of fewer than 4 weight rows, a row stride
+    past K; the packed nibbles are the columns the layout says."""
+    import torch
+
+    from vx.gpu import cpu_widen
+    from vx.gpu.quantization import dequantize_int4, quantize_int4
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    g = torch.Generator().manual_seed(2)
+    for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (5, 130, 128), (24, 64, 192)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        q, scales, zeros = quantize_int4(w)
+        packed = cpu_widen.Int4Avx2(q, scales, zeros)
+        # column 8 j + i of each 64-column block is nibble j of 32-bit word i (as q - 8)
+        words = packed.q.view(torch.int32).view(n, k // 64, 8).to(torch.int64) & 0xFFFFFFFF
+        col = (words[:, :, None, :] >> (4 * torch.arange(8)).view(1, 1, 8, 1)) & 0xF
+        assert torch.equal(((col + 8) & 0xF).reshape(n, k), q.to(torch.int64))
+        ref = dequantize_int4(q, scales, zeros).double()
+        x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]
+        for bias in (torch.randn(n, generator=g).bfloat16(), None):
+            y = packed.apply(x, bias)
+            assert y is not None
+            want = (x.double() @ ref.T + (0 if bias is None else bias.double())).bfloat16()
+            tol = want.float().abs() * 2**-7 + 1e-5 * (x.float().abs() @ ref.float().abs().T)
+            assert ((y.float() - want.float()).abs() <= tol).all(), (m, n, k)
+            assert (y == want).float().mean() > 0.9
+    assert packed.apply(torch.randn(25, k).bfloat16(), None) is None  # > 24 rows
+    assert cpu_widen.Int4Avx2.takes(576) and not cpu_widen.Int4Avx2.takes(96)
 
 
 @pytest.mark.timeout(240)
@@ -224,12 +267,12 @@ def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias", "llama-int8"])
+@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias", "llama-int8", "llama-int4"])
 def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str) -> None:
     """The fused step of the x86-64-v3 build (its AVX2 GEMM and attention, on any AVX2 CPU)
     against the module path on the same build: bit-identical logits at 1-24 rows, declined past
-    them; with int8 weights, the AVX2 int8 kernel up to `max_rows` (8) rows and the bf16 GEMM
-    past them, alike on both paths."""
+    them; with int8 or int4 weights, the AVX2 int8 or int4 kernel up to `max_rows` (8) rows and
+    the bf16 GEMM past them, alike on both paths."""
     import torch
 
     from tests.gpu.test_cpu_decode import CASES, _compare

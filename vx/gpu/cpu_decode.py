@@ -16,7 +16,7 @@ for some rows only (`keep`), its last layer runs past the attention on those row
 module path's does. `run` answers None, before touching anything, for every step it does not cover: more rows than the
 skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
 the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
-cannot take as a whole (not CPU bf16, tensor parallel, int4, a custom attention function, shapes
+cannot take as a whole (not CPU bf16, tensor parallel, int4 but on AVX2, a custom attention function, shapes
 the kernels refuse; on AVX2: layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
 
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
@@ -55,6 +55,7 @@ _VNNI_STEP_ROWS = 1 << 30
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
+        ("q4", _P), ("s4", _P), ("z4", _P),
     ]  # fmt: skip
 
 
@@ -125,7 +126,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     """The C view of one linear, or None where the C kernels would not be the module's path
-    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, and its int8 twin)."""
+    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, and its int8 or int4 twin)."""
     if avx2:
         wide = layer.wide
         w = wide.bf16 if wide is not None and wide.skinny_rows else None
@@ -140,12 +141,19 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     q = scale = None
-    if layer.quant is not None:
+    q4 = layer.quant.avx2_int4 if layer.quant is not None and avx2 else None
+    if layer.quant is not None and q4 is None:
         if layer.quant.method != "int8":
             return None
-        q, scale = layer.quant.qweight, layer.quant.scales
+        q = layer.quant.avx2_qweight if avx2 else layer.quant.qweight
+        if q is None:
+            return None
+        scale = layer.quant.scales
     vn = None if avx2 or layer.vnni is None else layer.vnni.packed
-    return _Linear(w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn))
+    return _Linear(
+        w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
+        *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else ()),
+    )  # fmt: skip
 
 
 def _screen_head(screen: Any) -> int | None:

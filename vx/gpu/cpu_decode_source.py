@@ -65,6 +65,9 @@ typedef struct {
     const vx_bf16* bias;    /* [n] or NULL */
     int64_t n, k;
     const uint32_t* vn;     /* w packed for vx_gemm_vnni_bf16 (`vx.gpu.cpu_vnni`), or NULL */
+    const uint8_t* q4;      /* AVX2: the int4 weight of `cpu_widen.Int4Avx2`, or NULL */
+    const float* s4;        /* its scales (times 2^-28) and zeros, with q4 */
+    const float* z4;
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -114,8 +117,11 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     if (L->vn && T > skinny_rows)  /* past the skinny GEMM's rows: as `linear` routes them */
         return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
-#else  /* AVX2: `QuantizedWeight`'s int8 kernel, else the skinny GEMM of `WideWeight._skinny` */
+#else  /* AVX2: `QuantizedWeight`'s int4 or int8 kernel, else the skinny GEMM of `WideWeight` */
     (void)skinny_rows;
+    if (L->q4 && T <= quant_rows)
+        return vx_gemv_int4_avx2(x, L->k, (int)T, L->q4, L->s4, L->z4, L->bias, y, L->n, L->n,
+                                 L->k);
     if (L->q && T <= quant_rows)
         return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);

@@ -33,7 +33,14 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WideWeight", "avx2_int8_gemm", "avx2_int8_rows", "widen_wanted"]
+__all__ = [
+    "Int4Avx2",
+    "WideWeight",
+    "avx2_int8_gemm",
+    "avx2_int8_rows",
+    "pack_int8_avx2",
+    "widen_wanted",
+]
 
 #: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
@@ -60,12 +67,22 @@ def avx2_int8_rows() -> int:
     return _skinny_rows()
 
 
+def pack_int8_avx2(q: torch.Tensor) -> torch.Tensor | None:
+    """int8 [N, K] in the layout `vx_gemv_int8_avx2` reads (in each block of 32 columns, byte
+    4 i + j holds column 8 j + i), or None where that kernel is not built or K % 32."""
+    n, k = q.shape
+    if not avx2_int8_rows() or k % 32:
+        return None
+    return q.view(n, k // 32, 4, 8).transpose(2, 3).contiguous().view(n, k)
+
+
 def avx2_int8_gemm(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """x [M, K] bf16 @ (q [N, K] int8 * scales [N] bf16).T + bias in bf16, through vx's AVX2
-    kernel (`vx_gemv_int8_avx2`: half the bytes of the bf16 weight), or None where it does not
-    take them (not built, too many rows, K % 8; the caller falls back to torch's kernel)."""
+    """x [M, K] bf16 @ (q * scales [N] bf16).T + bias in bf16, q the int8 [N, K] weight packed by
+    `pack_int8_avx2`, through vx's AVX2 kernel (`vx_gemv_int8_avx2`: half the bytes of the
+    bf16 weight), or None where it does not take them (not built, too many rows; the caller
+    falls back to torch's kernel)."""
     m, (n, k) = x.shape[0], q.shape
     if not (0 < m <= _skinny_rows() and x.dtype == torch.bfloat16 and scales.dtype == x.dtype):
         return None
@@ -82,6 +99,51 @@ def avx2_int8_gemm(
     if rc == -3:
         raise MemoryError("vx AVX2 int8 GEMM could not allocate scratch")
     return y if rc == 0 else None
+
+
+class Int4Avx2:
+    """An int4 weight (groups of 32 columns, w = (q - 8) s + z, `quantize_int4`'s convention)
+    in the layout of vx's AVX2 kernel `vx_gemv_int4_avx2`, and its matmul.
+
+    Invariants: `q` [N, K / 2] uint8 holds, in each block of 64 columns, q - 8 of column
+    8 j + i as nibble j of 32-bit word i (two's complement); `s` is the scales times 2^-28 and
+    `z` the zeros, [N, K / 32] fp32 each; `apply` is x @ W.T + bias for the dequantized W
+    (fp32 products and sums, one bf16 rounding), or None where the kernel does not take x.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        n, k = q.shape
+        nib = ((q.to(torch.int64) - 8) & 0xF).view(n, k // 64, 8, 8)  # [n, block, j, i]
+        words = (nib << (4 * torch.arange(8)).view(1, 1, 8, 1)).sum(dim=2)  # [n, block, i]
+        words = torch.where(words >= 2**31, words - 2**32, words)  # the same 32 bits, signed
+        self.q = words.to(torch.int32).contiguous().view(torch.uint8).view(n, k // 2)
+        self.s = (scales.float() * 2.0**-28).contiguous()
+        self.z = zeros.float().contiguous()
+        self.n, self.k = n, k
+
+    @staticmethod
+    def takes(k: int) -> bool:
+        """Whether the kernel is built here and takes K = k."""
+        return avx2_int8_rows() > 0 and k % 64 == 0
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        m = x.shape[0]
+        if not (0 < m <= _skinny_rows() and x.dtype == torch.bfloat16):
+            return None
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            y = self.apply(x, None)
+            return None if y is None else y + bias
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, self.n, dtype=torch.bfloat16)
+        rc = _state["lib"].vx_gemv_int4_avx2(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), m, self.q.data_ptr(), self.s.data_ptr(),
+            self.z.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            self.n, self.n, self.k,
+        )  # fmt: skip
+        if rc == -3:
+            raise MemoryError("vx AVX2 int4 GEMM could not allocate scratch")
+        return y if rc == 0 else None
 
 
 def _native_bf16() -> bool:

@@ -341,6 +341,10 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_int8_avx2.restype = ctypes.c_int
     lib.vx_gemv_int8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_gemv_int4_avx2.restype = ctypes.c_int
+    lib.vx_gemv_int4_avx2.argtypes = [
+        ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64
+    ]
     lib.vx_screen_i8_avx2.restype = ctypes.c_int
     lib.vx_screen_i8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
     lib.vx_screen_select.restype = i64

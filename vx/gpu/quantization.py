@@ -36,7 +36,13 @@ from vx.gpu.cpu_ops import (
     skinny_gemm,
 )
 from vx.gpu.cpu_vnni import VnniWeight, vnni_takes
-from vx.gpu.cpu_widen import WideWeight, avx2_int8_gemm, avx2_int8_rows
+from vx.gpu.cpu_widen import (
+    Int4Avx2,
+    WideWeight,
+    avx2_int8_gemm,
+    avx2_int8_rows,
+    pack_int8_avx2,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,17 +168,26 @@ class QuantizedWeight:
         self.method = method
         self.out_features, self.in_features = weight.shape
         env = os.environ.get("VX_QUANT_MAX_ROWS")
-        fast = (
-            method == "int8"
-            and weight.dtype == torch.bfloat16
-            and (gemv_kernels() is not None or avx2_int8_rows() > 0)
+        avx2 = gemv_kernels() is None and weight.dtype == torch.bfloat16
+        fast = weight.dtype == torch.bfloat16 and (
+            (method == "int8" and (gemv_kernels() is not None or avx2_int8_rows() > 0))
+            or (method == "int4" and avx2 and Int4Avx2.takes(self.in_features))
         )
         default = GEMV_MAX_ROWS_INT8 if fast else DEFAULT_QUANT_MAX_ROWS
         self.max_rows = int(env) if env else default
+        #: the int8 weight in the layout of vx's AVX2 kernel (AVX2 CPUs without AVX-512), else
+        #: None; `qweight` stays for torch's kernel past that kernel's rows
+        self.avx2_qweight: torch.Tensor | None = None
+        #: the int4 weight in the layout of vx's AVX2 kernel (AVX2 CPUs without AVX-512), else None
+        self.avx2_int4: Int4Avx2 | None = None
         if method == "int8":
             self.qweight, self.scales = quantize_int8(weight)
+            if avx2:
+                self.avx2_qweight = pack_int8_avx2(self.qweight)
         elif method == "int4":
             q, scales, zeros = quantize_int4(weight)
+            if avx2 and Int4Avx2.takes(self.in_features):
+                self.avx2_int4 = Int4Avx2(q, scales, zeros)
             # [K / group, N, 2] (scale, zero) pairs, the layout the CPU kernel reads.
             self.scales = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
             self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -186,18 +201,27 @@ class QuantizedWeight:
         if self.method == "int8" and gemv_fits(x, self.qweight, GEMV_MAX_ROWS_INT8):
             return skinny_gemm(x, self.qweight, self.scales, bias)
         if self.method == "int8":
-            y = avx2_int8_gemm(x, self.qweight, self.scales, bias)  # AVX2 CPUs
-            if y is not None:
-                return y
+            if self.avx2_qweight is not None:  # AVX2 CPUs
+                y = avx2_int8_gemm(x, self.avx2_qweight, self.scales, bias)
+                if y is not None:
+                    return y
             out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
+            if self.avx2_int4 is not None:  # AVX2 CPUs
+                y = self.avx2_int4.apply(x, bias)
+                if y is not None:
+                    return y
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.qweight, INT4_GROUP_SIZE, self.scales
             )
         return out if bias is None else out + bias
 
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
+        avx2 = 0 if self.avx2_qweight is None else self.avx2_qweight.nbytes
+        if self.avx2_int4 is not None:
+            a = self.avx2_int4
+            avx2 = a.q.nbytes + a.s.nbytes + a.z.nbytes
+        return self.qweight.nbytes + avx2 + self.scales.nbytes
 
 
 def linear(
