@@ -145,8 +145,9 @@ def servers(args: argparse.Namespace) -> list[Server]:
         words = extra.split()
         env = dict(w.split("=", 1) for w in words if w.split("=", 1)[0].isupper())
         flags = [w for w in words if not w.split("=", 1)[0].isupper()]
+        # --vx-args go to every vx server (a smaller KV pool keeps several up within memory)
         out.append(Server(f"vx {name}", f"http://127.0.0.1:{port}", "smollm2-135m",
-                          vx_cmd(port) + flags, None, env or None))
+                          vx_cmd(port) + args.vx_args.split() + flags, None, env or None))
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:
         if (PEER_DIR / "vllmcpu/bin/python").exists():
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--warmup-concurrency", default="8,32,64", metavar="C,C",
                    help="besides c = 1, warm each server up once at these (not counted; '' none)")
-    p.add_argument("--vx-args", default="", help="extra flags for vx serve")
+    p.add_argument("--vx-args", default="", help="extra flags for every vx server")
     p.add_argument("--vx-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run vx with these extra flags, as 'vx NAME' (repeatable), "
                         "e.g. 'int8=--quantization int8'; upper-case NAME=VALUE words "
