@@ -68,6 +68,13 @@ INT4_GROUP_SIZE = 32
 #: 2x slower at 8 and 8x slower at 64).
 DEFAULT_QUANT_MAX_ROWS = 4
 
+#: Rows up to which vx's AVX2 int4 kernel takes a layer: it widens the nibbles again for every
+#: two rows of x, so past that the AVX2 bf16 GEMM is ahead (SmolLM2's 120 linears, weights
+#: cold, 2-core AMD EPYC Zen 3, medians of 7: 1 row 8.5 ms against bf16 11.9 and int8 7.5; 2
+#: rows 12.4 against 13.3 and 10.1; 4 rows 18.9 against 18.5 and 17.8; 8 rows 36.7 against
+#: 33.4 and 32.2). The int8 kernel keeps `GEMV_MAX_ROWS_INT8`.
+AVX2_INT4_MAX_ROWS = 2
+
 #: oneDNN picks the packed layout for this many rows. Where vx's own AMX GEMM takes every step
 #: of up to `AMX_MAX_ROWS` rows (`vx.gpu.cpu_ops.skinny_gemm`), oneDNN sees only longer ones
 #: (prefill), and a layout picked for 256 rows runs those 15-25% faster than one picked for a
@@ -174,6 +181,8 @@ class QuantizedWeight:
             or (method == "int4" and avx2 and Int4Avx2.takes(self.in_features))
         )
         default = GEMV_MAX_ROWS_INT8 if fast else DEFAULT_QUANT_MAX_ROWS
+        if fast and method == "int4":
+            default = AVX2_INT4_MAX_ROWS
         self.max_rows = int(env) if env else default
         #: the int8 weight in the layout of vx's AVX2 kernel (AVX2 CPUs without AVX-512), else
         #: None; `qweight` stays for torch's kernel past that kernel's rows
