@@ -248,8 +248,9 @@ class FusedDecode:
         return self._avx2_rows or max(bf16_max_rows(), self._vnni_rows)
 
     def _int8_rows(self) -> int:
-        """The most rows the C int8 kernel takes (8 on AVX-512, the skinny GEMM's on AVX2):
-        int8 rows past it go to torch's int8 kernel on the module path."""
+        """The most rows the C int8 kernel takes (8 on AVX-512; on AVX2 the int8 and int4
+        kernels take the skinny GEMM's): quantized rows past it go to torch's kernels on the
+        module path."""
         return self._avx2_rows or GEMV_MAX_ROWS_INT8
 
     def run(

@@ -175,15 +175,7 @@ class QuantizedWeight:
         self.method = method
         self.out_features, self.in_features = weight.shape
         env = os.environ.get("VX_QUANT_MAX_ROWS")
-        avx2 = gemv_kernels() is None and weight.dtype == torch.bfloat16
-        fast = weight.dtype == torch.bfloat16 and (
-            (method == "int8" and (gemv_kernels() is not None or avx2_int8_rows() > 0))
-            or (method == "int4" and avx2 and Int4Avx2.takes(self.in_features))
-        )
-        default = GEMV_MAX_ROWS_INT8 if fast else DEFAULT_QUANT_MAX_ROWS
-        if fast and method == "int4":
-            default = AVX2_INT4_MAX_ROWS
-        self.max_rows = int(env) if env else default
+        avx2 = gemv_kernels() is None and weight.dtype == torch.bfloat16 and avx2_int8_rows() > 0
         #: the int8 weight in the layout of vx's AVX2 kernel (AVX2 CPUs without AVX-512), else
         #: None; `qweight` stays for torch's kernel past that kernel's rows
         self.avx2_qweight: torch.Tensor | None = None
@@ -202,6 +194,15 @@ class QuantizedWeight:
             self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         else:
             raise ValueError(f"unknown quantization {method!r}")
+        # vx's C kernels: the AVX-512 int8 one, or the AVX2 int8 / int4 ones where built
+        c_int8 = method == "int8" and weight.dtype == torch.bfloat16 and gemv_kernels() is not None
+        if c_int8 or self.avx2_qweight is not None:
+            default = GEMV_MAX_ROWS_INT8
+        elif self.avx2_int4 is not None:
+            default = AVX2_INT4_MAX_ROWS
+        else:
+            default = DEFAULT_QUANT_MAX_ROWS
+        self.max_rows = int(env) if env else default
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.contiguous()
