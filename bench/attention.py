@@ -81,6 +81,8 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
         found[f"{tag} portable"] = lib.vx_decode_attention_bf16
         if hasattr(lib, "vx_decode_attention_bf16_fast") and lib.vx_has_fast_bf16():
             found[f"{tag} fast"] = lib.vx_decode_attention_bf16_fast
+        elif hasattr(lib, "vx_has_avx2_attention") and lib.vx_has_avx2_attention():
+            found[f"{tag} fast"] = lib.vx_decode_attention_bf16_avx2  # AVX2 builds' fast kernel
     for fn in found.values():
         fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
     lib = kv_cache.load_cpu_kernels()

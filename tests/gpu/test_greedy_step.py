@@ -127,11 +127,15 @@ def test_greedy_step_declines_what_it_does_not_cover(tmp_path, monkeypatch) -> N
     assert fused.greedy_step(ids, pos, runner.kv_caches, md, head) is None
 
 
-def _whole_steps_both_ways(tmp_path, monkeypatch, rows: int, steps: int, prepare) -> list:
+def _whole_steps_both_ways(
+    tmp_path, monkeypatch, rows: int, steps: int, prepare, here=None
+) -> list:
     """`rows` greedy rows with the split off, with and without the one-call step (`prepare`
-    called on each runner first): asserts the same tokens; the one-call runs' `calls`."""
+    called on each runner first): asserts the same tokens; the one-call runs' `calls`.
+    `here`: whether this build takes whole steps (default: `_split_here`; the AVX2 build's
+    tests, `tests/gpu/test_kernel_targets.py`, pass their own)."""
     monkeypatch.setenv("VX_CPU_SPLIT_STEP", "0")
-    if not _split_here():
+    if not (here or _split_here)():
         pytest.skip("no whole greedy steps here (AVX2, AMX or one thread)")
     plain = SamplingParams.create(temperature=0.0, max_tokens=64)
     outs, calls = {}, {True: [], False: []}

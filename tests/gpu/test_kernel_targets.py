@@ -316,3 +316,30 @@ def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch)
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("VX_CPU_SCREEN_HEAD", "0")
     assert not cpu_screen.screen_wanted(w)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("screened", [True, False])
+def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bool) -> None:
+    """The x86-64-v3 build takes a one-row greedy decode step whole (`vx_llama_greedy_whole`:
+    the embedding, every layer, the final norm and the LM head's int8 screen, its exact rows
+    on `vx_gemv_bf16_avx2`): the forward path's tokens, every decode step in the one call.
+    With every vocab row a candidate the screen gives no token: the layers still ran once and
+    the logits path gives the same tokens."""
+    from tests.gpu.test_greedy_step import _whole_steps_both_ways
+    from vx.gpu import cpu_ops, cpu_widen
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(cpu_ops, "_gemv_state", {})
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+
+    def prepare(runner):
+        screen = runner._model.lm_head.argmax_screen(1)
+        assert screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
+        if not screened:  # in place (C holds its pointer): every row is a candidate
+            screen.bound[:] = 1e30
+
+    calls = _whole_steps_both_ways(tmp_path, monkeypatch, 1, 10, prepare, here=lambda: True)
+    assert calls and all(c == (1 if screened else 0) for c in calls)

@@ -29,7 +29,7 @@ routing, so the logits are the same bits. Where every row of such a step is one 
 the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
 clients: ~5-9% more output tok/s; docs/performance.md). Greedy decode steps too small to split
 run the same way whole on the pool (`vx.gpu.cpu_greedy_source`), the head's argmax for one row
-by its int8 screen (`vx.gpu.cpu_screen`).
+by its int8 screen (`vx.gpu.cpu_screen`); on AVX2 builds one-row steps only, by the screen.
 """
 
 from __future__ import annotations
@@ -368,13 +368,14 @@ class FusedDecode:
 
     def greedy_takes(self, t: int, head: Any, screen: Any) -> bool:
         """Whether `greedy_step` may take a decode-only step of t rows with this head: as the
-        split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`,
-        AVX-512 builds: `head`, or for one row `screen`, a `ScreenedHead` whose exact rows go
-        through `vx_gemv_bf16`)."""
+        split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`:
+        on AVX-512 builds `head`, or for one row `screen`, a `ScreenedHead` whose exact rows
+        go through `vx_gemv_bf16`; on AVX2 builds one row by `screen`, its exact rows through
+        `vx_gemv_bf16_avx2`)."""
         if self.split_parts and t >= self.split_parts * self.split_min_rows:
             return head is not None
-        if self._avx2_rows:
-            return False
+        if self._avx2_rows:  # one row, by the screen whose exact rows take the AVX2 GEMM
+            return t == 1 and screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
         if screen is not None:
             return t == 1 and screen.exact_kernel() == "vx_gemv_bf16"
         return head is not None
