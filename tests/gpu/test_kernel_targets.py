@@ -177,13 +177,16 @@ def test_avx2_int4_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
 @pytest.mark.timeout(240)
 def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch) -> None:
     """The AVX2 decode attention from the x86-64-v3 build (run on any AVX2 CPU) against the
-    portable kernel of the same build: bf16 outputs within a bf16 step."""
+    portable kernel of the same build: bf16 outputs within a bf16 step, empty rows zero; and
+    each row's output the same bits alone (one thread's call, or two threads' on its three
+    kv heads) as in its batch."""
     import torch
 
     lib = _avx2_build(tmp_path, monkeypatch)
     assert lib.vx_has_avx2_attention() == 1
     g = torch.Generator().manual_seed(0)
-    for hq, hkv, d, bs, lens in [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5])]:
+    cases = [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5]), (4, 2, 64, 48, [0, 200, 97])]
+    for hq, hkv, d, bs, lens in cases:
         b, width = len(lens), -(-max(lens) // bs)
         nb = b * width + 2
         kc = torch.randn(nb, hkv, bs, d, generator=g).bfloat16().transpose(0, 1)  # block-major
@@ -203,6 +206,17 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
             assert rc == 0
         diff = (outs[0].float() - outs[1].float()).abs()
         assert (diff <= outs[0].float().abs() * 2.0**-7 + 1e-3).all(), (hq, d)
+        for i, n in enumerate(lens):
+            alone = torch.zeros_like(q[i : i + 1])
+            rc = lib.vx_decode_attention_bf16_avx2(
+                q[i].data_ptr(), q.stride(0), q.stride(1), alone.data_ptr(), alone.stride(0),
+                alone.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
+                table[i].data_ptr(), table.stride(0), seq[i].data_ptr(), 1, hq, hkv, d, bs,
+                d**-0.5, max(n, 1),
+            )  # fmt: skip
+            assert rc == 0 and torch.equal(alone[0], outs[1][i]), (hq, i)
+            if n == 0:
+                assert not outs[1][i].any()
 
 
 @pytest.mark.timeout(240)

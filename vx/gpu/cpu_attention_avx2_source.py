@@ -22,6 +22,8 @@ ATTENTION_AVX2_SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_AVX2_ATT_MAX_D 256
 #define VX_AVX2_ATT_MAX_BS 64
+/* the least (rows x query heads x keys) of a call worth a parallel region */
+#define VX_AVX2_ATT_PAR 1024
 /* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_eltwise_source`). */
 /* The 8 horizontal sums of a[0..7], in order, as one vector. */
 static inline __m256 vx_hsum8x8(const __m256* a) {
@@ -54,7 +56,10 @@ int vx_decode_attention_bf16_avx2(
     const int G = Hq / Hkv, DV = D / 8;
     int failed = 0;
     vx_ws ws;
-    const int par = (int64_t)B * Hkv * max_len >= 8192;
+    /* Parallel from one row up: SmolLM2's one row at 192 keys (3 items) took 0.63-0.69 of its
+       time alone on 2 threads (2-core Zen 3, `bench/attention.py`; 4 rows 0.53), where the
+       region's cost is a few us against ~28 us a layer. */
+    const int par = B * Hkv >= 2 && (int64_t)B * Hq * max_len >= VX_AVX2_ATT_PAR;
     vx_ws_init(&ws, (int64_t)B * Hkv, par);
     _Pragma("omp parallel if (par) reduction(| : failed)") {
     const int ml = max_len > 0 ? max_len : 1;
