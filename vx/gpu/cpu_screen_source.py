@@ -75,6 +75,15 @@ static double vx_screen_top(const float* a, int64_t N, const double* bound, doub
         vt = _mm512_max_pd(vt, _mm512_fnmadd_pd(vl, _mm512_loadu_pd(bound + n),
                                                 _mm512_cvtps_pd(_mm256_loadu_ps(a + n))));
     top = _mm512_reduce_max_pd(vt);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256d vt = _mm256_set1_pd(-INFINITY);
+    const __m256d vl = _mm256_set1_pd(t);
+    for (; n + 4 <= N; n += 4)
+        vt = _mm256_max_pd(vt, _mm256_fnmadd_pd(vl, _mm256_loadu_pd(bound + n),
+                                                _mm256_cvtps_pd(_mm_loadu_ps(a + n))));
+    double t4[4];
+    _mm256_storeu_pd(t4, vt);
+    for (int i = 0; i < 4; i++) top = t4[i] > top ? t4[i] : top;
 #endif
     for (; n < N; n++) {
         const double lo = (double)a[n] - t * bound[n];
@@ -124,6 +133,19 @@ int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
                 _mm512_set1_pd(floor[m]), _CMP_GE_OQ);
         if (any)
             for (int64_t j = n; j < n + 8; j++) VX_SCREEN_TAKE(j);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* 4 rows at a time, as above */
+    for (; n + 4 <= N; n += 4) {
+        const __m256d b = _mm256_loadu_pd(bound + n);
+        int any = 0;
+        for (int m = 0; m < M; m++)
+            any |= _mm256_movemask_pd(_mm256_cmp_pd(
+                _mm256_fmadd_pd(_mm256_set1_pd(l1[m]), b,
+                                _mm256_cvtps_pd(_mm_loadu_ps(a + m * N + n))),
+                _mm256_set1_pd(floor[m]), _CMP_GE_OQ));
+        if (any)
+            for (int64_t j = n; j < n + 4; j++) VX_SCREEN_TAKE(j);
     }
 #endif
     for (; n < N; n++) VX_SCREEN_TAKE(n);
