@@ -56,9 +56,10 @@ int vx_decode_attention_bf16_avx2(
     const int G = Hq / Hkv, DV = D / 8;
     int failed = 0;
     vx_ws ws;
-    /* Parallel from one row up: SmolLM2's one row at 192 keys (3 items) took 0.63-0.69 of its
-       time alone on 2 threads (2-core Zen 3, `bench/attention.py`; 4 rows 0.53), where the
-       region's cost is a few us against ~28 us a layer. */
+    /* Parallel from one row up (it was serial below 8,192 rows x kv heads x keys): SmolLM2's
+       one row at 192 keys (3 items) takes 0.70 of its serial time on 2 threads, at 1,024 keys
+       0.65, 4 rows at 192 keys 0.75 (2-core Zen 3, `bench/attention.py`): the region costs a
+       few us against ~28 us a layer. */
     const int par = B * Hkv >= 2 && (int64_t)B * Hq * max_len >= VX_AVX2_ATT_PAR;
     vx_ws_init(&ws, (int64_t)B * Hkv, par);
     _Pragma("omp parallel if (par) reduction(| : failed)") {

@@ -18,9 +18,8 @@ Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy
 embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on
 the VNNI copy, or for one row the int8 screen, `vx_screen_i8` (`vx_screen_i8_avx2`) and
 `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`) on
-its bf16 head row, as `ScreenedHead.argmax`
-computes them: a row's dot product does not depend on the rows computed beside it), so the
-same tokens.
+its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
+on the rows computed beside it), so the same tokens.
 """
 
 from __future__ import annotations
@@ -31,9 +30,11 @@ GREEDY_STEP_SOURCE = r"""
 /* one row's int8 screen, and one candidate's logit by the bf16 GEMM the logits path takes */
 #define VX_SCREEN_ROW(x, H, q, s, a, N) vx_screen_i8(x, H, 1, q, s, a, N, H)
 #define VX_EXACT_ROW(x, H, w, y) vx_gemv_bf16(x, H, 1, w, NULL, NULL, y, 1, 1, H)
-#else  /* AVX2 builds: `ScreenKernels`' AVX2 pair */
+#define VX_VNNI_HEAD 1  /* whole steps of several rows: the argmax on the head's VNNI copy */
+#else  /* AVX2 builds: `ScreenKernels`' AVX2 pair; no VNNI copy, so one screened row only */
 #define VX_SCREEN_ROW(x, H, q, s, a, N) vx_screen_i8_avx2(x, H, 1, q, s, a, N, H)
 #define VX_EXACT_ROW(x, H, w, y) vx_gemv_bf16_avx2(x, H, 1, w, NULL, y, 1, 1, H)
+#define VX_VNNI_HEAD 0
 #endif
 /* The LM head's int8 screen for one row (`vx.gpu.cpu_screen.ScreenedHead`): its copy, bounds
    and scratch, and the bf16 head the candidates are computed again on. */
@@ -77,10 +78,8 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
 int vx_llama_greedy_whole(const vx_layer* layers, int n_layers, const vx_step* s,
                           const vx_greedy_tail* g, const vx_screen_head* sh) {
     const int64_t T = s->T, H = s->H;
-    if (T < 1 || s->np || s->nd != T || s->keep || (sh ? T != 1 : !g->head)) return -2;
-#if !defined(__AVX512F__)
-    if (!sh) return -2;  /* no VNNI head on AVX2 builds */
-#endif
+    if (T < 1 || s->np || s->nd != T || s->keep || (sh ? T != 1 : !VX_VNNI_HEAD || !g->head))
+        return -2;
     vx_greedy_inputs(s, g, 0, T);
     int rc = vx_llama_decode_bf16(layers, n_layers, s);  /* -2: before anything is written */
     if (rc) return rc;
@@ -91,11 +90,11 @@ int vx_llama_greedy_whole(const vx_layer* layers, int n_layers, const vx_step* s
         g->out[0] = id;
         return 0;
     }
-#if defined(__AVX512F__)
+#if VX_VNNI_HEAD
     rc = vx_argmax_vnni_bf16(s->h, H, (int)T, g->head, g->vocab, H, g->out);
     return rc == -2 ? 1 : rc;
 #else
-    return -2;
+    return 1;  /* not reached: without a VNNI copy only screened rows are taken (above) */
 #endif
 }
 #else
