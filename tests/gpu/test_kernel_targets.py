@@ -185,7 +185,10 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
     lib = _avx2_build(tmp_path, monkeypatch)
     assert lib.vx_has_avx2_attention() == 1
     g = torch.Generator().manual_seed(0)
-    cases = [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5]), (4, 2, 64, 48, [0, 200, 97])]
+    # query heads per kv head 3, 8, 2, 7 and 1 and head dims 64, 128, 80 and 96: the kernel's
+    # tiles of up to 3 heads x 4 keys (q.k) and 3 heads x 32 dims (P V) and their remainders
+    cases = [(9, 3, 64, 16, [1, 17, 300]), (8, 1, 128, 8, [40, 5]), (4, 2, 64, 48, [0, 200, 97]),
+             (14, 2, 80, 16, [3, 33, 129]), (5, 5, 96, 16, [1, 250])]  # fmt: skip
     for hq, hkv, d, bs, lens in cases:
         b, width = len(lens), -(-max(lens) // bs)
         nb = b * width + 2

@@ -6,10 +6,14 @@ out as the "fast" bf16 decode kernel where it was built).
 Why it exists: the portable kernel (`vx.gpu.cpu_kernel_source`) widens every K and V row to
 fp32 in a scratch row and reduces one dot product per (key, head) to a scalar, which the
 compiler vectorises poorly: a SmolLM2 decode step at 64 requests x 256 keys spent ~80 of its
-~290 ms there on a 2-core AVX2 EPYC. Here each 16-key block of K is widened once into L1 and
-shared by the item's G query heads, eight keys' dot products are reduced together with
-horizontal adds, the softmax uses an 8-lane exp, and the next block is prefetched while the
-current one is computed.
+~290 ms there on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
+up to 3 query heads (each K row widened from bf16 as it is loaded, once for the tile's heads),
+reduced with horizontal adds; the softmax uses an 8-lane exp; P V runs in tiles of up to 3
+heads x 32 dims whose sums stay in registers over a block's keys; and the next block is
+prefetched while the current one is computed. The tiles replaced a scratch copy of each K
+block in fp32 and P V sums kept in memory (a load and a store per product): the same bits,
+0.54-0.67 of the time (`bench/attention.py`, 2-core Zen 3: 1 x 192 keys 1.09 -> 0.58 ms a
+30-layer step, 64 x 192 37.0 -> 24.1, 64 x 1,024 176 -> 118).
 
 Same arguments and layout as the portable kernel: one item per (request, kv head), scores for
 the item's G query heads over the whole context, then P V. fp32 throughout, one bf16 rounding
@@ -25,15 +29,51 @@ ATTENTION_AVX2_SOURCE = r"""
 /* the least (rows x query heads x keys) of a call worth a parallel region */
 #define VX_AVX2_ATT_PAR 1024
 /* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_eltwise_source`). */
-/* The 8 horizontal sums of a[0..7], in order, as one vector. */
-static inline __m256 vx_hsum8x8(const __m256* a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    /* s0123 = [0 1 2 3 | 0 1 2 3] halves of the sums (low lanes, high lanes), same for 4-7 */
-    const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-    const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-    return _mm256_add_ps(lo, hi);
+/* The 4 horizontal sums of a[0..3], each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of
+   its lanes l (the order of the kernel's earlier 8-key reduction: the same bits). */
+static inline __m128 vx_hsum4x4(const __m256* a) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+/* Scores of 4 keys (rows kr[j]) for GN query heads (qf + g D, fp32, scaled): dst[g lp + j].
+   Each key's dot product is summed lane-wise over the D / 8 chunks in order, then by
+   vx_hsum4x4: the sums the earlier kernel (K widened into a scratch block first) formed.
+   GN x 4 sums, GN q vectors and one K vector stay in registers (16 at GN = 3). */
+static inline __attribute__((always_inline)) void vx_avx2_qk_tile(
+        const float* qf, int D, const vx_bf16* const* kr, int DV, const int GN, float* dst,
+        int64_t lp) {
+    __m256 a[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
+    for (int c = 0; c < DV; c++) {
+        __m256 qv[3];
+        for (int g = 0; g < GN; g++) qv[g] = _mm256_load_ps(qf + g * D + c * 8);
+        for (int j = 0; j < 4; j++) {
+            const __m256 kv = vx_ld8_bf16(kr[j] + c * 8);
+            for (int g = 0; g < GN; g++) a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
+        }
+    }
+    for (int g = 0; g < GN; g++) _mm_storeu_ps(dst + g * lp, vx_hsum4x4(a[g]));
+}
+/* acc[g D + c 8 ..] += sum over the block's first smax keys s of p[g lp + s] * V[s] for GN
+   query heads and CN chunks of 8 dims, in key order (each sum's additions as before): the
+   GN x CN sums stay in registers over the keys, loaded and stored once a block. */
+static inline __attribute__((always_inline)) void vx_avx2_pv_tile(
+        const vx_bf16* v, int64_t c_ss, int smax, const float* p, int64_t lp, float* acc, int D,
+        const int GN, const int CN) {
+    __m256 a[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++) a[g][c] = _mm256_load_ps(acc + g * D + c * 8);
+    for (int s = 0; s < smax; s++) {
+        __m256 pv[3];
+        for (int g = 0; g < GN; g++) pv[g] = _mm256_broadcast_ss(p + g * lp + s);
+        for (int c = 0; c < CN; c++) {
+            const __m256 vr = vx_ld8_bf16(v + s * c_ss + c * 8);
+            for (int g = 0; g < GN; g++) a[g][c] = _mm256_fmadd_ps(pv[g], vr, a[g][c]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++) _mm256_store_ps(acc + g * D + c * 8, a[g][c]);
 }
 static inline void vx_prefetch_block(const vx_bf16* p, int rows, int64_t c_ss, int D) {
     for (int s = 0; s < rows; s++)
@@ -67,8 +107,7 @@ int vx_decode_attention_bf16_avx2(
     float* sc = (float*)aligned_alloc(32, sizeof(float) * (((size_t)G * (size_t)(ml + 8) + 7) & ~(size_t)7));
     float* qf = (float*)aligned_alloc(32, sizeof(float) * (size_t)G * D);
     float* acc = (float*)aligned_alloc(32, sizeof(float) * (size_t)G * D);
-    float* kf = (float*)aligned_alloc(32, sizeof(float) * (size_t)(BS + 8) * D);
-    if (!sc || !qf || !acc || !kf) failed = 1;
+    if (!sc || !qf || !acc) failed = 1;
     else for (int64_t w; (w = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
         const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b];
         const int nblk = (len + BS - 1) / BS, lp = len + 8;  /* sc row stride */
@@ -77,26 +116,24 @@ int vx_decode_attention_bf16_avx2(
             const vx_bf16* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh;
             for (int d = 0; d < D; d++) qf[g * D + d] = ld_bf16(qr[d]) * scale;
         }
-        /* S = q K^T, a block of K widened once for the G heads. */
+        /* S = q K^T in tiles of 4 keys x up to 3 query heads (vx_avx2_qk_tile), each K row
+           widened as it is read; keys past smax repeat the block's last one (their scores lie
+           past len and are never read). */
         for (int n = 0; n < nblk; n++) {
             const vx_bf16* kb = vx_avx2_block(kc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
-            const int s8 = (smax + 7) & ~7;
-            for (int s = 0; s < s8; s++)
-                for (int c = 0; c < DV; c++)
-                    _mm256_store_ps(kf + s * D + c * 8,
-                                    s < smax ? vx_ld8_bf16(kb + s * c_ss + c * 8) : _mm256_setzero_ps());
-            for (int g = 0; g < G; g++) {
-                const float* qg = qf + g * D;
-                for (int s0 = 0; s0 < s8; s0 += 8) {
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                    for (int c = 0; c < DV; c++) {
-                        const __m256 qv = _mm256_load_ps(qg + c * 8);
-                        for (int j = 0; j < 8; j++)
-                            a[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kf + (s0 + j) * D + c * 8), a[j]);
+            for (int s0 = 0; s0 < smax; s0 += 4) {
+                const vx_bf16* kr[4];
+                for (int j = 0; j < 4; j++)
+                    kr[j] = kb + (int64_t)(s0 + j < smax ? s0 + j : smax - 1) * c_ss;
+                for (int g0 = 0; g0 < G; g0 += 3) {
+                    const float* qg = qf + g0 * D;
+                    float* dst = sc + (int64_t)g0 * lp + n * BS + s0;
+                    switch (G - g0) {
+                    case 1: vx_avx2_qk_tile(qg, D, kr, DV, 1, dst, lp); break;
+                    case 2: vx_avx2_qk_tile(qg, D, kr, DV, 2, dst, lp); break;
+                    default: vx_avx2_qk_tile(qg, D, kr, DV, 3, dst, lp); break;
                     }
-                    _mm256_storeu_ps(sc + (int64_t)g * lp + n * BS + s0, vx_hsum8x8(a));
                 }
             }
         }
@@ -120,21 +157,26 @@ int vx_decode_attention_bf16_avx2(
             for (; j < len; j++) { sg[j] = vx_expf(sg[j] - m); sum += sg[j]; }
             inv[g] = 1.f / sum;
         }
-        /* O = P V, one V row widened once for the G heads. */
+        /* O = P V in tiles of up to 3 query heads x 32 dims (vx_avx2_pv_tile), their sums in
+           registers over a block's keys. */
         for (int i = 0; i < G * D; i++) acc[i] = 0.f;
         for (int n = 0; n < nblk; n++) {
             const vx_bf16* vb = vx_avx2_block(vc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
-            for (int s = 0; s < smax; s++) {
-                __m256 vr[VX_AVX2_ATT_MAX_D / 8];
-                for (int c = 0; c < DV; c++) vr[c] = vx_ld8_bf16(vb + s * c_ss + c * 8);
-                for (int g = 0; g < G; g++) {
-                    const __m256 p = _mm256_set1_ps(sc[(int64_t)g * lp + n * BS + s]);
-                    float* ag = acc + g * D;
-                    for (int c = 0; c < DV; c++)
-                        _mm256_store_ps(ag + c * 8, _mm256_fmadd_ps(p, vr[c], _mm256_load_ps(ag + c * 8)));
+            for (int c0 = 0; c0 < DV; c0 += 4)
+                for (int g0 = 0; g0 < G; g0 += 3) {
+                    const float* p = sc + (int64_t)g0 * lp + n * BS;
+                    float* a = acc + g0 * D + c0 * 8;
+                    const int gn = G - g0 < 3 ? G - g0 : 3, cn = DV - c0 < 4 ? DV - c0 : 4;
+                    switch (gn * 4 + cn) {
+#define VX_PV(GN, CN) case GN * 4 + CN: \
+    vx_avx2_pv_tile(vb + c0 * 8, c_ss, smax, p, lp, a, D, GN, CN); break;
+                    VX_PV(1, 1) VX_PV(1, 2) VX_PV(1, 3) VX_PV(1, 4)
+                    VX_PV(2, 1) VX_PV(2, 2) VX_PV(2, 3) VX_PV(2, 4)
+                    VX_PV(3, 1) VX_PV(3, 2) VX_PV(3, 3) default: VX_PV(3, 4)
+#undef VX_PV
+                    }
                 }
-            }
         }
         for (int g = 0; g < G; g++) {
             vx_bf16* orow = out + b * o_st + (int64_t)(h * G + g) * o_sh;
@@ -142,7 +184,7 @@ int vx_decode_attention_bf16_avx2(
             for (int d = 0; d < D; d++) orow[d] = st_bf16(len > 0 ? acc[g * D + d] * iv : 0.f);
         }
     }
-    free(sc); free(qf); free(acc); free(kf);
+    free(sc); free(qf); free(acc);
     }
     return failed ? -1 : 0;
 }
