@@ -58,6 +58,28 @@ def test_wide_gemm_is_the_bf16_gemm(rows: int, n: int, k: int) -> None:
     assert (diff == 0).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("panels", ["1", "0"])
+def test_wide_gemm_takes_the_panel_kernel_where_built(monkeypatch, panels: str) -> None:
+    """Where the AVX2 panel GEMM is built, the fp32 copy is its panels (no second copy), and
+    more rows than the skinny GEMM's go through it, 3-d inputs too; `VX_CPU_PANEL_GEMM=0`
+    (or a CPU without it) keeps oneDNN's copy. Both give the bf16 GEMM's values."""
+    monkeypatch.setenv("VX_CPU_PANEL_GEMM", panels)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(48, 96, generator=g) * 0.05).bfloat16()
+    x = torch.randn(2, 20, 96, generator=g).bfloat16()
+    ww = WideWeight(w)
+    lib = cpu_widen._state.get("lib")
+    built = lib is not None and bool(lib.vx_has_gemm_panels_avx2())
+    assert (ww.panels is not None) == (built and panels == "1")
+    if ww.panels is not None:
+        assert ww.weight is ww.panels and ww.panels.shape == (3, 96, 16)
+    got = ww.apply_wide(x, None)
+    assert got.shape == (2, 20, 48) and got.dtype is torch.bfloat16
+    want = x.double() @ w.double().T
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+    assert WideWeight(w[:40]).panels is None  # N % 16: oneDNN's copy
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_widened_model_gives_the_same_tokens(tiny_models, arch: str, monkeypatch) -> None:
     monkeypatch.setenv("VX_CPU_WIDEN", "0")

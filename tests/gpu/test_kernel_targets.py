@@ -100,6 +100,51 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_avx2_panel_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
+    """The AVX2 panel GEMM (`vx_gemm_panels_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
+    fp32 panels (`pack_panels`): fp32 sums of the exact products, the bias, one rounding; a
+    row alone the same bits as in its batch (whatever its place in a 6-row tile or a block of
+    rows); NaNs stay NaN; N % 16 refused."""
+    import torch
+
+    from vx.gpu import cpu_widen
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
+    assert lib.vx_has_gemm_panels_avx2() == 1
+    g = torch.Generator().manual_seed(0)
+    # rows: one partial tile, tiles and a remainder, several row blocks (K = 1536: 30 rows)
+    for m, n, k in [(1, 16, 8), (5, 48, 576), (25, 96, 576), (70, 32, 1536), (200, 16, 100)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        panels = cpu_widen.pack_panels(w.float())
+        assert panels is not None and panels.shape == (n // 16, k, 16)
+        assert torch.equal(panels[1 % (n // 16), :, 3], w[16 * (1 % (n // 16)) + 3].float())
+        x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
+        bias = torch.randn(n, generator=g).bfloat16()
+        for b in (bias, None):
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            ptrs = (panels.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), n, n, k)
+            assert lib.vx_gemm_panels_avx2(x.data_ptr(), x.stride(0), m, *ptrs) == 0
+            want = x.double() @ w.double().T + (0 if b is None else b.double())
+            tol = want.abs() * 2**-8 + 1e-6 * (x.double().abs() @ w.double().abs().T)
+            assert ((y.double() - want).abs() <= tol).all(), (m, n, k)
+            for i in {0, m // 2, m - 1}:
+                alone = torch.empty(1, n, dtype=torch.bfloat16)
+                ptrs = (panels.data_ptr(), None if b is None else b.data_ptr(), alone.data_ptr())
+                assert lib.vx_gemm_panels_avx2(x[i].data_ptr(), k, 1, *ptrs, n, n, k) == 0
+                assert torch.equal(alone[0], y[i]), (m, i)
+    x = torch.randn(3, k, generator=g).bfloat16()
+    x[1, 0] = float("nan")
+    y = torch.empty(3, n, dtype=torch.bfloat16)
+    assert lib.vx_gemm_panels_avx2(x.data_ptr(), k, 3, panels.data_ptr(), None, y.data_ptr(),
+                                   n, n, k) == 0  # fmt: skip
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    assert cpu_widen.pack_panels(torch.randn(40, 8)) is None
+    assert lib.vx_gemm_panels_avx2(x.data_ptr(), 8, 1, panels.data_ptr(), None, y.data_ptr(),
+                                   24, 24, 8) == -1  # fmt: skip
+
+
+@pytest.mark.timeout(240)
 def test_avx2_int8_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
     """The AVX2 int8 kernel (`--quantization int8` on AVX2 CPUs, from the x86-64-v3 build) on
     its packed layout: (x . q) * scale + bias from fp32 sums of exact products, one rounding,

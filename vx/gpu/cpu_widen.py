@@ -39,6 +39,7 @@ __all__ = [
     "avx2_int8_gemm",
     "avx2_int8_rows",
     "pack_int8_avx2",
+    "pack_panels",
     "widen_wanted",
 ]
 
@@ -191,8 +192,15 @@ class WideWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
-        self.packed = torch.backends.mkldnn.is_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
+        # vx's panel GEMM where it is built and takes N, else oneDNN's packed fp32 GEMM
+        self.panels = pack_panels(w)
+        self.packed = self.panels is None and torch.backends.mkldnn.is_available()
+        if self.panels is not None:
+            self.weight = self.panels
+        else:
+            self.weight = (
+                torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
+            )
         self.bf16 = weight.detach()
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
         self.min_rows = 1 if self.skinny_rows else WIDE_MIN_ROWS
@@ -219,6 +227,8 @@ class WideWeight:
         return y
 
     def apply_wide(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels is not None:
+            return self._panels(x, bias)
         xf = x.float()
         b = None if bias is None else bias.float()
         if self.packed:
@@ -226,3 +236,42 @@ class WideWeight:
         else:
             y = F.linear(xf, self.weight, b)
         return y.to(x.dtype)
+
+    def _panels(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = self.bf16.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.shape[0] == 0:
+            x2 = x2.to(torch.bfloat16).contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return self._panels(x, None) + bias
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        if x2.shape[0]:
+            rc = _state["lib"].vx_gemm_panels_avx2(  # type: ignore[union-attr]
+                x2.data_ptr(), x2.stride(0), x2.shape[0], self.panels.data_ptr(),
+                None if bias is None else bias.data_ptr(), y.data_ptr(), n, n, k,
+            )  # fmt: skip
+            if rc == -3:
+                raise MemoryError("vx AVX2 panel GEMM could not allocate scratch")
+            if rc != 0:
+                raise RuntimeError(f"vx AVX2 panel GEMM refused its arguments ({rc})")
+        return y.view(*lead, n).to(x.dtype)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [N, K] as `vx_gemm_panels_avx2` reads it, [N / 16, K, 16] (panel p, row k holds
+    W[16 p .. 16 p + 15, k]), 32-byte aligned; None where that kernel is not built here, N %
+    16 or `VX_CPU_PANEL_GEMM=0` (oneDNN's packed copy instead, for A/B runs)."""
+    n, k = w.shape
+    if n % 16 or n == 0 or os.environ.get("VX_CPU_PANEL_GEMM", "1") == "0":
+        return None
+    _skinny_rows()  # loads the library
+    lib = _state["lib"]
+    if lib is None or not lib.vx_has_gemm_panels_avx2():  # type: ignore[attr-defined]
+        return None
+    panels = w.float().view(n // 16, 16, k).transpose(1, 2).contiguous()
+    if panels.data_ptr() % 32:  # torch's CPU allocator aligns to 64 bytes; be sure
+        buf = torch.empty(panels.numel() + 8, dtype=torch.float32)
+        off = (-buf.data_ptr() // 4) % 8
+        panels = buf[off : off + panels.numel()].view(n // 16, k, 16).copy_(panels)
+    return panels

@@ -38,6 +38,7 @@ from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
+from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
 from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
 from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
@@ -156,6 +157,7 @@ _DECODE_KERNEL_SOURCE = (
     + GEMV_KERNEL_SOURCE
     + GEMM_VNNI_SOURCE
     + GEMV_AVX2_SOURCE
+    + GEMM_AVX2_SOURCE
     + SCREEN_SOURCE
     + ATTENTION_AVX2_SOURCE
     + PREFILL_AVX2_SOURCE
@@ -337,6 +339,9 @@ def _build_kernels() -> ctypes.CDLL | None:
         lib.vx_set_split_steal.argtypes = [i32]
         lib.vx_split_handovers.restype = ctypes.c_int
     lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
+    lib.vx_has_gemm_panels_avx2.restype = ctypes.c_int
+    lib.vx_gemm_panels_avx2.restype = ctypes.c_int
+    lib.vx_gemm_panels_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_int8_avx2.restype = ctypes.c_int
