@@ -16,6 +16,12 @@ streams weights, and the bf16 weight is half the bytes. Those rows go to vx's AV
 0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy; ahead of the fp32 copy up to ~24
 rows), or where it is not built, one row to torch's bf16 GEMV.
 
+Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`) and N % 16 == 0, the fp32
+copy is laid out in its panels of 16 columns and it takes every row count past the skinny
+GEMM's (0.78-0.97 of oneDNN's packed GEMM's time from 25 to 2,048 rows on a 2-core Zen 3);
+otherwise the copy is oneDNN's packed layout and oneDNN takes them. `VX_CPU_PANEL_GEMM=0`
+keeps oneDNN's (A/B runs).
+
 Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
 `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
 the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1` forces it (tests, A/B runs);
