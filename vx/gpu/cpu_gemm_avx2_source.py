@@ -6,10 +6,10 @@ Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library
 batches past 24 rows, prompts, the LM head's logits).
 
 Why it exists: on AVX2 machines the bf16 model's GEMMs run in fp32 (bf16 x bf16 products are
-exact there; `vx.gpu.cpu_widen`). oneDNN's packed fp32 GEMM ran at 70-110 GFLOP/s at 25-64
-rows on a 2-core Zen 3; this kernel at 92-126, 0.78-0.91 of its time from 25 to 512 rows and
-level at 2,048 (SmolLM2's 120 layer matrices; measured against oneDNN's packed copy in one
-process, median of 7). The panel layout makes the inner loop the classic outer product: per
+exact there; `vx.gpu.cpu_widen`). oneDNN's packed fp32 GEMM ran at 74-134 GFLOP/s from 25 to
+2,048 rows on a 2-core Zen 3; this kernel at 93-138, 0.78 of its time at 25 rows, 0.87 at 64,
+0.93 at 512 and 0.97 at 2,048 (SmolLM2's 120 layer matrices through `WideWeight.apply_wide`,
+both alternated in one process, medians of 7). The panel layout makes the inner loop the classic outer product: per
 k, two loads of 16 weights and 6 broadcasts of x feed 12 FMAs, with the 6 x 16 sums in
 registers (15 of the 16), so the FMA units, not the loads, bound it.
 
@@ -17,8 +17,9 @@ Layout: x [M, K] bf16 (row stride x_st); P the panels: P[p][k][j] = W[16 p + j][
 [N / 16, K, 16] contiguous (`vx.gpu.cpu_widen.pack_panels`); bias [N] bf16 or NULL; y [M, N]
 bf16 (row stride y_st). N % 16 == 0, M >= 1. Each output is its row's fp32 sum over k in order
 (one FMA chain per output), plus the bias, rounded to bf16 once: a row's outputs do not depend
-on the other rows. Parallel over (block of rows, panel) items with stealing (`vx_ws`); a block
-of rows is as many as keep x's fp32 rows within ~192 KB (L2) while the panels stream by.
+on the other rows. Parallel over (panel, block of rows) items with stealing (`vx_ws`), panel
+first, so a thread's consecutive items reuse one panel from L2 (its K x 16 fp32 values) while
+x's rows stream by; a block is as many rows as fit ~192 KB of x, which sets the items' size.
 """
 
 from __future__ import annotations

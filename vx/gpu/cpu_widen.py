@@ -247,7 +247,7 @@ class WideWeight:
         n, k = self.bf16.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
-        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.shape[0] == 0:
+        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
             x2 = x2.to(torch.bfloat16).contiguous()
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return self._panels(x, None) + bias
