@@ -100,6 +100,49 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
+    """The compact GEMM (`vx_gemv_compact_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
+    compact copy gives `vx_gemv_bf16_avx2`'s outputs bit for bit, at one and two rows, with
+    and without bias, raw blocks and odd values included; more rows and K % 32 refused."""
+    import torch
+
+    from vx.gpu import cpu_widen
+    from vx.gpu.cpu_compact import CompactWeight
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
+    assert lib.vx_compact_max_rows() == 2
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(1, 32), (7, 64), (97, 576), (40, 1536)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        w[0, :3] = 0.0  # a raw block
+        w[-1, k // 2] = 40.0  # another
+        if n > 1:
+            w[1, 5] = float("nan")
+        c = CompactWeight.maybe(lib, w)
+        assert c is not None and c.raw.shape[0] >= (1 if k == 32 else 2)
+        for m in (1, 2):
+            x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
+            for b in (torch.randn(n, generator=g).bfloat16(), None):
+                want = torch.empty(m, n, dtype=torch.bfloat16)
+                ptrs = (w.data_ptr(), None if b is None else b.data_ptr(), want.data_ptr())
+                assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), m, *ptrs, n, n, k) == 0
+                got = c.apply(x, b)
+                assert got is not None and got.shape == (m, n)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m)
+    x = torch.randn(3, k, generator=g).bfloat16()
+    assert c.apply(x, None) is None  # three rows: the bf16 kernel's
+    y = torch.empty(3, n, dtype=torch.bfloat16)
+    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 3, c.blocks.data_ptr(), c.hb.data_ptr(),
+                                    c.raw.data_ptr(), None, y.data_ptr(), n, n, k) == -1  # fmt: skip
+    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 1, c.blocks.data_ptr(), c.hb.data_ptr(),
+                                    c.raw.data_ptr(), None, y.data_ptr(), n, n, 48) == -1  # fmt: skip
+    assert CompactWeight.maybe(lib, torch.zeros(4, 48, dtype=torch.bfloat16)) is None
+    monkeypatch.setenv("VX_CPU_COMPACT", "0")
+    assert CompactWeight.maybe(lib, w) is None
+
+
+@pytest.mark.timeout(240)
 def test_avx2_panel_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
     """The AVX2 panel GEMM (`vx_gemm_panels_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
     fp32 panels (`pack_panels`): fp32 sums of the exact products, the bias, one rounding; a
@@ -384,12 +427,13 @@ def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch)
 @pytest.mark.parametrize("screened", [True, False])
 def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bool) -> None:
     """The x86-64-v3 build takes a one-row greedy decode step whole (`vx_llama_greedy_whole`:
-    the embedding, every layer, the final norm and the LM head's int8 screen, its exact rows
-    on `vx_gemv_bf16_avx2`): the forward path's tokens, every decode step in the one call.
+    the embedding, every layer (its GEMMs on the compact copies), the final norm and the LM
+    head's int8 screen, its exact rows on `vx_gemv_bf16_avx2`): the forward path's tokens,
+    every decode step in the one call.
     With every vocab row a candidate the screen gives no token: the layers still ran once and
     the logits path gives the same tokens."""
     from tests.gpu.test_greedy_step import _whole_steps_both_ways
-    from vx.gpu import cpu_ops, cpu_widen
+    from vx.gpu import cpu_decode, cpu_ops, cpu_widen
 
     lib = _avx2_build(tmp_path, monkeypatch)
     monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
@@ -400,6 +444,10 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
     def prepare(runner):
         screen = runner._model.lm_head.argmax_screen(1)
         assert screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
+        # the layers' one-row GEMMs run on their compact copies, in the call as in the forward
+        lins = [m for m in runner._model.model.modules() if getattr(m, "wide", None) is not None]
+        assert lins and all(m.wide.compact is not None for m in lins)
+        assert all(cpu_decode._linear_desc(m, True).cw for m in lins)
         if not screened:  # in place (C holds its pointer): every row is a candidate
             screen.bound[:] = 1e30
 

@@ -55,7 +55,7 @@ _VNNI_STEP_ROWS = 1 << 30
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
-        ("q4", _P), ("s4", _P), ("z4", _P),
+        ("q4", _P), ("s4", _P), ("z4", _P), ("cw", _P), ("ch", _P), ("craw", _P),
     ]  # fmt: skip
 
 
@@ -150,9 +150,11 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
             return None
         scale = layer.quant.scales
     vn = None if avx2 or layer.vnni is None else layer.vnni.packed
+    c = layer.wide.compact if avx2 else None
     return _Linear(
         w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
-        *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else ()),
+        *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else (None,) * 3),
+        *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else ()),
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past the
 VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), any number of rows, as
 `vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
 path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
-weights, the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+weights (1-2 rows on their compact copy, `vx.gpu.cpu_compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
 roundings per output), as `vx.gpu.rotary.apply_rotary`.
 
 Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
@@ -68,6 +68,9 @@ typedef struct {
     const uint8_t* q4;      /* AVX2: the int4 weight of `cpu_widen.Int4Avx2`, or NULL */
     const float* s4;        /* its scales (times 2^-28) and zeros, with q4 */
     const float* z4;
+    const uint8_t* cw;      /* AVX2: the compact copy of w (`cpu_compact.CompactWeight`), or NULL */
+    const uint8_t* ch;      /* its block bytes and raw blocks, with cw */
+    const vx_bf16* craw;
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -124,6 +127,9 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
                                  L->k);
     if (L->q && T <= quant_rows)
         return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the same outputs from a quarter fewer bytes */
+        return vx_gemv_compact_avx2(x, L->k, (int)T, L->cw, L->ch, L->craw, L->bias, y, L->n,
+                                    L->n, L->k);
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
 #endif
 }

@@ -14,7 +14,9 @@ A widened layer keeps its bf16 weight: up to a few rows (decode at small batch) 
 streams weights, and the bf16 weight is half the bytes. Those rows go to vx's AVX2 skinny GEMM
 (`vx.gpu.cpu_gemv_avx2_source`, up to 24 rows: 0.20 ms a SmolLM2 layer at one row, against
 0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy; ahead of the fp32 copy up to ~24
-rows), or where it is not built, one row to torch's bf16 GEMV.
+rows), or where it is not built, one row to torch's bf16 GEMV. One and two rows take the
+same kernel's sums from the weight's compact copy (`vx.gpu.cpu_compact`: the bf16 values in
+a quarter fewer bytes).
 
 Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`) and N % 16 == 0, the fp32
 copy is laid out in its panels of 16 columns and it takes every row count past the skinny
@@ -36,6 +38,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from vx.gpu.cpu_compact import CompactWeight
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +200,7 @@ class WideWeight:
     the caller should send here. `bf16` is the layer's own weight (no copy).
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, *, compact: bool = True) -> None:
         w = weight.detach().float()
         # vx's panel GEMM where it is built and takes N, else oneDNN's packed fp32 GEMM
         self.panels = pack_panels(w)
@@ -210,9 +214,18 @@ class WideWeight:
         self.bf16 = weight.detach()
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
         self.min_rows = 1 if self.skinny_rows else WIDE_MIN_ROWS
+        # one and two rows: the same outputs from the compact copy's fewer bytes (`compact`
+        # False: none, as for the LM head, whose rows the int8 screen serves)
+        self.compact = (
+            CompactWeight.maybe(_state["lib"], self.bf16) if compact and self.skinny_rows else None
+        )
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
+        if self.compact is not None and m <= self.compact.max_rows:
+            y = self.compact.apply(x, bias)
+            if y is not None:
+                return y
         if 0 < m <= self.skinny_rows and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
             return self._skinny(x, bias)
         return self.apply_wide(x, bias)

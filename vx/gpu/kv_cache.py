@@ -36,6 +36,7 @@ import torch
 
 from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
+from vx.gpu.cpu_compact_source import COMPACT_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
 from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
@@ -157,6 +158,7 @@ _DECODE_KERNEL_SOURCE = (
     + GEMV_KERNEL_SOURCE
     + GEMM_VNNI_SOURCE
     + GEMV_AVX2_SOURCE
+    + COMPACT_AVX2_SOURCE
     + GEMM_AVX2_SOURCE
     + SCREEN_SOURCE
     + ATTENTION_AVX2_SOURCE
@@ -343,6 +345,9 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_gemm_panels_avx2.restype = ctypes.c_int
     lib.vx_gemm_panels_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
+    lib.vx_compact_max_rows.restype = ctypes.c_int
+    lib.vx_gemv_compact_avx2.restype = ctypes.c_int
+    lib.vx_gemv_compact_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
     lib.vx_gemv_int8_avx2.restype = ctypes.c_int
     lib.vx_gemv_int8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]

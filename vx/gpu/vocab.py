@@ -100,7 +100,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quantization is not None:
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
         if widen_wanted(self.weight):
-            self.wide = WideWeight(self.weight.data)
+            # no compact copy: the embedding's rows compress poorly, and the screen is leaner
+            self.wide = WideWeight(self.weight.data, compact=False)
             # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
             # the greedy tokens can come from half its bytes (vx.gpu.cpu_screen).
             if (
