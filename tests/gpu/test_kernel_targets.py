@@ -375,8 +375,8 @@ def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias", "llama-int8", "llama-int4"])
 def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str) -> None:
     """The fused step of the x86-64-v3 build (its AVX2 GEMM and attention, on any AVX2 CPU)
-    against the module path on the same build: bit-identical logits at 1-24 rows, declined past
-    them; with int8 or int4 weights, the AVX2 int8 or int4 kernel up to `max_rows` (8 or 2)
+    against the module path on the same build: bit-identical logits at 1-24 rows (whichever of
+    the compact, skinny and panel GEMMs the rows take), declined past them; with int8 or int4 weights, the AVX2 int8 or int4 kernel up to `max_rows` (8 or 2)
     rows and the bf16 GEMM past them, alike on both paths."""
     import torch
 
@@ -398,7 +398,8 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
     fused = FusedDecode.build(model.model)
     assert fused is not None and fused.max_rows() == 24
     assert fused._quant_rows == {None: 0, "int8": 8, "int4": 2}[quant]
-    for batch in (1, 4, 17, 24, 25):
+    # 1-2 rows: the compact copies; to 9 the skinny GEMM; 10-24 the panels (bf16 weights)
+    for batch in (1, 4, 9, 10, 17, 24, 25):
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 
 

@@ -43,6 +43,7 @@ import torch
 
 from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
 from vx.gpu.cpu_vnni import VNNI_MIN_ROWS
+from vx.gpu.cpu_widen import PANEL_FROM_ROWS
 from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
 
 __all__ = ["FusedDecode"]
@@ -56,6 +57,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
         ("q4", _P), ("s4", _P), ("z4", _P), ("cw", _P), ("ch", _P), ("craw", _P),
+        ("panels", _P),
     ]  # fmt: skip
 
 
@@ -154,7 +156,8 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     return _Linear(
         w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
         *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else (None,) * 3),
-        *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else ()),
+        *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else (None,) * 3),
+        _ptr(layer.wide.panels) if avx2 else None,
     )  # fmt: skip
 
 
@@ -313,7 +316,9 @@ class FusedDecode:
             self._eps, d**-0.5,
             md.decode_num_blocks * bs, self._quant_rows,
             int(self._has_fast and fast_decode_attention()),
-            VNNI_MIN_ROWS - 1 if self._vnni_rows else bf16_max_rows(),  # as `linear` routes
+            # as `linear` (AVX2: `WideWeight.apply`) routes
+            PANEL_FROM_ROWS - 1 if self._avx2_rows
+            else VNNI_MIN_ROWS - 1 if self._vnni_rows else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),

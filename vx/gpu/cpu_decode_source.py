@@ -71,6 +71,7 @@ typedef struct {
     const uint8_t* cw;      /* AVX2: the compact copy of w (`cpu_compact.CompactWeight`), or NULL */
     const uint8_t* ch;      /* its block bytes and raw blocks, with cw */
     const vx_bf16* craw;
+    const float* panels;    /* AVX2: w's fp32 panels (`cpu_widen.pack_panels`), or NULL */
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -84,7 +85,8 @@ typedef struct {
     int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
     float eps, scale;
     int32_t max_len, quant_rows, fast;
-    int32_t skinny_rows;    /* rows up to which the skinny GEMM runs where a VNNI copy exists */
+    int32_t skinny_rows;    /* rows up to which the skinny GEMM runs where a VNNI copy (AVX2:
+                               the fp32 panels) exists */
     const vx_bf16* cos;     /* [T, D / 2] */
     const vx_bf16* sin;
     const int64_t* slots;   /* [T] */
@@ -120,13 +122,14 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
     if (L->vn && T > skinny_rows)  /* past the skinny GEMM's rows: as `linear` routes them */
         return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
-#else  /* AVX2: `QuantizedWeight`'s int4 or int8 kernel, else the skinny GEMM of `WideWeight` */
-    (void)skinny_rows;
+#else  /* AVX2: `QuantizedWeight`'s int4 or int8 kernel, else `WideWeight`'s skinny or panel GEMM */
     if (L->q4 && T <= quant_rows)
         return vx_gemv_int4_avx2(x, L->k, (int)T, L->q4, L->s4, L->z4, L->bias, y, L->n, L->n,
                                  L->k);
     if (L->q && T <= quant_rows)
         return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (L->panels && T > skinny_rows)  /* past the skinny GEMM's rows: as `WideWeight` routes */
+        return vx_gemm_panels_avx2(x, L->k, (int)T, L->panels, L->bias, y, L->n, L->n, L->k);
     if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the same outputs from a quarter fewer bytes */
         return vx_gemv_compact_avx2(x, L->k, (int)T, L->cw, L->ch, L->craw, L->bias, y, L->n,
                                     L->n, L->k);

@@ -19,8 +19,9 @@ same kernel's sums from the weight's compact copy (`vx.gpu.cpu_compact`: the bf1
 a quarter fewer bytes).
 
 Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`) and N % 16 == 0, the fp32
-copy is laid out in its panels of 16 columns and it takes every row count past the skinny
-GEMM's (0.78-0.97 of oneDNN's packed GEMM's time from 25 to 2,048 rows on a 2-core Zen 3);
+copy is laid out in its panels of 16 columns and it takes every row count from
+PANEL_FROM_ROWS (10) up, where it overtakes the skinny GEMM (0.78-0.97 of oneDNN's packed
+GEMM's time from 25 to 2,048 rows on a 2-core Zen 3, 0.66-0.79 of the skinny GEMM's at 12-24);
 otherwise the copy is oneDNN's packed layout and oneDNN takes them. `VX_CPU_PANEL_GEMM=0`
 keeps oneDNN's (A/B runs).
 
@@ -44,6 +45,7 @@ from vx.gpu.cpu_compact import CompactWeight
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "PANEL_FROM_ROWS",
     "Int4Avx2",
     "WideWeight",
     "avx2_int8_gemm",
@@ -55,6 +57,10 @@ __all__ = [
 
 #: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
+#: Rows from which the panel GEMM, where a weight has panels, takes the rows the skinny GEMM
+#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, medians of 7, skinny against panels:
+#: 6 rows 23.1 / 23.2 ms, 8 rows 28.2 / 30.9, 12 rows 41.8 / 33.0, 16 55.4 / 41.6, 24 76.2 / 50.0.
+PANEL_FROM_ROWS = 10
 #: oneDNN lays the packed fp32 weight out for this many rows (decode batches).
 _BATCH_HINT = 64
 
@@ -226,7 +232,10 @@ class WideWeight:
             y = self.compact.apply(x, bias)
             if y is not None:
                 return y
-        if 0 < m <= self.skinny_rows and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+        skinny = (
+            self.skinny_rows if self.panels is None else min(self.skinny_rows, PANEL_FROM_ROWS - 1)
+        )
+        if 0 < m <= skinny and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
             return self._skinny(x, bias)
         return self.apply_wide(x, bias)
 
