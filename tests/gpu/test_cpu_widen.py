@@ -140,12 +140,23 @@ def test_copies_stop_at_the_budget(tiny_models, monkeypatch, caplog) -> None:
     ref = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
     first = _linears(ref)[0].weight
     monkeypatch.setattr(cpu_widen, "_state", {})
-    # Room for the first layer's copy and a little more, not for the second's.
-    monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + 16))
+    # the compact copy beside the fp32 one counts too, where this CPU makes one
+    lib = cpu_widen._state["lib"] if cpu_widen._skinny_rows() else None
+    compact = cpu_widen.CompactWeight.maybe_size(lib, first)
+    if compact:  # room for the fp32 copy alone: none
+        monkeypatch.setattr(cpu_widen, "_state", {})
+        monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + 16))
+        model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
+        assert _linears(model)[0].wide is None
+        caplog.clear()
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    # Room for the first layer's copies and a little more, not for the second's.
+    monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + compact + 16))
     with caplog.at_level(logging.WARNING, logger="vx.gpu.cpu_widen"):
         model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
     widened = [m.wide is not None for m in _linears(model)]
     assert widened[0] and sum(widened) < len(widened)
+    assert (_linears(model)[0].wide.compact is not None) == bool(compact)
     assert sum("VX_CPU_WIDEN_BUDGET" in r.getMessage() for r in caplog.records) == 1
     out = PagedDriver(model).greedy({"a": [1, 5, 9, 13], "b": list(range(3, 30))}, 4)
     assert all(len(v) == 4 for v in out.values())

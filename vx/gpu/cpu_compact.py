@@ -92,17 +92,24 @@ class CompactWeight:
         self.blocks, self.hb, self.raw = pack_compact(weight)
         self.max_rows = int(lib.vx_compact_max_rows())
 
+    @staticmethod
+    def _takes(lib, weight: torch.Tensor) -> bool:
+        if lib is None or os.environ.get("VX_CPU_COMPACT", "1") == "0":
+            return False
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
+            return False
+        return weight.shape[1] <= 16384 and bool(lib.vx_compact_max_rows())
+
     @classmethod
     def maybe(cls, lib, weight: torch.Tensor) -> CompactWeight | None:
         """The copy, or None where the kernel is not built here, K % 32, or
         `VX_CPU_COMPACT=0`."""
-        if lib is None or os.environ.get("VX_CPU_COMPACT", "1") == "0":
-            return None
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
-            return None
-        if weight.shape[1] > 16384 or not lib.vx_compact_max_rows():
-            return None
-        return cls(lib, weight.detach())
+        return cls(lib, weight.detach()) if cls._takes(lib, weight) else None
+
+    @classmethod
+    def maybe_size(cls, lib, weight: torch.Tensor) -> int:
+        """The bytes `maybe` would hold (its raw blocks aside), 0 where it would make none."""
+        return weight.numel() * 49 // 32 if cls._takes(lib, weight) else 0
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         m = x.shape[0]

@@ -58,8 +58,10 @@ __all__ = [
 #: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
 #: Rows from which the panel GEMM, where a weight has panels, takes the rows the skinny GEMM
-#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, medians of 7, skinny against panels:
-#: 6 rows 23.1 / 23.2 ms, 8 rows 28.2 / 30.9, 12 rows 41.8 / 33.0, 16 55.4 / 41.6, 24 76.2 / 50.0.
+#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against panels (ms, medians of
+#: 7 and of 9, two runs): 8 rows 28.2 / 30.9 and 26.2 / 27.2, 10 rows 28.9 / 29.5, 12 rows
+#: 41.8 / 33.0 and 38.1 / 37.8, 16 rows 55.4 / 41.6 and 49.9 / 41.2, 24 rows 76.2 / 50.0 and
+#: 61.8 / 47.5: level at 10-12 rows, the panels ahead past them.
 PANEL_FROM_ROWS = 10
 #: oneDNN lays the packed fp32 weight out for this many rows (decode batches).
 _BATCH_HINT = 64
@@ -179,14 +181,17 @@ def _budget_left() -> int:
     return _state["left"]  # type: ignore[return-value]
 
 
-def widen_wanted(weight: torch.Tensor) -> bool:
-    """Whether this CPU bf16 weight gets an fp32 copy (and takes it from the budget)."""
+def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
+    """Whether this CPU bf16 weight gets an fp32 copy (and takes it from the budget, with the
+    compact copy `WideWeight(weight, compact=compact)` will make beside it here)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return False
     mode = os.environ.get("VX_CPU_WIDEN", "auto")
     if mode == "0" or (mode != "1" and _native_bf16()):
         return False
     need = weight.numel() * 4
+    if compact and _skinny_rows():
+        need += CompactWeight.maybe_size(_state["lib"], weight)
     if need > _budget_left():
         if not _state.get("warned"):
             _state["warned"] = True

@@ -99,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         if self.quantization is not None:
             self.quant = QuantizedWeight(self.weight.data, self.quantization)
-        if widen_wanted(self.weight):
+        if widen_wanted(self.weight, compact=False):
             # no compact copy: the embedding's rows compress poorly, and the screen is leaner
             self.wide = WideWeight(self.weight.data, compact=False)
             # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
