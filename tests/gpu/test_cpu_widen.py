@@ -169,3 +169,12 @@ def test_automatic_choice_follows_the_cpu(tiny_models, monkeypatch) -> None:
     assert all((m.wide is None) == bool(native) for m in _linears(model))
     fp32 = load_model(tiny_models["llama"], dtype=torch.float32, progress=False)
     assert all(m.wide is None for m in _linears(fp32))  # only bf16 weights are widened
+
+
+def test_quantized_layers_get_no_compact_copy(tiny_models, monkeypatch) -> None:
+    """`--quantization` layers' own kernels take the rows a compact copy would: none is made."""
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False,
+                       quantization="int8")  # fmt: skip
+    lins = [m for m in _linears(model) if m.wide is not None]
+    assert lins and all(m.wide.compact is None for m in lins)

@@ -108,8 +108,10 @@ def _process_linear(layer: nn.Module) -> None:
     """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
     if layer.quantization is not None:
         layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
-    if widen_wanted(layer.weight):  # a CPU without bf16 arithmetic (vx.gpu.cpu_widen)
-        layer.wide = WideWeight(layer.weight.data)
+    # a quantized layer's own kernels take the rows a compact copy would (vx.gpu.cpu_compact)
+    compact = layer.quant is None
+    if widen_wanted(layer.weight, compact=compact):  # no bf16 arithmetic here (vx.gpu.cpu_widen)
+        layer.wide = WideWeight(layer.weight.data, compact=compact)
     if layer.quant is None and vnni_wanted(layer.weight):
         # AVX512-BF16 without AMX: the skinny GEMM on the plain weight for one row, vx's VNNI
         # GEMM from VNNI_MIN_ROWS (vx.gpu.cpu_vnni); no oneDNN copy.
