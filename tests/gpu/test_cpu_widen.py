@@ -60,7 +60,7 @@ def test_wide_gemm_is_the_bf16_gemm(rows: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("panels", ["1", "0"])
 def test_wide_gemm_takes_the_panel_kernel_where_built(monkeypatch, panels: str) -> None:
-    """Where the AVX2 panel GEMM is built, the fp32 copy is its panels (no second copy), and
+    """Where the AVX2 panel GEMM is built, the wide copy is its bf16 panels (no fp32 copy), and
     more rows than the skinny GEMM's go through it, 3-d inputs too; `VX_CPU_PANEL_GEMM=0`
     (or a CPU without it) keeps oneDNN's copy. Both give the bf16 GEMM's values."""
     monkeypatch.setenv("VX_CPU_PANEL_GEMM", panels)
@@ -72,12 +72,14 @@ def test_wide_gemm_takes_the_panel_kernel_where_built(monkeypatch, panels: str) 
     built = lib is not None and bool(lib.vx_has_gemm_panels_avx2())
     assert (ww.panels is not None) == (built and panels == "1")
     if ww.panels is not None:
-        assert ww.weight is ww.panels and ww.panels.shape == (3, 96, 16)
+        assert ww.weight is ww.panels and ww.panels.shape == (3, 48, 16, 2)
+        assert ww.panels.dtype is torch.bfloat16
     got = ww.apply_wide(x, None)
     assert got.shape == (2, 20, 48) and got.dtype is torch.bfloat16
     want = x.double() @ w.double().T
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
     assert WideWeight(w[:40]).panels is None  # N % 16: oneDNN's copy
+    assert WideWeight(w[:, :95].contiguous()).panels is None  # odd K: oneDNN's copy
     # the skinny GEMM's rows end where the panels overtake it
     for rows in (cpu_widen.PANEL_FROM_ROWS - 1, cpu_widen.PANEL_FROM_ROWS):
         x2 = x[0, :rows]
@@ -140,18 +142,20 @@ def test_copies_stop_at_the_budget(tiny_models, monkeypatch, caplog) -> None:
     ref = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
     first = _linears(ref)[0].weight
     monkeypatch.setattr(cpu_widen, "_state", {})
-    # the compact copy beside the fp32 one counts too, where this CPU makes one
+    # the wide copy is the bf16 panels where the panel GEMM takes the shape, else fp32; the
+    # compact copy beside it counts too, where this CPU makes one
     lib = cpu_widen._state["lib"] if cpu_widen._skinny_rows() else None
+    wide = first.numel() * (2 if cpu_widen._panels_take(*first.shape) else 4)
     compact = cpu_widen.CompactWeight.maybe_size(lib, first)
-    if compact:  # room for the fp32 copy alone: none
+    if compact:  # room for the wide copy alone: none
         monkeypatch.setattr(cpu_widen, "_state", {})
-        monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + 16))
+        monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(wide + 16))
         model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
         assert _linears(model)[0].wide is None
         caplog.clear()
     monkeypatch.setattr(cpu_widen, "_state", {})
     # Room for the first layer's copies and a little more, not for the second's.
-    monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(first.numel() * 4 + compact + 16))
+    monkeypatch.setenv("VX_CPU_WIDEN_BUDGET", str(wide + compact + 16))
     with caplog.at_level(logging.WARNING, logger="vx.gpu.cpu_widen"):
         model = load_model(tiny_models["llama"], dtype=torch.bfloat16, progress=False)
     widened = [m.wide is not None for m in _linears(model)]

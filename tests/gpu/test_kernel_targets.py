@@ -145,9 +145,9 @@ def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
 @pytest.mark.timeout(240)
 def test_avx2_panel_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
     """The AVX2 panel GEMM (`vx_gemm_panels_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
-    fp32 panels (`pack_panels`): fp32 sums of the exact products, the bias, one rounding; a
+    bf16 panels (`pack_panels`): fp32 sums of the exact products, the bias, one rounding; a
     row alone the same bits as in its batch (whatever its place in a 6-row tile or a block of
-    rows); NaNs stay NaN; N % 16 refused."""
+    rows); NaNs stay NaN; N % 16 and odd K refused."""
     import torch
 
     from vx.gpu import cpu_widen
@@ -159,9 +159,11 @@ def test_avx2_panel_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
     # rows: one partial tile, tiles and a remainder, several row blocks (K = 1536: 30 rows)
     for m, n, k in [(1, 16, 8), (5, 48, 576), (25, 96, 576), (70, 32, 1536), (200, 16, 100)]:
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-        panels = cpu_widen.pack_panels(w.float())
-        assert panels is not None and panels.shape == (n // 16, k, 16)
-        assert torch.equal(panels[1 % (n // 16), :, 3], w[16 * (1 % (n // 16)) + 3].float())
+        panels = cpu_widen.pack_panels(w)
+        assert panels is not None and panels.shape == (n // 16, k // 2, 16, 2)
+        p = 1 % (n // 16)  # column 3 of panel p: its k pairs, in order
+        assert torch.equal(panels[p, :, 3].reshape(k), w[16 * p + 3])
+        assert torch.equal(cpu_widen.pack_panels(w.float()), panels)  # fp32 of bf16 values
         x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
         bias = torch.randn(n, generator=g).bfloat16()
         for b in (bias, None):
@@ -183,8 +185,11 @@ def test_avx2_panel_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
                                    n, n, k) == 0  # fmt: skip
     assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
     assert cpu_widen.pack_panels(torch.randn(40, 8)) is None
+    assert cpu_widen.pack_panels(torch.randn(32, 7)) is None
     assert lib.vx_gemm_panels_avx2(x.data_ptr(), 8, 1, panels.data_ptr(), None, y.data_ptr(),
                                    24, 24, 8) == -1  # fmt: skip
+    assert lib.vx_gemm_panels_avx2(x.data_ptr(), 7, 1, panels.data_ptr(), None, y.data_ptr(),
+                                   16, 16, 7) == -1  # fmt: skip
 
 
 @pytest.mark.timeout(240)

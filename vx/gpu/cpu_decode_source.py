@@ -71,7 +71,7 @@ typedef struct {
     const uint8_t* cw;      /* AVX2: the compact copy of w (`cpu_compact.CompactWeight`), or NULL */
     const uint8_t* ch;      /* its block bytes and raw blocks, with cw */
     const vx_bf16* craw;
-    const float* panels;    /* AVX2: w's fp32 panels (`cpu_widen.pack_panels`), or NULL */
+    const uint32_t* panels; /* AVX2: w in bf16 panels (`cpu_widen.pack_panels`), or NULL */
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -86,7 +86,7 @@ typedef struct {
     float eps, scale;
     int32_t max_len, quant_rows, fast;
     int32_t skinny_rows;    /* rows up to which the skinny GEMM runs where a VNNI copy (AVX2:
-                               the fp32 panels) exists */
+                               the bf16 panels) exists */
     const vx_bf16* cos;     /* [T, D / 2] */
     const vx_bf16* sin;
     const int64_t* slots;   /* [T] */

@@ -3,7 +3,7 @@ AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x, W bf16 or (`--qua
 int8 with per-row scales; and the LM head's int8 screen.
 
 Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
-`vx.gpu.cpu_widen.WideWeight` calls it for the rows its fp32 copy is not worth).
+`vx.gpu.cpu_widen.WideWeight` calls it for the rows its wide copy is not worth).
 
 Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV
 reads them at ~13 GB/s on two AVX2 cores and the fp32 copy doubles the bytes; this kernel

@@ -1,35 +1,37 @@
-"""fp32 copies of bf16 weights for CPUs without bf16 arithmetic (AVX2: most laptops, AMD EPYC
+"""bf16 weights in fp32 GEMMs for CPUs without bf16 arithmetic (AVX2: most laptops, AMD EPYC
 before Zen 4).
 
 Runs in: each Worker process.
 
 Why: where the CPU has no bf16 dot products (no AVX512-BF16, no AMX), oneDNN declines bf16
 (`_is_mkldnn_bf16_supported()` is False) and torch's bf16 GEMM runs at ~16 GFLOP/s on two
-cores, whatever the rows. The same products in fp32 through oneDNN's packed fp32 GEMM run at
-~90-130 GFLOP/s from 16 rows up (6-8x; measured on a 2-core AMD EPYC, AVX2). A bf16 model
-stays a bf16 model: bf16 x bf16 products are exact in fp32, the sums are fp32 as in a bf16
-GEMM, and the output is rounded to bf16 once, so only the order of the fp32 sums differs.
+cores, whatever the rows. The same products in fp32 run at ~90-140 GFLOP/s from 16 rows up
+(6-8x; measured on a 2-core AMD EPYC, AVX2). A bf16 model stays a bf16 model: bf16 x bf16
+products are exact in fp32, the sums are fp32 as in a bf16 GEMM, and the output is rounded to
+bf16 once, so only the order of the fp32 sums differs.
 
-A widened layer keeps its bf16 weight: up to a few rows (decode at small batch) a step only
-streams weights, and the bf16 weight is half the bytes. Those rows go to vx's AVX2 skinny GEMM
-(`vx.gpu.cpu_gemv_avx2_source`, up to 24 rows: 0.20 ms a SmolLM2 layer at one row, against
-0.51 ms for torch's bf16 GEMV and 0.71 ms for the fp32 copy; ahead of the fp32 copy up to ~24
-rows), or where it is not built, one row to torch's bf16 GEMV. One and two rows take the
-same kernel's sums from the weight's compact copy (`vx.gpu.cpu_compact`: the bf16 values in
-a quarter fewer bytes).
+Up to a few rows (decode at small batch) a step only streams weights. Those rows go to vx's
+AVX2 skinny GEMM on the layer's own bf16 weight (`vx.gpu.cpu_gemv_avx2_source`: 0.20 ms a
+SmolLM2 layer at one row, against 0.51 ms for torch's bf16 GEMV and 0.71 ms for an fp32 copy),
+or where it is not built, one row to torch's bf16 GEMV. One and two rows take the same
+kernel's sums from the weight's compact copy (`vx.gpu.cpu_compact`: the bf16 values in a
+quarter fewer bytes).
 
-Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`) and N % 16 == 0, the fp32
-copy is laid out in its panels of 16 columns and it takes every row count from
-PANEL_FROM_ROWS (10) up, where it overtakes the skinny GEMM (0.78-0.97 of oneDNN's packed
-GEMM's time from 25 to 2,048 rows on a 2-core Zen 3, 0.66-0.79 of the skinny GEMM's at 12-24);
-otherwise the copy is oneDNN's packed layout and oneDNN takes them. `VX_CPU_PANEL_GEMM=0`
-keeps oneDNN's (A/B runs).
+Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`), N % 16 == 0 and K is
+even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
+kernel widens them in registers (a shift or a mask), so its sums are those of an fp32 copy
+in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, where it overtakes
+the skinny GEMM (0.69-0.94 of the fp32 panels' time from 10 to 64 rows on a 2-core Zen 3, and
+those at 0.78-0.97 of oneDNN's packed fp32 GEMM's from 25 to 2,048; level with them past 256).
+Otherwise the copy is fp32 in
+oneDNN's packed layout and oneDNN takes those rows. `VX_CPU_PANEL_GEMM=0` keeps oneDNN's
+(A/B runs).
 
-Memory: the fp32 copy is twice the bf16 weight. The copies made in one process stop at
-`VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical memory); the layers past it keep
-the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1` forces it (tests, A/B runs);
-`VX_CPU_GEMV=0` keeps the AVX2 skinny GEMM out (the fp32 copy from two rows, as for the
-AVX-512 skinny GEMM).
+Memory: the panels are the bf16 weight's size again, oneDNN's fp32 copy twice it. The copies
+made in one process stop at `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical
+memory); the layers past it keep the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1`
+forces it (tests, A/B runs); `VX_CPU_GEMV=0` keeps the AVX2 skinny GEMM out (the wide copy
+from two rows, as for the AVX-512 skinny GEMM).
 """
 
 from __future__ import annotations
@@ -55,14 +57,15 @@ __all__ = [
     "widen_wanted",
 ]
 
-#: Rows from which the fp32 copy is used without the AVX2 skinny GEMM (see above).
+#: Rows from which the wide copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
 #: Rows from which the panel GEMM, where a weight has panels, takes the rows the skinny GEMM
-#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against panels (ms, medians of
-#: 7 and of 9, two runs): 8 rows 28.2 / 30.9 and 26.2 / 27.2, 10 rows 28.9 / 29.5, 12 rows
-#: 41.8 / 33.0 and 38.1 / 37.8, 16 rows 55.4 / 41.6 and 49.9 / 41.2, 24 rows 76.2 / 50.0 and
-#: 61.8 / 47.5: level at 10-12 rows, the panels ahead past them.
-PANEL_FROM_ROWS = 10
+#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against the bf16 panels (ms,
+#: medians of 9 and of 15, two runs): 3 rows 9.6 / 12.1 and 10.6 / 12.6, 4 rows 12.4 / 11.5
+#: and 12.1 / 12.2, 5 rows 12.7 / 11.7 and 16.3 / 13.8, 6 rows 14.0 / 15.6 and 18.7 / 17.8,
+#: 7-9 rows 16.4-19.2 / 15.5-18.1 and 17.5-21.9 / 15.9-17.4: level at 4-6 rows, the panels
+#: ahead from 7.
+PANEL_FROM_ROWS = 5
 #: oneDNN lays the packed fp32 weight out for this many rows (decode batches).
 _BATCH_HINT = 64
 
@@ -182,21 +185,21 @@ def _budget_left() -> int:
 
 
 def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
-    """Whether this CPU bf16 weight gets an fp32 copy (and takes it from the budget, with the
-    compact copy `WideWeight(weight, compact=compact)` will make beside it here)."""
+    """Whether this CPU bf16 weight gets a wide copy (panels or fp32; it takes its bytes from the
+    budget, with the compact copy `WideWeight(weight, compact=compact)` will make beside it here)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return False
     mode = os.environ.get("VX_CPU_WIDEN", "auto")
     if mode == "0" or (mode != "1" and _native_bf16()):
         return False
-    need = weight.numel() * 4
+    need = weight.numel() * (2 if _panels_take(*weight.shape) else 4)
     if compact and _skinny_rows():
         need += CompactWeight.maybe_size(_state["lib"], weight)
     if need > _budget_left():
         if not _state.get("warned"):
             _state["warned"] = True
             logger.warning(
-                "fp32 weight copies stop at VX_CPU_WIDEN_BUDGET; the other layers run bf16 GEMMs"
+                "wide weight copies stop at VX_CPU_WIDEN_BUDGET; the other layers run bf16 GEMMs"
             )
         return False
     _state["left"] = _budget_left() - need
@@ -204,7 +207,8 @@ def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
 
 
 class WideWeight:
-    """An fp32 copy of one bf16 [N, K] weight, and its matmul with bf16 rows.
+    """The copies of one bf16 [N, K] weight that fp32 GEMMs read (the panel GEMM's bf16 panels,
+    else an fp32 copy; and the compact copy for one and two rows), and its matmul with bf16 rows.
 
     Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
     and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
@@ -212,17 +216,18 @@ class WideWeight:
     """
 
     def __init__(self, weight: torch.Tensor, *, compact: bool = True) -> None:
-        w = weight.detach().float()
-        # vx's panel GEMM where it is built and takes N, else oneDNN's packed fp32 GEMM
-        self.panels = pack_panels(w)
+        self.bf16 = weight.detach()
+        # vx's panel GEMM where it is built and takes the shape (the bf16 values laid out in
+        # its panels, widened in registers), else oneDNN's packed fp32 GEMM on an fp32 copy
+        self.panels = pack_panels(self.bf16)
         self.packed = self.panels is None and torch.backends.mkldnn.is_available()
         if self.panels is not None:
             self.weight = self.panels
         else:
+            w = self.bf16.float()
             self.weight = (
                 torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
             )
-        self.bf16 = weight.detach()
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
         self.min_rows = 1 if self.skinny_rows else WIDE_MIN_ROWS
         # one and two rows: the same outputs from the compact copy's fewer bytes (`compact`
@@ -255,7 +260,7 @@ class WideWeight:
         )  # fmt: skip
         if rc == -3:
             raise MemoryError("vx AVX2 skinny GEMM could not allocate scratch")
-        if rc != 0:  # a shape it does not take (K % 8, K > 16384): the fp32 copy
+        if rc != 0:  # a shape it does not take (K % 8, K > 16384): the wide copy
             return self.apply_wide(x, bias)
         return y
 
@@ -291,20 +296,27 @@ class WideWeight:
         return y.view(*lead, n).to(x.dtype)
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
-    """fp32 [N, K] as `vx_gemm_panels_avx2` reads it, [N / 16, K, 16] (panel p, row k holds
-    W[16 p .. 16 p + 15, k]), 32-byte aligned; None where that kernel is not built here, N %
-    16 or `VX_CPU_PANEL_GEMM=0` (oneDNN's packed copy instead, for A/B runs)."""
-    n, k = w.shape
-    if n % 16 or n == 0 or os.environ.get("VX_CPU_PANEL_GEMM", "1") == "0":
-        return None
+def _panels_take(n: int, k: int) -> bool:
+    """Whether `vx_gemm_panels_avx2` is built here and takes an [n, k] weight (and
+    `VX_CPU_PANEL_GEMM=0` does not keep oneDNN's fp32 copy instead, for A/B runs)."""
+    if n % 16 or n == 0 or k % 2 or k == 0 or os.environ.get("VX_CPU_PANEL_GEMM", "1") == "0":
+        return False
     _skinny_rows()  # loads the library
     lib = _state["lib"]
-    if lib is None or not lib.vx_has_gemm_panels_avx2():  # type: ignore[attr-defined]
+    return lib is not None and bool(lib.vx_has_gemm_panels_avx2())  # type: ignore[attr-defined]
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor | None:
+    """W [N, K] (bf16, or values bf16 holds exactly) as `vx_gemm_panels_avx2` reads it: bf16
+    [N / 16, K / 2, 16, 2], panel p, pair i, column j holding W[16 p + j, 2 i] and
+    W[16 p + j, 2 i + 1] (one 32-bit word, k even in its low half), 32-byte aligned; None
+    where `_panels_take` declines the shape (oneDNN's packed fp32 copy instead)."""
+    n, k = w.shape
+    if not _panels_take(n, k):
         return None
-    panels = w.float().view(n // 16, 16, k).transpose(1, 2).contiguous()
+    panels = w.to(torch.bfloat16).view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
     if panels.data_ptr() % 32:  # torch's CPU allocator aligns to 64 bytes; be sure
-        buf = torch.empty(panels.numel() + 8, dtype=torch.float32)
-        off = (-buf.data_ptr() // 4) % 8
-        panels = buf[off : off + panels.numel()].view(n // 16, k, 16).copy_(panels)
+        buf = torch.empty(panels.numel() + 16, dtype=torch.bfloat16)
+        off = (-buf.data_ptr() // 2) % 16
+        panels = buf[off : off + panels.numel()].view(n // 16, k // 2, 16, 2).copy_(panels)
     return panels

@@ -161,7 +161,7 @@ class ColumnParallelLinear(nn.Module):
         self.quantization = quantization
         self.quant: QuantizedWeight | None = None  # built after loading when quantization
         self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
-        self.wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
+        self.wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
         self.vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.

@@ -88,7 +88,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     quantization: str | None = None
     quant: QuantizedWeight | None = None
     plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
-    wide: WideWeight | None = None  # an fp32 copy (CPUs without bf16 arithmetic)
+    wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
     screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (one row)
     vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
 
