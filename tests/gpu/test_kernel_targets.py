@@ -403,8 +403,8 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
     fused = FusedDecode.build(model.model)
     assert fused is not None and fused.max_rows() == 24
     assert fused._quant_rows == {None: 0, "int8": 8, "int4": 2}[quant]
-    # 1-2 rows: the compact copies; to 9 the skinny GEMM; 10-24 the panels (bf16 weights)
-    for batch in (1, 4, 9, 10, 17, 24, 25):
+    # 1-2 rows: the compact copies; to 4 the skinny GEMM; 5-24 the bf16 panels
+    for batch in (1, 4, 5, 9, 17, 24, 25):
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 
 
