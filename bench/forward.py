@@ -3,7 +3,7 @@
 Usage (always under the shared benchmark lock):
 
     flock /tmp/vx-bench.lock .venv/bin/python bench/forward.py [--threads 2] [--repeats 3]
-        [--quantization int8|int4] [--no-settle]
+        [--quantization int8|int4] [--no-settle] [--random] [--json FILE]
 
 Model: SmolLM2-135M (`vx.gpu.resolve.resolve_model("smollm2-135m")`) in bf16, or with
 `--random` a random model of the same shapes (timings do not depend on the weights).
@@ -21,6 +21,7 @@ process, gets the same. `--no-settle` leaves malloc alone, as before 2026-11-30 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -196,6 +197,7 @@ def main() -> int:
     ap.add_argument(
         "--no-settle", action="store_true", help="skip the Worker's settling (malloc tuning)"
     )
+    ap.add_argument("--json", default=None, help="also write the table's rows here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -240,9 +242,24 @@ def main() -> int:
         f"load {os.getloadavg()[0]:.1f} ({'random' if args.random else path})"
     )
     print(f"{'case':<22} {'HF ms':>9} {'vx ms':>9} {'vx/HF':>7}  goal <= 0.50")
+    table = []
     for name, vx_t, hf_t in rows:
         v, h = statistics.median(vx_t) * 1e3, statistics.median(hf_t) * 1e3
         print(f"{name:<22} {h:>9.1f} {v:>9.1f} {v / h:>7.2f}  {'ok' if v / h <= 0.5 else 'MISS'}")
+        table.append(dict(case=name, hf_ms=round(h, 2), vx_ms=round(v, 2), ratio=round(v / h, 3)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(
+                    threads=args.threads,
+                    repeats=args.repeats,
+                    random=args.random,
+                    quantization=args.quantization,
+                    rows=table,
+                ),
+                f,
+                indent=1,
+            )
     if tmp is not None:
         tmp.cleanup()
     return 0

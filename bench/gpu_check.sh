@@ -15,6 +15,8 @@
 #   decode  Llama-3.1-8B-shaped random bf16 model: decode step at batch 1/8/64/256, eager and
 #           with CUDA graphs, against the weight-streaming floor (weights / measured copy BW)
 #   serve   `vx serve --device cuda` + `vx bench serve` at concurrency 64
+#   cpu     the host's own CPU (often a Xeon with AMX): bench/forward.py and bench/step_profile.py
+#           with 2 threads on two physical cores, random SmolLM2-shaped weights (bench/host_cpu.py)
 #
 # Python: $PY if set; else .venv/bin/python when its torch sees CUDA (`make setup
 # TORCH_SPEC=...` with a CUDA build); else python3 (the device image's, with torch, triton and
@@ -148,6 +150,7 @@ serve_section() {
 export -f serve_section
 run_section serve 120 serve_section
 run_section decode 120 "$PY" bench/gpu_check.py decode --results "$RES"
+run_section cpu 240 "$PY" bench/host_cpu.py --results "$RES" --budget-s 220
 
 "$PY" bench/gpu_check.py table --results "$RES" || cat "$RES"
 echo "total ${SECONDS}s; results in $RES"
