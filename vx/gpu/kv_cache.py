@@ -39,6 +39,7 @@ from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_compact_source import COMPACT_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
+from vx.gpu.cpu_emulate import EMULATED_DEFINES, EMULATED_IMMINTRIN, emulation_flags
 from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
 from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
@@ -268,12 +269,17 @@ def _build_kernels() -> ctypes.CDLL | None:
         return None
     with open("/proc/cpuinfo", "rb") as f:  # -march=native: one build per CPU model
         cpu = b"".join(line for line in f if line.startswith((b"flags", b"model name")))
+    # VX_CPU_EMULATE=1 (tests): the AVX-512 BF16 and AMX kernels in software on any x86 CPU
+    emulate = os.environ.get("VX_CPU_EMULATE", "0") == "1"
+    if emulate:
+        cpu += EMULATED_IMMINTRIN.encode() + " ".join(EMULATED_DEFINES).encode()
     key = hashlib.sha256(_DECODE_KERNEL_SOURCE.encode() + " ".join(_CFLAGS).encode() + cpu)
     cache = os.path.join(
         os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
         "kernels",
     )
-    path = os.path.join(cache, f"decode_attention-{key.hexdigest()[:16]}.so")
+    name = "decode_attention-emulated" if emulate else "decode_attention"
+    path = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -281,8 +287,9 @@ def _build_kernels() -> ctypes.CDLL | None:
             with open(src, "w") as f:
                 f.write(_DECODE_KERNEL_SOURCE)
             so = os.path.join(tmp, "decode_attention.so")
+            extra = emulation_flags(tmp) if emulate else []
             subprocess.run(
-                [cc, *_CFLAGS, "-o", so, src], check=True, capture_output=True, timeout=120
+                [cc, *_CFLAGS, *extra, "-o", so, src], check=True, capture_output=True, timeout=300
             )
             os.replace(so, path)  # atomic: concurrent builders each publish a whole file
         logger.info("built the CPU decode attention kernel: %s", path)
