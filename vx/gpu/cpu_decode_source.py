@@ -41,7 +41,20 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
         const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
         for (int64_t hd = 0; hd < nh; hd++) {
             vx_bf16* p = x + t * x_st + hd * D;
-            for (int64_t i = 0; i < h2; i++) {
+            int64_t i = 0;
+#if defined(__AVX512BF16__)
+            for (; i + 16 <= h2; i += 16) {  /* the loop below on 16 lanes, its roundings */
+                const __m512 a = vx_ld16_bf16(p + i), b = vx_ld16_bf16(p + i + h2);
+                const __m512 ci = vx_ld16_bf16(c + i), si = vx_ld16_bf16(s + i);
+                const __m512 ac = vx_round16_bf16(_mm512_mul_ps(a, ci));
+                const __m512 bs = vx_round16_bf16(_mm512_mul_ps(b, si));
+                const __m512 bc = vx_round16_bf16(_mm512_mul_ps(b, ci));
+                const __m512 as = vx_round16_bf16(_mm512_mul_ps(a, si));
+                vx_st16_bf16(p + i, _mm512_sub_ps(ac, bs));
+                vx_st16_bf16(p + i + h2, _mm512_add_ps(bc, as));
+            }
+#endif
+            for (; i < h2; i++) {
                 const float a = ld_bf16(p[i]), b = ld_bf16(p[i + h2]);
                 const float ci = ld_bf16(c[i]), si = ld_bf16(s[i]);
                 const float ac = ld_bf16(st_bf16v(a * ci)), bs = ld_bf16(st_bf16v(b * si));

@@ -26,6 +26,21 @@ static inline vx_bf16 st_bf16v(float f) {
 /* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
    r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
    x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
+#if defined(__AVX512BF16__)
+/* bf16 rounding of 16 fp32 lanes, back in fp32 (VCVTNEPS2BF16: round to nearest even, as
+   st_bf16v for every normal value; denormals, which activations never reach, become zero) */
+static inline __m512 vx_round16_bf16(__m512 v) {
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+}
+static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline void vx_st16_bf16(vx_bf16* p, __m512 v) {
+    const __m256bh b = _mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256((__m256i*)p, (__m256i)b);
+}
+#endif
 void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
                           vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
                           float eps) {
@@ -34,6 +49,33 @@ void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residua
         const vx_bf16* xr = x + t * x_st;
         vx_bf16* rr = r_out + t * H;
         float ss = 0.f;
+#if defined(__AVX512BF16__)
+        /* 16 lanes, the same roundings as the loops below; only the sum's order differs */
+        if (H % 16 == 0) {
+            __m512 acc = _mm512_setzero_ps();
+            if (residual) {
+                const vx_bf16* res = residual + t * H;
+                for (int64_t i = 0; i < H; i += 16) {
+                    const __m512 v = vx_round16_bf16(
+                        _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
+                    vx_st16_bf16(rr + i, v);
+                    acc = _mm512_fmadd_ps(v, v, acc);
+                }
+                xr = rr;
+            } else {
+                for (int64_t i = 0; i < H; i += 16) {
+                    const __m512 v = vx_ld16_bf16(xr + i);
+                    acc = _mm512_fmadd_ps(v, v, acc);
+                }
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+            vx_bf16* o = out + t * H;
+            for (int64_t i = 0; i < H; i += 16)
+                vx_st16_bf16(o + i, _mm512_mul_ps(vx_ld16_bf16(w + i),
+                                                  vx_round16_bf16(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv))));
+            continue;
+        }
+#endif
         if (residual) {
             const vx_bf16* res = residual + t * H;
             for (int64_t i = 0; i < H; i++) {
@@ -59,13 +101,6 @@ static inline float vx_silu_round(float g, float u) {
     const float s = ld_bf16(st_bf16v(g * ((g >= 0.f ? 1.f : e) / (1.f + e))));
     return s * u;
 }
-#if defined(__AVX512BF16__)
-/* vx_exp16 (16 lanes of vx_expf) comes with the fast attention kernel, same condition. */
-static inline __m512 vx_ld16_bf16(const vx_bf16* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#endif
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VX_SILU_AVX2 1
@@ -112,7 +147,11 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
             const __m512 gv = vx_ld16_bf16(g + i);
             const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
             const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
+            /* 1 / (1 + e) by rcp14 and one Newton step (~1 ulp; vdivps was most of the loop) */
+            const __m512 den = _mm512_add_ps(one, e);
+            __m512 rcp = _mm512_rcp14_ps(den);
+            rcp = _mm512_fmadd_ps(_mm512_fnmadd_ps(den, rcp, one), rcp, rcp);
+            const __m512 sig = _mm512_mul_ps(_mm512_mask_blend_ps(pos, e, one), rcp);
             const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
             const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
             _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);

@@ -37,8 +37,10 @@ EMULATED_IMMINTRIN = r"""#ifndef VX_EMU_IMMINTRIN
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif
 typedef uint8_t __mmask8;
+/* VCVTNEPS2BF16: round to nearest even, NaN quietened, denormals to a signed zero */
 static inline uint16_t vxe_bf16_rne(float f) {
     uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
