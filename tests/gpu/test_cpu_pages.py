@@ -60,3 +60,27 @@ def test_collapse_weights_is_off_with_the_switch(monkeypatch) -> None:
     assert collapse_weights(model) == 0
     monkeypatch.delenv("VX_CPU_HUGE_PAGES")
     assert collapse_weights(model) >= 0  # 4 MiB of weights: 0 or 2 MiB, never an error
+
+
+def test_kv_cache_is_zeroed_in_huge_pages() -> None:
+    """The CPU KV cache asks for 2 MiB pages before it is zeroed (the decode attention's
+    scattered block reads), and is still all zeros; the switch turns the advice off."""
+    from vx.gpu.kv_cache import allocate_kv_caches
+
+    (k, v), = allocate_kv_caches(1, 2048, 3, 64, dtype=torch.bfloat16, device="cpu")  # 12 MiB
+    assert not k.any() and not v.any()
+    if platform.system() != "Linux" or _thp_mode() == "never":
+        pytest.skip("no transparent huge pages here")
+    if _huge_kb(k.data_ptr() + (6 << 20)) == 0:
+        pytest.skip("no huge page was free for the fault here")
+    assert _huge_kb(k.data_ptr() + (6 << 20)) >= 2048
+
+
+def test_advise_huge_is_off_with_the_switch(monkeypatch) -> None:
+    from vx.gpu.cpu_pages import advise_huge
+
+    t = torch.empty(4 << 20)
+    monkeypatch.setenv("VX_CPU_HUGE_PAGES", "0")
+    assert advise_huge(t) == 0
+    monkeypatch.delenv("VX_CPU_HUGE_PAGES")
+    assert advise_huge(torch.empty(100)) == 0  # no whole 2 MiB page inside

@@ -1,4 +1,4 @@
-"""Huge pages for a CPU model's weights.
+"""Huge pages for a CPU model's weights (and its KV cache: `advise_huge`).
 
 Runs in: each Worker process on CPU, once after the model is loaded (`ModelRunner.load_model`),
 before the KV cache is allocated.
@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collapse_ranges", "collapse_weights"]
+__all__ = ["advise_huge", "collapse_ranges", "collapse_weights"]
 
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
@@ -69,6 +69,21 @@ def collapse_ranges(ranges: list[tuple[int, int]]) -> int:
         else:
             logger.debug("MADV_COLLAPSE declined (errno %d)", ctypes.get_errno())
     return done
+
+
+def advise_huge(t: torch.Tensor) -> int:
+    """Asks for 2 MiB pages under a CPU tensor not yet touched (the KV cache, before it is
+    zeroed): later faults in its 2 MiB-aligned interior take huge pages. Returns the bytes
+    advised (0: off, refused, or too small). `VX_CPU_HUGE_PAGES=0` turns it off."""
+    if os.environ.get("VX_CPU_HUGE_PAGES", "1") == "0" or t.device.type != "cpu":
+        return 0
+    madvise = _madvise()
+    start = t.untyped_storage().data_ptr()
+    a = -(-start // _HUGE) * _HUGE
+    b = (start + t.untyped_storage().nbytes()) // _HUGE * _HUGE
+    if madvise is None or b - a < _HUGE or madvise(a, b - a, _MADV_HUGEPAGE) != 0:
+        return 0
+    return b - a
 
 
 def collapse_weights(model: torch.nn.Module) -> int:
