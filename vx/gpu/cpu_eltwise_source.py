@@ -4,7 +4,8 @@ Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library
 GEMMs; `vx.gpu.cpu_ops` calls them on the module path, the fused step in C).
 
 Portable C for any x86-64 level (the compiler vectorises the loops for the CPU it builds for),
-with an AVX512-BF16 or an AVX2 body for SiLU-mul's exp. Each keeps the roundings of the torch
+with an AVX512-BF16 or an AVX2 body for SiLU-mul's exp, and AVX512-BF16 bodies for RMSNorm (and
+the rotary, `vx.gpu.cpu_decode_source`): VCVTNEPS2BF16 does their bf16 roundings. Each keeps the roundings of the torch
 ops it replaces: RMSNorm HF Llama's, SiLU-mul bf16(silu) then bf16(product). The AVX2 exp and
 bf16 load (`vx_exp8`, `vx_ld8_bf16`) are shared with the AVX2 decode attention, which comes
 later in the library's source.
@@ -23,9 +24,6 @@ static inline vx_bf16 st_bf16v(float f) {
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (vx_bf16)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);
 }
-/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
-   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
-   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
 #if defined(__AVX512BF16__)
 /* bf16 rounding of 16 fp32 lanes, back in fp32 (VCVTNEPS2BF16: round to nearest even, as
    st_bf16v for every normal value; denormals, which activations never reach, become zero) */
@@ -41,6 +39,9 @@ static inline void vx_st16_bf16(vx_bf16* p, __m512 v) {
     _mm256_storeu_si256((__m256i*)p, (__m256i)b);
 }
 #endif
+/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
+   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
+   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
 void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
                           vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
                           float eps) {
@@ -147,11 +148,7 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
             const __m512 gv = vx_ld16_bf16(g + i);
             const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
             const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-            /* 1 / (1 + e) by rcp14 and one Newton step (~1 ulp; vdivps was most of the loop) */
-            const __m512 den = _mm512_add_ps(one, e);
-            __m512 rcp = _mm512_rcp14_ps(den);
-            rcp = _mm512_fmadd_ps(_mm512_fnmadd_ps(den, rcp, one), rcp, rcp);
-            const __m512 sig = _mm512_mul_ps(_mm512_mask_blend_ps(pos, e, one), rcp);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
             const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
             const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
             _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);
