@@ -4,7 +4,8 @@ Runs in: the Worker process, only when ``VX_CPU_EMULATE=1`` (a test knob, never 
 mode: the emulated kernels are tens of times slower than the portable ones).
 
 Why: the AVX-512 BF16 and AMX kernels are the ones most of vx's CPU users on Intel servers
-run, and CI's machine (AVX2) cannot execute them, so without this they would ship untested.
+run, and a test machine without them (an AVX2 runner, say) cannot execute them, so without
+this they would ship untested there.
 `vx.gpu.kv_cache` then compiles the same kernel source with `__AVX512F__`, `__AVX512BF16__`,
 `__AMX_TILE__` and their kin defined, and with the header below in place of the compiler's
 `<immintrin.h>`: SIMDe (`simde_py`, a dev dependency) supplies the AVX-512 intrinsics in
