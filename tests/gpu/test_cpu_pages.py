@@ -64,7 +64,7 @@ def test_collapse_weights_is_off_with_the_switch(monkeypatch) -> None:
 
 def test_kv_cache_is_zeroed_in_huge_pages() -> None:
     """The CPU KV cache asks for 2 MiB pages before it is zeroed (the decode attention's
-    scattered block reads), and is still all zeros; the switch turns the advice off."""
+    scattered block reads), and is still all zeros."""
     from vx.gpu.kv_cache import allocate_kv_caches
 
     (k, v), = allocate_kv_caches(1, 2048, 3, 64, dtype=torch.bfloat16, device="cpu")  # 12 MiB
