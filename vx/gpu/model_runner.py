@@ -93,6 +93,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from vx.gpu.cpu_pages import collapse_weights
+        from vx.gpu.cpu_row_plan import tune as tune_row_plan
+        from vx.gpu.layers import ColumnParallelLinear, RowParallelLinear
         from vx.gpu.loader import load_model
         from vx.gpu.sampler import Sampler
 
@@ -110,6 +112,11 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
             collapse_weights(self.model)
+            # the layers' linears only: the LM head takes one row a request
+            tune_row_plan(
+                [(mod.weight, mod.bias, *mod.weight.shape) for mod in self.model.modules()
+                 if isinstance(mod, ColumnParallelLinear | RowParallelLinear) and mod.packed]
+            )  # fmt: skip
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)

@@ -35,6 +35,7 @@ from vx.gpu.cpu_ops import (
     gemv_kernels,
     skinny_gemm,
 )
+from vx.gpu.cpu_row_plan import chunk_rows
 from vx.gpu.cpu_vnni import VnniWeight, vnni_takes
 from vx.gpu.cpu_widen import (
     Int4Avx2,
@@ -256,5 +257,15 @@ def linear(
     if plain is not None and gemv_fits(x, plain):
         return skinny_gemm(x, plain, None, bias)
     if packed:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        m, (n, k) = x.shape[0], weight.shape
+        c = chunk_rows(n, k, m) if m > AMX_MAX_ROWS and x.dim() == 2 else m
+        if c >= m:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        # calls of rows oneDNN spreads over every thread (vx.gpu.cpu_row_plan)
+        y = torch.empty(m, n, dtype=x.dtype)
+        for a in range(0, m, c):
+            y[a : a + c] = torch.ops.mkldnn._linear_pointwise(
+                x[a : a + c], weight, bias, "none", [], ""
+            )
+        return y
     return F.linear(x, weight, bias)

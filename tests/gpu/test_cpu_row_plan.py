@@ -1,0 +1,102 @@
+"""The row plan of the prepacked linears (`vx.gpu.cpu_row_plan`): which calls oneDNN gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vx.gpu import cpu_row_plan as rp, quantization as q
+from vx.gpu.cpu_ops import AMX_MAX_ROWS
+
+SIZES = rp.GRID_MAX // rp.GRID_STEP
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan():
+    rp.clear()
+    yield
+    rp.clear()
+
+
+def _times(per_row: float = 1e-6, starved: tuple[int, int] | None = None) -> list[float]:
+    """A grid of call times: per_row a row, and twice that inside `starved` (rows oneDNN
+    leaves to one thread)."""
+    out = []
+    for i in range(SIZES):
+        m = rp.GRID_STEP * (i + 1)
+        slow = starved is not None and starved[0] <= m <= starved[1]
+        out.append(m * per_row * (2.0 if slow else 1.0))
+    return out
+
+
+def test_plan_keeps_the_whole_call_when_the_rate_is_flat() -> None:
+    t = _times()
+    assert all(rp.plan_from_times(t, m) == m for m in (1, 40, 200, 576, 1000, 2048, 5000))
+
+
+def test_plan_cuts_the_starved_rows_into_calls_oneDNN_spreads() -> None:
+    t = _times(starved=(224, 1088))
+    c = rp.plan_from_times(t, 576)
+    assert c <= 192  # the largest grid size below the starved range, or a divisor's worth
+    assert rp.plan_from_times(t, 192) == 192  # not starved: one call
+    assert rp.plan_from_times(t, 2048) == 2048
+    # the estimate it chose: every call at the fast rate, under MIN_GAIN of the whole call
+    est = (576 // c) * t[c // rp.GRID_STEP - 1] + (
+        t[(576 % c + rp.GRID_STEP - 1) // rp.GRID_STEP - 1] if 576 % c else 0.0
+    )
+    assert est < rp.MIN_GAIN * t[576 // rp.GRID_STEP - 1]
+
+
+def test_plan_needs_a_clear_gain() -> None:
+    t = _times()
+    t[576 // rp.GRID_STEP - 1] *= 1.1  # 10% slower at 576 rows: within MIN_GAIN, kept whole
+    assert rp.plan_from_times(t, 576) == 576
+
+
+def test_chunk_rows_without_a_tuned_shape_or_when_off(monkeypatch) -> None:
+    assert rp.chunk_rows(576, 1536, 576) == 576  # never tuned
+    rp._times[(576, 1536)] = _times(starved=(224, 1088))
+    rp._plans.clear()  # tune() does this when it adds a shape
+    assert rp.chunk_rows(576, 1536, 576) < 576
+    rp._plans.clear()
+    monkeypatch.setenv("VX_CPU_ROW_PLAN", "0")
+    assert rp.chunk_rows(576, 1536, 576) == 576
+    assert rp.tune([]) == 0
+
+
+def _packed_or_skip(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    if not q.cpu_prepack_enabled(w):
+        pytest.skip("oneDNN bf16 prepacking is not available on this CPU")
+    return w, q.prepack(w)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_planned_linear_is_the_row_wise_product(bias: bool) -> None:
+    n, k, m = 96, 64, 400
+    w, packed = _packed_or_skip(n, k)
+    b = (torch.randn(n) * 0.1).bfloat16() if bias else None
+    rp._times[(n, k)] = _times(starved=(256, 1024))
+    assert rp.chunk_rows(n, k, m) < m  # this call is cut
+    x = torch.randn(m, k).bfloat16()
+    got = q.linear(x, packed, b, packed=True)
+    whole = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    ref = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # each row as oneDNN computes it: within a bf16 ulp of the whole call, and of fp32 math
+    torch.testing.assert_close(got.float(), whole.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+    # a step of at most AMX_MAX_ROWS rows never asks the plan (vx's own GEMM's rows)
+    rp._plans.clear()
+    q.linear(x[:AMX_MAX_ROWS], packed, b, packed=True)
+    assert not rp._plans
+
+
+def test_tune_times_each_shape_once(monkeypatch) -> None:
+    _, packed = _packed_or_skip(32, 64)
+    assert rp.tune([(packed, None, 32, 64)]) == 0  # under MIN_WEIGHT_ELEMENTS: not worth it
+    monkeypatch.setattr(rp, "MIN_WEIGHT_ELEMENTS", 1)
+    assert rp.tune([(packed, None, 32, 64), (packed, None, 32, 64)]) == 1
+    t = rp._times[(32, 64)]
+    assert len(t) == SIZES and all(0.0 < v < 1.0 for v in t)
+    assert rp.tune([(packed, None, 32, 64)]) == 0  # already tuned
