@@ -226,9 +226,11 @@ async def _oversized_bodies(server: Served, failures: list[str]) -> int:
 
     # A chunked body is counted as it arrives, so up to the limit (32 MiB) passes through the
     # front each time; once the connection is gone that memory must be back (poll: it is freed
-    # asynchronously). A body kept would leave >= 32 MiB per repeat; what this bound tolerates
-    # is the allocator's and the concurrent valid streams' noise (seen up to 18 MiB on CI).
-    if not poll(lambda: grown_mib() < BODY_LIMIT_MIB, 5):
+    # asynchronously). A body kept would leave >= 32 MiB per repeat, >= 96 MiB for the three;
+    # what this bound (two bodies' worth) tolerates is the allocator's and the concurrent
+    # valid streams' noise (seen up to 18 MiB on CI, and once 33 MiB in a full CI run whose
+    # repeats of this test alone stayed under the old one-body bound).
+    if not poll(lambda: grown_mib() < (CHUNKED_REPEATS - 1) * BODY_LIMIT_MIB, 5):
         failures.append(
             f"front RSS grew {grown_mib():.0f} MiB on {CHUNKED_REPEATS} oversized bodies"
         )
