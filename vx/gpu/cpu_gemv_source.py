@@ -176,7 +176,8 @@ int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS; }
    C tiles (m blocks) share every A tile load; past 64 rows the next four m blocks take the
    same 16 weight rows again while they are still in L1/L2, so the weights stream from memory
    once per call whatever the rows. The next block of 16 weight rows is prefetched tile by
-   tile. Needs vx_fast_amx(1) to have been granted; returns -2 where it does not apply (the
+   tile into L2, not L1 (cold weights at 64 rows: 0.88 of the time; L1 prefetches hold the
+   core's few line-fill buffers the tile loads also need). Needs vx_fast_amx(1) to have been granted; returns -2 where it does not apply (the
    caller falls back). */
 #define VX_AMX_MAX_ROWS 192
 static vx_bf16 vx_amx_xb[(VX_AMX_MAX_ROWS / 16) * (VX_GEMV_MAX_K / 32) * 512]
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void vx_amx_block(
     for (int64_t kc = 0; kc < KC; kc++) {
         if (prefetch)
             for (int i = 0; i < 16; i++)
-                _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T0);
+                _mm_prefetch((const char*)(a + (16 + i) * K + kc * 32), _MM_HINT_T1);
         _tile_loadd(4, a + kc * 32, K * 2);
         switch (mbn) {
         case 4: VX_AMX_STEP(3) /* fall through */
@@ -253,15 +254,19 @@ static inline __attribute__((always_inline)) void vx_amx_store_c(int mb, float* 
     }
 /* x [M, K] into the B tiles' layout, xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}],
    zero past row M: per 16 x 32 block, a 16 x 16 transpose of bf16 pairs, in registers (16
-   gathers a block, on one thread before the GEMM's parallel region, were ~2 ms of a 64-row
-   decode step's 120 calls). */
-static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_bf16* xb) {
+   gathers a block were ~2 ms of a 64-row decode step's 120 calls). Thread tid of nt packs its
+   share of the blocks (the GEMM's threads, then a barrier: on one thread before the parallel
+   region it was ~7% of a 64-row call with hot weights). */
+static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_bf16* xb,
+                          int tid, int nt) {
     const int MB = (M + 15) / 16;
-    const int64_t KC = K / 32;
+    const int64_t KC = K / 32, nblk = MB * KC;
     if (x_st % 2 == 0) {
-        for (int mb = 0; mb < MB; mb++) {
+        for (int64_t w = nblk * tid / nt; w < nblk * (tid + 1) / nt; w++) {
+            const int mb = (int)(w / KC);
             const int left = M - mb * 16;
-            for (int64_t kc = 0; kc < KC; kc++) {
+            {
+                const int64_t kc = w % KC;
                 const vx_bf16* src = x + (int64_t)mb * 16 * x_st + kc * 32;
                 __m512 r[16];
                 for (int j = 0; j < 16; j++)
@@ -274,7 +279,7 @@ static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_b
                     _mm512_store_si512((void*)(t + 32 * i), _mm512_castps_si512(r[i]));
             }
         }
-    } else {
+    } else if (tid == 0) {
         for (int mb = 0; mb < MB; mb++)
             for (int64_t kc = 0; kc < KC; kc++) {
                 vx_bf16* t = xb + ((int64_t)mb * KC + kc) * 512;
@@ -295,10 +300,11 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
     const int MB = (M + 15) / 16;
     const int64_t KC = K / 32;
     vx_bf16* xb = vx_amx_xb;
-    vx_amx_pack_x(x, x_st, M, K, xb);
     vx_ws ws;
     vx_ws_init(&ws, N / 16, N * K >= 262144);
     _Pragma("omp parallel if (N * K >= 262144)") {
+        vx_amx_pack_x(x, x_st, M, K, xb, omp_get_thread_num(), omp_get_num_threads());
+        _Pragma("omp barrier")
         vx_amx_load_tiles(6);  /* 0-3: C^T blocks, 4: A (weights), 5: B (x) */
         float c[16 * 16] __attribute__((aligned(64)));
         VX_AMX_FOR_TILES({
@@ -332,11 +338,12 @@ int vx_argmax_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, 
     if (!best || !arg) { free(best); free(arg); return -1; }
     for (int i = 0; i < nt * VX_AMX_MAX_ROWS; i++) { best[i] = -INFINITY; arg[i] = -1; }
     vx_bf16* xb = vx_amx_xb;
-    vx_amx_pack_x(x, x_st, M, K, xb);
     int used = 1;
     vx_ws ws;
     vx_ws_init(&ws, N / 16, N * K >= 262144);
     _Pragma("omp parallel if (N * K >= 262144)") {
+        vx_amx_pack_x(x, x_st, M, K, xb, omp_get_thread_num(), omp_get_num_threads());
+        _Pragma("omp barrier")
         vx_amx_load_tiles(6);
         float c[16 * 16] __attribute__((aligned(64)));
         const int t = omp_get_thread_num();
