@@ -122,6 +122,9 @@ void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64
                  int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
                  int64_t row_bytes, const int64_t* slots, int T, int Hkv, int BS,
                  int64_t num_slots) {
+    /* A prefill's rows on every thread: its slots are fresh cache lines, each store a miss
+       (2,048 tokens: ~230 us a layer on one thread). */
+    _Pragma("omp parallel for schedule(static) if (T >= 256)")
     for (int t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0 || slot >= num_slots) continue;
