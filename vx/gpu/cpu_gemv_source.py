@@ -97,9 +97,9 @@ VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
 /* A VDPBF16PS tile, NAME(W, K, n0, R, M, x, x_st, out): out[m * 4 + r] = W[n0 + r] . x[m] for
    R <= 4 weight rows of type WT and M <= MAXM rows of bf16 x, read as stored; WIDEN(p) gives
    the 32 weights at p as bf16 (bf16 products are exact in fp32; pairs are summed before the
-   accumulate), PD the prefetch distance in weights, into L2 (one and two rows of SmolLM2's 120
-   cold matrices: 0.93-0.98 of the time with L1 prefetches). The bf16 GEMV's tile below and the LM
-   head's int8 screen (`vx.gpu.cpu_screen_source`) are the two. */
+   accumulate), PD the prefetch distance in weights, into L2 (one and two rows of SmolLM2's
+   120 cold matrices: 0.93-0.98 of the time L1 prefetches took). The bf16 GEMV's tile below
+   and the LM head's int8 screen (`vx.gpu.cpu_screen_source`) are the two. */
 #define VX_DP_TILE(NAME, WT, WIDEN, PD, MAXM) \
 static inline __attribute__((always_inline)) void NAME(const WT* W, int64_t K, int64_t n0, \
         int R, int M, const vx_bf16* x, int64_t x_st, float* out) { \
@@ -178,8 +178,8 @@ int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS; }
    same 16 weight rows again while they are still in L1/L2, so the weights stream from memory
    once per call whatever the rows. The next block of 16 weight rows is prefetched tile by
    tile into L2, not L1 (cold weights at 64 rows: 0.88 of the time; L1 prefetches hold the
-   core's few line-fill buffers the tile loads also need). Needs vx_fast_amx(1) to have been granted; returns -2 where it does not apply (the
-   caller falls back). */
+   core's few line-fill buffers the tile loads also need). Needs vx_fast_amx(1) to have been
+   granted; returns -2 where it does not apply (the caller falls back). */
 #define VX_AMX_MAX_ROWS 192
 static vx_bf16 vx_amx_xb[(VX_AMX_MAX_ROWS / 16) * (VX_GEMV_MAX_K / 32) * 512]
     __attribute__((aligned(64)));
@@ -263,22 +263,19 @@ static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_b
     const int MB = (M + 15) / 16;
     const int64_t KC = K / 32, nblk = MB * KC;
     if (x_st % 2 == 0) {
-        for (int64_t w = nblk * tid / nt; w < nblk * (tid + 1) / nt; w++) {
-            const int mb = (int)(w / KC);
-            const int left = M - mb * 16;
-            {
-                const int64_t kc = w % KC;
-                const vx_bf16* src = x + (int64_t)mb * 16 * x_st + kc * 32;
-                __m512 r[16];
-                for (int j = 0; j < 16; j++)
-                    r[j] = j < left ? _mm512_castsi512_ps(_mm512_loadu_si512(
-                                          (const void*)(src + (int64_t)j * x_st)))
-                                    : _mm512_setzero_ps();
-                vx_transpose16(r);
-                vx_bf16* t = xb + ((int64_t)mb * KC + kc) * 512;
-                for (int i = 0; i < 16; i++)
-                    _mm512_store_si512((void*)(t + 32 * i), _mm512_castps_si512(r[i]));
-            }
+        for (int64_t w = nblk * tid / nt; w < nblk * (tid + 1) / nt; w++) {  /* block (mb, kc) */
+            const int mb = (int)(w / KC), left = M - mb * 16;
+            const int64_t kc = w % KC;
+            const vx_bf16* src = x + (int64_t)mb * 16 * x_st + kc * 32;
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j < left ? _mm512_castsi512_ps(_mm512_loadu_si512(
+                                      (const void*)(src + (int64_t)j * x_st)))
+                                : _mm512_setzero_ps();
+            vx_transpose16(r);
+            vx_bf16* t = xb + w * 512;  /* w = mb * KC + kc */
+            for (int i = 0; i < 16; i++)
+                _mm512_store_si512((void*)(t + 32 * i), _mm512_castps_si512(r[i]));
         }
     } else if (tid == 0) {
         for (int mb = 0; mb < MB; mb++)
