@@ -100,3 +100,37 @@ def test_tune_times_each_shape_once(monkeypatch) -> None:
     t = rp._times[(32, 64)]
     assert len(t) == SIZES and all(0.0 < v < 1.0 for v in t)
     assert rp.tune([(packed, None, 32, 64)]) == 0  # already tuned
+
+
+def test_vnni_wins_weighs_the_vnni_time_against_the_planned_oneDNN_time() -> None:
+    """Untuned: the AMX VNNI GEMM. Tuned: whichever is faster for the shape and rows, oneDNN
+    counted under its row plan (its starved sizes cut into fast calls)."""
+    assert rp.vnni_wins(576, 576, 600)
+    rp.clear()
+    sizes = range(rp.VNNI_FROM, 1024 + 1, rp.GRID_STEP)
+    rp._times[(576, 576)] = _times(per_row=1e-6)
+    rp._vnni_times[(576, 576)] = [m * 0.8e-6 for m in sizes]  # faster everywhere
+    rp._times[(3072, 576)] = _times(per_row=1e-6)
+    rp._vnni_times[(3072, 576)] = [m * 1.2e-6 for m in sizes]  # slower everywhere
+    rp._times[(576, 1536)] = _times(per_row=1e-6, starved=(224, 1088))
+    rp._vnni_times[(576, 1536)] = [m * 1.5e-6 for m in sizes]  # slower than the plan's calls
+    for m in (224, 300, 576, 1024):
+        assert rp.vnni_wins(576, 576, m)
+        assert not rp.vnni_wins(3072, 576, m)
+        assert not rp.vnni_wins(576, 1536, m)
+    assert rp.vnni_wins(3072, 576, 1100)  # past the timed sizes: not measured
+
+
+def test_tune_vnni_times_the_tuned_shapes_past_the_skinny_rows() -> None:
+    calls = []
+
+    class _Vnni:
+        def apply(self, x, bias):
+            calls.append(x.shape[0])
+
+    rp._times[(1024, 512)] = _times()
+    assert rp.tune_vnni([(_Vnni(), 1024, 512, 320), (_Vnni(), 1024, 512, 320)]) == 1
+    assert rp.tune_vnni([(_Vnni(), 1024, 512, 320)]) == 0  # timed once
+    assert rp.tune_vnni([(_Vnni(), 64, 64, 320)]) == 0  # too small to tune
+    assert len(rp._vnni_times[(1024, 512)]) == 4  # 224, 256, 288, 320
+    assert set(calls) == {224, 256, 288, 320}

@@ -1,7 +1,8 @@
-"""vx's VNNI-layout bf16 GEMM (`vx.gpu.cpu_vnni`, AVX512-BF16 CPUs without AMX): it must give
-the fp32 product rounded once to bf16 (up to the order of the fp32 sums), for every row count, panel remainder, bias and row stride, and the linears must take
-it past the skinny GEMM's rows. On an AMX machine the kernel is built too and is tested here
-directly (the layers keep AMX and oneDNN there).
+"""vx's VNNI-layout bf16 GEMMs (`vx.gpu.cpu_vnni`): VDPBF16PS on AVX512-BF16 CPUs without AMX,
+AMX tiles on AMX CPUs. They must give the fp32 product rounded once to bf16 (up to the order of
+the fp32 sums), for every row count, panel remainder, bias and row stride, and the linears must
+take them for their rows; the AMX one bit-identical to the AMX skinny GEMM where both apply.
+On an AMX machine the VDPBF16PS kernel is built too and is tested here directly.
 
 Runs in: the test process.
 """
@@ -156,3 +157,68 @@ def test_lm_head_greedy_ids_take_the_argmax(vnni, monkeypatch) -> None:
         assert one is None
     else:
         assert one is not None and one[0] == head.compute_logits(h[:1]).argmax(-1).item()
+
+
+@pytest.fixture()
+def amx_vnni():
+    lib = load_cpu_kernels()
+    if lib is None or not lib.vx_has_gemm_amx_vnni() or cpu_vnni._amx_lib() is None:
+        pytest.skip("no AMX here (native or emulated): the AMX VNNI GEMM is not on")
+    return lib
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (48, 64), (80, 96), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_vnni_is_bit_identical_to_the_amx_skinny_gemm(amx_vnni, n, k, bias) -> None:
+    """The same fp32 sums in the same order as `vx_gemm_amx_bf16` on the plain weight, for
+    every row count it takes: whole and partial 32-row blocks, an odd count of 16-column
+    blocks (48, 80), a bias, a strided x."""
+    from vx.gpu.cpu_ops import skinny_gemm
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    vw = cpu_vnni.VnniWeight(w, amx=True)
+    for rows in (1, 3, 8, 17, 32, 45, 64, 192):
+        big = torch.randn(rows, k + 64, generator=g).bfloat16()
+        x = big[:, 32 : 32 + k]  # row stride k + 64
+        got = vw.apply(x, b)
+        assert torch.equal(got, skinny_gemm(x.contiguous(), w, None, b)), rows
+
+
+@pytest.mark.parametrize("rows", [193, 300, 1024])
+def test_amx_vnni_past_the_skinny_rows_is_the_fp32_product(amx_vnni, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(112, 160, generator=g).bfloat16()
+    x = torch.randn(rows, 160, generator=g).bfloat16()
+    b = torch.randn(112, generator=g).bfloat16()
+    _check(cpu_vnni.VnniWeight(w, amx=True).apply(x, b), x, w, b)
+
+
+def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
+    """With AMX a linear keeps three copies: the plain weight (the skinny GEMM, below
+    `amx_vnni_rows()[0]`), the VNNI copy (through `[1]`) and oneDNN's (past it)."""
+    from vx.gpu.layers import ColumnParallelLinear
+
+    lo, hi = cpu_vnni.amx_vnni_rows()
+    assert 1 <= lo <= 192 < hi
+    g = torch.Generator().manual_seed(6)
+    lin = ColumnParallelLinear(
+        96, [160], bias=True, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    lin.weight.data.copy_(torch.randn(160, 96, generator=g))
+    lin.bias.data.copy_(torch.randn(160, generator=g))
+    plain = lin.weight.data.clone()
+    lin.process_weights_after_loading()
+    assert lin.vnni is not None and lin.vnni.amx and lin.plain is not None and lin.packed
+    calls = []
+    real = lin.vnni.apply
+    monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    sizes = (1, lo - 1, lo, 100, hi, hi + 1)
+    for rows in sizes:
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        _check(lin(x), x, plain, lin.bias)
+    assert calls == [r for r in sizes if lo <= r <= hi]
+    monkeypatch.setenv("VX_CPU_AMX_VNNI", "0")
+    monkeypatch.setattr(cpu_vnni, "_state", {})
+    assert not cpu_vnni.amx_vnni_wanted(plain)

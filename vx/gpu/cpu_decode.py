@@ -192,9 +192,11 @@ class FusedDecode:
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
         # and torch ops too (56 decodes + 4 x 128 prompt tokens: 245 against 259 ms, medians
         # of 12 alternated steps on a 2-core Zen 5)
+        # (with AMX on, the copies are the AMX GEMM's for 8-1,024 rows, `vx.gpu.cpu_vnni`, and
+        # the step keeps the AMX skinny GEMM's cap, `bf16_max_rows`)
         self._vnni_rows = _VNNI_STEP_ROWS if all(
             lin.vn for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ) else 0  # fmt: skip
+        ) and not lib.vx_fast_amx(-1) else 0  # fmt: skip
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
         self.split_parts, self.split_min_rows = _split_policy(bool(self._vnni_rows))

@@ -77,7 +77,8 @@ typedef struct {
     const vx_bf16* scale;   /* [n] per output channel, with q */
     const vx_bf16* bias;    /* [n] or NULL */
     int64_t n, k;
-    const uint32_t* vn;     /* w packed for vx_gemm_vnni_bf16 (`vx.gpu.cpu_vnni`), or NULL */
+    const uint32_t* vn;     /* w packed for vx_gemm_vnni_bf16, or with AMX vx_gemm_amx_vnni
+                               (`vx.gpu.cpu_vnni`), or NULL */
     const uint8_t* q4;      /* AVX2: the int4 weight of `cpu_widen.Int4Avx2`, or NULL */
     const float* s4;        /* its scales (times 2^-28) and zeros, with q4 */
     const float* z4;
@@ -130,9 +131,13 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
 #if defined(__AVX512F__)
     if (L->q && T <= quant_rows)
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (L->vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+        return vx_gemm_amx_vnni(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     if (T > 2 && VX_STEP_AMX)
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
-    if (L->vn && T > skinny_rows)  /* past the skinny GEMM's rows: as `linear` routes them */
+    /* past the skinny GEMM's rows, as `linear` routes them; or AMX switched off since the
+       caller counted the rows: an AMX VNNI copy has the same layout */
+    if (L->vn && (T > skinny_rows || (T > 2 && T > vx_gemv_bf16_max_rows())))
         return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
 #else  /* AVX2: `QuantizedWeight`'s int4 or int8 kernel, else `WideWeight`'s skinny or panel GEMM */

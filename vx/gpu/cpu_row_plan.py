@@ -34,7 +34,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRID_MAX", "GRID_STEP", "chunk_rows", "clear", "plan_from_times", "tune"]
+__all__ = [
+    "GRID_MAX",
+    "GRID_STEP",
+    "chunk_rows",
+    "clear",
+    "plan_from_times",
+    "tune",
+    "tune_vnni",
+    "vnni_wins",
+]
 
 GRID_STEP = 32
 GRID_MAX = 2048
@@ -49,6 +58,13 @@ _REPEATS = 5
 _times: dict[tuple[int, int], list[float]] = {}
 #: (N, K, m) -> the rows per call chosen (m: the whole call).
 _plans: dict[tuple[int, int, int], int] = {}
+#: (N, K) -> seconds of one AMX VNNI GEMM call (`vx.gpu.cpu_vnni`) at the grid sizes from
+#: VNNI_FROM rows; (N, K, m) -> whether it beats oneDNN's plan for m rows.
+_vnni_times: dict[tuple[int, int], list[float]] = {}
+_vnni_wins: dict[tuple[int, int, int], bool] = {}
+#: The first grid size timed for the AMX VNNI GEMM: below it (the skinny GEMM's rows) it is
+#: taken without asking (`vx.gpu.cpu_vnni`).
+VNNI_FROM = 224
 
 
 def enabled() -> bool:
@@ -59,6 +75,8 @@ def clear() -> None:
     """Forget every tuned shape (tests)."""
     _times.clear()
     _plans.clear()
+    _vnni_times.clear()
+    _vnni_wins.clear()
 
 
 def _grid_time(times: list[float], m: int) -> float:
@@ -66,14 +84,8 @@ def _grid_time(times: list[float], m: int) -> float:
     return times[(m + GRID_STEP - 1) // GRID_STEP - 1]
 
 
-def plan_from_times(times: list[float], m: int) -> int:
-    """Rows per call for an m-row product, given one call's time at each grid size.
-
-    Candidates: the whole call, estimated by the grid size at or above m; and for each grid
-    size c below m, m // c calls of c rows and one of the rest. Returns m unless the best
-    candidate is under MIN_GAIN of the whole call."""
-    if m > GRID_STEP * len(times) or m <= GRID_STEP:
-        return m
+def _plan(times: list[float], m: int) -> tuple[int, float]:
+    """(rows per call, its estimated time) for an m-row product (m <= the grid's end)."""
     whole = _grid_time(times, m)
     best, best_c = whole, m
     for i, t in enumerate(times):
@@ -84,7 +96,18 @@ def plan_from_times(times: list[float], m: int) -> int:
         est = (m // c) * t + (_grid_time(times, rest) if rest else 0.0)
         if est < best:
             best, best_c = est, c
-    return best_c if best < MIN_GAIN * whole else m
+    return (best_c, best) if best < MIN_GAIN * whole else (m, whole)
+
+
+def plan_from_times(times: list[float], m: int) -> int:
+    """Rows per call for an m-row product, given one call's time at each grid size.
+
+    Candidates: the whole call, estimated by the grid size at or above m; and for each grid
+    size c below m, m // c calls of c rows and one of the rest. Returns m unless the best
+    candidate is under MIN_GAIN of the whole call."""
+    if m > GRID_STEP * len(times) or m <= GRID_STEP:
+        return m
+    return _plan(times, m)[0]
 
 
 def chunk_rows(n: int, k: int, m: int) -> int:
@@ -139,3 +162,51 @@ def tune(linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int]]) -> i
             {s: f"{r[0]}-{r[-1]} ({len(r)} sizes)" for s, r in split.items() if r} or "none",
         )  # fmt: skip
     return done
+
+
+def vnni_wins(n: int, k: int, m: int) -> bool:
+    """Whether x [m, k] @ W [n, k].T (m past the skinny GEMM's rows) goes to the layer's AMX
+    VNNI copy rather than oneDNN: by the two measured times (oneDNN's under its row plan);
+    True for a shape or size not measured."""
+    key = (n, k, m)
+    won = _vnni_wins.get(key)
+    if won is None:
+        vt, ot = _vnni_times.get((n, k)), _times.get((n, k))
+        won = True
+        if vt is not None and ot is not None and VNNI_FROM <= m <= VNNI_FROM + GRID_STEP * (len(vt) - 1):
+            won = _grid_time(vt, m - VNNI_FROM + GRID_STEP) < _plan(ot, m)[1]
+        _vnni_wins[key] = won
+    return won
+
+
+def tune_vnni(linears: list[tuple[object, int, int, int]]) -> int:
+    """Times each distinct (N, K) of these (AMX `VnniWeight`, N, K, last row count) at every
+    grid size from VNNI_FROM (after `tune`, whose oneDNN times `vnni_wins` weighs them
+    against); returns the shapes tuned. ~1 s for SmolLM2's four shapes on 2 cores.
+
+    Why: SmolLM2's o and down projections take about half oneDNN's time there, its gate-up
+    projection ~1.1x (2-core Sapphire Rapids), so each shape gets the faster one."""
+    if not enabled():
+        return 0
+    todo: dict[tuple[int, int], tuple[object, int]] = {}
+    for vnni, n, k, last in linears:
+        if n * k >= MIN_WEIGHT_ELEMENTS and (n, k) in _times and (n, k) not in _vnni_times:
+            todo.setdefault((n, k), (vnni, min(last, GRID_MAX)))
+    if not todo:
+        return 0
+    t0 = time.perf_counter()
+    best: dict[tuple[int, int], list[float]] = {}
+    for (n, k), (vnni, last) in todo.items():
+        x = torch.randn(last, k).to(torch.bfloat16)
+        sizes = range(VNNI_FROM, last + 1, GRID_STEP)
+        vnni.apply(x[: sizes[0]], None)  # type: ignore[attr-defined]
+        row = best[(n, k)] = [float("inf")] * len(sizes)
+        for _ in range(_REPEATS):
+            for i, m in enumerate(sizes):
+                t = time.perf_counter()
+                vnni.apply(x[:m], None)  # type: ignore[attr-defined]
+                row[i] = min(row[i], time.perf_counter() - t)
+    _vnni_times.update(best)
+    _vnni_wins.clear()
+    logger.info("AMX VNNI GEMM: %d shapes timed in %.1f s", len(todo), time.perf_counter() - t0)
+    return len(todo)

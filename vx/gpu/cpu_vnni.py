@@ -15,6 +15,17 @@ row, and one packed copy).
 The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
 one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM (A/B timing);
 `VX_CPU_PREPACK=0` leaves both out (plain weights, F.linear).
+
+On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
+`vx_gemm_amx_vnni` (`vx.gpu.cpu_gemm_amx_vnni_source`) takes the linears' rows from
+`amx_vnni_rows()[0]` to `[1]` (8-1,024; see `amx_vnni_wanted`). At 8-192 rows it gives
+bit-identical results to the AMX skinny GEMM on the plain weight in 0.77-0.97 of its time
+(cold weights). At 193-1,024 rows it takes a shape's rows where the load-time timing
+(`vx.gpu.cpu_row_plan.tune_vnni`) found it faster than oneDNN under the row plan (SmolLM2 on
+2 cores: o and down in about half oneDNN's time, qkv 0.7-1.0x; gate-up mostly stays with
+oneDNN). There a layer keeps all three copies: the plain weight (the skinny GEMM, below 8
+rows), the VNNI copy, and oneDNN's (past 1,024 rows, and the shapes it wins).
+`VX_CPU_AMX_VNNI=0` leaves it out (A/B timing).
 """
 
 from __future__ import annotations
@@ -24,7 +35,14 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["VNNI_MIN_ROWS", "VnniWeight", "vnni_takes", "vnni_wanted"]
+__all__ = [
+    "VNNI_MIN_ROWS",
+    "VnniWeight",
+    "amx_vnni_rows",
+    "amx_vnni_wanted",
+    "vnni_takes",
+    "vnni_wanted",
+]
 
 #: Rows from which a layer with a VNNI copy takes it rather than the skinny GEMM on its plain
 #: weight (`bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: 1 row 6.7 against 5.8
@@ -50,6 +68,46 @@ def _lib():
     return _state["lib"]
 
 
+def _amx_lib():
+    """The kernel library where AMX is on and it has the AMX GEMM over VNNI tiles (else None)."""
+    if "amx" not in _state:
+        from vx.gpu.cpu_ops import gemv_kernels
+
+        lib = gemv_kernels()
+        ok = (
+            lib is not None
+            and os.environ.get("VX_CPU_AMX_VNNI", "1") != "0"
+            and bool(lib.vx_fast_amx(-1))
+            and bool(lib.vx_has_gemm_amx_vnni())
+        )
+        _state["amx"] = lib if ok else None
+    return _state["amx"]
+
+
+def amx_vnni_rows() -> tuple[int, int]:
+    """(first, last) row counts the AMX VNNI GEMM takes a linear's x for (C's constants, which
+    the fused decode step routes by too)."""
+    lib = _amx_lib()
+    if lib is None:
+        return (0, -1)
+    return (lib.vx_amx_vnni_rows(0), lib.vx_amx_vnni_rows(1))
+
+
+def amx_vnni_wanted(weight: torch.Tensor) -> bool:
+    """Whether a linear's `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI
+    copy for the AMX GEMM here (AMX on; prepacking on)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and os.environ.get("VX_CPU_PREPACK", "1") != "0"
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 32 == 0
+        and weight.shape[1] <= 16384
+        and _amx_lib() is not None
+    )
+
+
 def vnni_wanted(weight: torch.Tensor) -> bool:
     """Whether `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI copy here."""
     return (
@@ -68,6 +126,16 @@ def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | N
     rows, or any rows the skinny GEMM on `plain` does not take."""
     if vnni is None or x.dim() != 2 or x.dtype != torch.bfloat16:
         return False
+    if vnni.amx:
+        lo, hi = amx_vnni_rows()
+        m = x.shape[0]
+        if not lo <= m <= hi:
+            return False
+        from vx.gpu.cpu_ops import AMX_MAX_ROWS
+        from vx.gpu.cpu_row_plan import vnni_wins
+
+        # past the skinny GEMM's rows: where it beats oneDNN for this shape (measured at load)
+        return m <= AMX_MAX_ROWS or vnni_wins(vnni.n, vnni.k, m)
     from vx.gpu.cpu_ops import gemv_fits
 
     return x.shape[0] >= VNNI_MIN_ROWS or plain is None or not gemv_fits(x, plain)
@@ -77,16 +145,19 @@ class VnniWeight:
     """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`); `apply(x, bias)` is
     x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, amx: bool = False) -> None:
+        """amx: for `vx_gemm_amx_vnni` (see `amx_vnni_wanted`), else `vx_gemm_vnni_bf16`."""
         n, k = weight.shape
         self.n, self.k = n, k
+        self.amx = amx
+        lib = _amx_lib() if amx else _lib()
         w = weight.detach().contiguous()
         # [N / 16, K / 2, 16] dwords; 64-byte aligned rows come from torch's CPU allocator
         # (its allocations are 64-byte aligned), and each panel row is 64 bytes.
         self.packed = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
         if self.packed.data_ptr() % 64:
             raise RuntimeError("the VNNI weight copy is not 64-byte aligned")
-        rc = _lib().vx_pack_vnni_bf16(w.data_ptr(), n, k, self.packed.data_ptr())  # type: ignore[union-attr]
+        rc = lib.vx_pack_vnni_bf16(w.data_ptr(), n, k, self.packed.data_ptr())  # type: ignore[union-attr]
         if rc != 0:
             raise ValueError(f"vx could not pack a {n} x {k} weight for the VNNI GEMM")
 
@@ -97,7 +168,9 @@ class VnniWeight:
             return self.apply(x, None) + bias
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=torch.bfloat16)
-        rc = _lib().vx_gemm_vnni_bf16(  # type: ignore[union-attr]
+        lib = _amx_lib() if self.amx else _lib()
+        fn = lib.vx_gemm_amx_vnni if self.amx else lib.vx_gemm_vnni_bf16  # type: ignore[union-attr]
+        rc = fn(
             x.data_ptr(), x.stride(0), m, self.packed.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, self.n, self.k,
         )  # fmt: skip

@@ -40,6 +40,7 @@ from vx.gpu.cpu_compact_source import COMPACT_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
 from vx.gpu.cpu_emulate import EMULATED_DEFINES, EMULATED_IMMINTRIN, emulation_flags
+from vx.gpu.cpu_gemm_amx_vnni_source import GEMM_AMX_VNNI_SOURCE
 from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
 from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
 from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
@@ -165,6 +166,7 @@ _DECODE_KERNEL_SOURCE = (
     + ELTWISE_SOURCE
     + GEMV_KERNEL_SOURCE
     + GEMM_VNNI_SOURCE
+    + GEMM_AMX_VNNI_SOURCE
     + GEMV_AVX2_SOURCE
     + COMPACT_AVX2_SOURCE
     + GEMM_AVX2_SOURCE
@@ -335,6 +337,11 @@ def _build_kernels() -> ctypes.CDLL | None:
     lib.vx_pack_vnni_bf16.argtypes = [ptr, i64, i64, ptr]
     lib.vx_gemm_vnni_bf16.restype = ctypes.c_int
     lib.vx_gemm_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_gemm_amx_vnni.restype = ctypes.c_int
+    lib.vx_gemm_amx_vnni.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_has_gemm_amx_vnni.restype = ctypes.c_int
+    lib.vx_amx_vnni_rows.restype = ctypes.c_int
+    lib.vx_amx_vnni_rows.argtypes = [ctypes.c_int]
     lib.vx_argmax_vnni_bf16.restype = ctypes.c_int
     lib.vx_argmax_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, i64, ptr]
     lib.vx_has_decode_step.restype = ctypes.c_int

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vx.gpu.cpu_ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
-from vx.gpu.cpu_vnni import VnniWeight, vnni_wanted
+from vx.gpu.cpu_vnni import VnniWeight, amx_vnni_wanted, vnni_wanted
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -118,6 +118,10 @@ def _process_linear(layer: nn.Module) -> None:
         layer.plain = layer.weight.data if gemv_kernels() is not None else None
         layer.vnni = VnniWeight(layer.weight.data)
         return
+    if layer.quant is None and amx_vnni_wanted(layer.weight):
+        # AMX: vx's AMX GEMM over the VNNI copy takes the middle rows (vx.gpu.cpu_vnni), the
+        # skinny GEMM the fewest (plain, kept below) and oneDNN the most (packed, below).
+        layer.vnni = VnniWeight(layer.weight.data, amx=True)
     if cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
         # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
         # the quantized path's: up to twice oneDNN's speed), at the cost of a second copy of

@@ -93,7 +93,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from vx.gpu.cpu_pages import collapse_weights
-        from vx.gpu.cpu_row_plan import tune as tune_row_plan
+        from vx.gpu.cpu_row_plan import tune as tune_row_plan, tune_vnni
+        from vx.gpu.cpu_vnni import amx_vnni_rows
         from vx.gpu.layers import ColumnParallelLinear, RowParallelLinear
         from vx.gpu.loader import load_model
         from vx.gpu.sampler import Sampler
@@ -113,9 +114,13 @@ class ModelRunner:
         if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
             collapse_weights(self.model)
             # the layers' linears only: the LM head takes one row a request
-            tune_row_plan(
-                [(mod.weight, mod.bias, *mod.weight.shape) for mod in self.model.modules()
-                 if isinstance(mod, ColumnParallelLinear | RowParallelLinear) and mod.packed]
+            linears = [mod for mod in self.model.modules()
+                       if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
+            tune_row_plan([(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed])
+            last = amx_vnni_rows()[1]
+            tune_vnni(
+                [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
+                 if mod.packed and mod.vnni is not None and mod.vnni.amx]
             )  # fmt: skip
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
