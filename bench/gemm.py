@@ -12,8 +12,9 @@ stream from memory, as in a model step). One "step" multiplies x of `rows` rows 
 Kernels: "new C" is `vx.gpu.cpu_ops.skinny_gemm`'s bf16 path in the working tree (AMX tiles
 from 3 rows where the CPU has them), "old C" the same from `--baseline` (its library built from
 that revision's source; a revision whose AMX kernel takes at most 64 rows a call is called as
-its caller did, 64 rows at a time), "oneDNN" torch's F.linear on the plain bf16 weights. The
-C results must be bit-identical (checked); each cell is the median ms per step over
+its caller did, 64 rows at a time), "oneDNN" torch's F.linear on the plain bf16 weights; on
+AMX CPUs "AMX VNNI", the linears' GEMM from 8 rows (`vx.gpu.cpu_vnni`, on VNNI-packed
+copies). The C results must be bit-identical (checked); each cell is the median ms per step over
 `--rounds` rounds, every kernel timed once per round, in turn. On AVX512-BF16 CPUs without AMX
 two more columns: "VNNI", the GEMM the linears take there past 12 rows (`vx.gpu.cpu_vnni`, on
 its packed copies), and "oneDNN packed", oneDNN on prepacked copies (what they took before).
@@ -78,6 +79,20 @@ def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]]):
     def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         (n, k), m = w.shape, x.shape[0]
         rc = lib.vx_gemm_vnni_bf16(
+            x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k
+        )
+        assert rc == 0, rc
+
+    return run
+
+
+def amx_vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]]):
+    """x @ W.T through the AMX GEMM on each weight's VNNI copy (`vx.gpu.cpu_vnni`, AMX CPUs)."""
+    packs = {id(w): cpu_vnni.VnniWeight(w, amx=True).packed for layer in weights for w in layer}
+
+    def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        (n, k), m = w.shape, x.shape[0]
+        rc = lib.vx_gemm_amx_vnni(
             x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k
         )
         assert rc == 0, rc
@@ -172,6 +187,9 @@ def main() -> None:
         if cpu_vnni.vnni_wanted(weights[0][0]):  # AVX512-BF16 without AMX: what the linears use
             kernels["VNNI"] = vnni_kernel(new_lib, weights)
             kernels["oneDNN packed"] = onednn_packed(weights)
+        amx_vnni = cpu_vnni.amx_vnni_wanted(weights[0][0])
+        if amx_vnni:  # AMX: the linears' 8-1,024 rows (bit-identical to "new C" up to 192)
+            kernels["AMX VNNI"] = amx_vnni_kernel(new_lib, weights)
         print(
             f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step "
             f"({LAYERS} x {len(SHAPES)} matrices, cold weights), median of {a.rounds}"
@@ -179,7 +197,7 @@ def main() -> None:
         vnni = "VNNI" in kernels
         print(
             f"{'rows':>5} " + " ".join(f"{n:>9}" for n in kernels) + "   new/old  new/oneDNN"
-            + ("  VNNI/packed" if vnni else "")
+            + ("  VNNI/packed" if vnni else "") + ("  AMXVNNI/new" if amx_vnni else "")
         )  # fmt: skip
         # without AMX the C skinny GEMM takes only a few rows: past them its columns are empty
         skinny = 1 << 30 if new_lib.vx_fast_amx(-1) else new_lib.vx_gemv_bf16_max_rows()
@@ -196,6 +214,10 @@ def main() -> None:
             same = "new C" not in run or all(
                 torch.equal(o, n) for o, n in zip(outs["old C"], outs["new C"], strict=True)
             )
+            if amx_vnni and "new C" in run and m <= 192:
+                same = same and all(
+                    torch.equal(o, n) for o, n in zip(outs["AMX VNNI"], outs["new C"], strict=True)
+                )
             times: dict[str, list[float]] = {name: [] for name in run}
             for _ in range(a.rounds):
                 for name, fn in run.items():
@@ -209,7 +231,8 @@ def main() -> None:
                 f"{m:>5} " + " ".join(f"{med[n]:9.2f}" for n in kernels)
                 + f"   {med['new C'] / med['old C']:7.2f}  {med['new C'] / med['oneDNN']:10.2f}"
                 + (f"  {med['VNNI'] / med['oneDNN packed']:11.2f}" if vnni else "")
-                + ("" if same else "   (old and new C differ!)")
+                + (f"  {med['AMX VNNI'] / med['new C']:11.2f}" if amx_vnni else "")
+                + ("" if same else "   (the C kernels' outputs differ!)")
             )  # fmt: skip
 
 
