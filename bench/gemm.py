@@ -72,29 +72,15 @@ def c_kernel(lib: ctypes.CDLL, chunk: int):
     return run
 
 
-def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]]):
-    """x @ W.T through the VNNI GEMM on each weight's packed copy (`vx.gpu.cpu_vnni`)."""
-    packs = {id(w): cpu_vnni.VnniWeight(w).packed for layer in weights for w in layer}
+def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]], amx: bool = False):
+    """x @ W.T through the VNNI GEMM on each weight's packed copy (`vx.gpu.cpu_vnni`): the
+    VDPBF16PS one, or with `amx` the AMX one (AMX CPUs)."""
+    packs = {id(w): cpu_vnni.VnniWeight(w, amx=amx).packed for layer in weights for w in layer}
+    fn = lib.vx_gemm_amx_vnni if amx else lib.vx_gemm_vnni_bf16
 
     def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
         (n, k), m = w.shape, x.shape[0]
-        rc = lib.vx_gemm_vnni_bf16(
-            x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k
-        )
-        assert rc == 0, rc
-
-    return run
-
-
-def amx_vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]]):
-    """x @ W.T through the AMX GEMM on each weight's VNNI copy (`vx.gpu.cpu_vnni`, AMX CPUs)."""
-    packs = {id(w): cpu_vnni.VnniWeight(w, amx=True).packed for layer in weights for w in layer}
-
-    def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-        (n, k), m = w.shape, x.shape[0]
-        rc = lib.vx_gemm_amx_vnni(
-            x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k
-        )
+        rc = fn(x.data_ptr(), x.stride(0), m, packs[id(w)].data_ptr(), None, y.data_ptr(), n, n, k)
         assert rc == 0, rc
 
     return run
@@ -189,7 +175,7 @@ def main() -> None:
             kernels["oneDNN packed"] = onednn_packed(weights)
         amx_vnni = cpu_vnni.amx_vnni_wanted(weights[0][0])
         if amx_vnni:  # AMX: the linears' 8-1,024 rows (bit-identical to "new C" up to 192)
-            kernels["AMX VNNI"] = amx_vnni_kernel(new_lib, weights)
+            kernels["AMX VNNI"] = vnni_kernel(new_lib, weights, amx=True)
         print(
             f"threads={torch.get_num_threads()} baseline={a.baseline}; ms per step "
             f"({LAYERS} x {len(SHAPES)} matrices, cold weights), median of {a.rounds}"

@@ -52,36 +52,31 @@ VNNI_MIN_ROWS = 2
 _state: dict[str, object] = {}
 
 
-def _lib():
-    """The kernel library where it has the VNNI GEMM and AMX is not on (else None)."""
-    if "lib" not in _state:
+def _kernels(amx: bool):
+    """The kernel library where it has the VNNI GEMM for this kind of CPU, else None: `amx`
+    False, the VDPBF16PS one where AMX is not on (there vx's AMX GEMMs and oneDNN's are
+    faster); True, the AMX one where AMX is on."""
+    key = "amx" if amx else "lib"
+    if key not in _state:
         from vx.gpu.cpu_ops import gemv_kernels
 
         lib = gemv_kernels()
         ok = (
             lib is not None
-            and os.environ.get("VX_CPU_VNNI", "1") != "0"
-            and bool(lib.vx_has_gemm_vnni())
-            and not lib.vx_fast_amx(-1)  # AMX tiles: vx's AMX GEMM and oneDNN's are faster
+            and os.environ.get("VX_CPU_AMX_VNNI" if amx else "VX_CPU_VNNI", "1") != "0"
+            and bool(lib.vx_fast_amx(-1)) == amx
+            and bool(lib.vx_has_gemm_amx_vnni() if amx else lib.vx_has_gemm_vnni())
         )
-        _state["lib"] = lib if ok else None
-    return _state["lib"]
+        _state[key] = lib if ok else None
+    return _state[key]
+
+
+def _lib():
+    return _kernels(False)
 
 
 def _amx_lib():
-    """The kernel library where AMX is on and it has the AMX GEMM over VNNI tiles (else None)."""
-    if "amx" not in _state:
-        from vx.gpu.cpu_ops import gemv_kernels
-
-        lib = gemv_kernels()
-        ok = (
-            lib is not None
-            and os.environ.get("VX_CPU_AMX_VNNI", "1") != "0"
-            and bool(lib.vx_fast_amx(-1))
-            and bool(lib.vx_has_gemm_amx_vnni())
-        )
-        _state["amx"] = lib if ok else None
-    return _state["amx"]
+    return _kernels(True)
 
 
 def amx_vnni_rows() -> tuple[int, int]:
@@ -96,20 +91,11 @@ def amx_vnni_rows() -> tuple[int, int]:
 def amx_vnni_wanted(weight: torch.Tensor) -> bool:
     """Whether a linear's `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI
     copy for the AMX GEMM here (AMX on; prepacking on)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and os.environ.get("VX_CPU_PREPACK", "1") != "0"
-        and weight.dim() == 2
-        and weight.shape[0] % 16 == 0
-        and weight.shape[1] % 32 == 0
-        and weight.shape[1] <= 16384
-        and _amx_lib() is not None
-    )
+    return _packable(weight) and weight.shape[1] <= 16384 and _amx_lib() is not None
 
 
-def vnni_wanted(weight: torch.Tensor) -> bool:
-    """Whether `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI copy here."""
+def _packable(weight: torch.Tensor) -> bool:
+    """CPU bf16 [N, K] with N % 16 == 0 and K % 32 == 0, and packed copies not turned off."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -117,8 +103,12 @@ def vnni_wanted(weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 32 == 0
-        and _lib() is not None
     )
+
+
+def vnni_wanted(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] (CPU bf16, N % 16 == 0, K % 32 == 0) gets a VNNI copy here."""
+    return _packable(weight) and _lib() is not None
 
 
 def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | None) -> bool:
