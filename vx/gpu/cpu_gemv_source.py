@@ -170,6 +170,30 @@ int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS_DP; }
 VX_GEMV_FN(vx_gemv_bf16, vx_bf16, vx_gemv_tile_bf16)
 int vx_gemv_bf16_max_rows(void) { return VX_GEMV_MAX_ROWS; }
 #endif
+/* A 16 x 16 fp32 block in registers, transposed in place: r[j] becomes column j (pure data
+   movement: any 32-bit patterns; the AMX GEMMs' x and C blocks, the prefill attention's K^T). */
+static inline __attribute__((always_inline)) void vx_transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    }
+}
 #ifdef VX_HAS_AMX
 /* bf16 GEMM for 1-192 rows on AMX tiles, computed transposed: C^T[n][m] = W[n][k] . X^T[k][m],
    so each A tile is 16 weight rows x 32 k loaded straight from W (row stride K), and only x
@@ -202,29 +226,6 @@ static inline __attribute__((always_inline)) void vx_amx_block(
         case 2: VX_AMX_STEP(1) /* fall through */
         default: VX_AMX_STEP(0)
         }
-    }
-}
-/* A 16 x 16 fp32 block in registers, transposed in place: r[j] becomes column j. */
-static inline __attribute__((always_inline)) void vx_transpose16(__m512* r) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
     }
 }
 /* C^T tile mb (0-3) into c [16 n][16 m] fp32. */

@@ -80,21 +80,18 @@ VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
     uint32_t* kt = dst;  /* [2][DV][16][16] */
     for (int g = 0; g < 2; g++)
         for (int s = 0; s < DV; s++) {
-            uint32_t* t = kt + (int64_t)(g * DV + s) * 256;
+            /* 16 keys' dim pairs as rows, transposed in registers (16 scatters a tile were
+               ~9% of the kernel for 128-token prompts) */
+            __m512 r[16];
             for (int n = 0; n < 16; n++) {
-                const vx_bf16* r = kr[16 * g + n];
-                if (r) {
-                    const __m512i x = _mm512_loadu_si512((const void*)(r + 32 * s));
-                    const __m512i idx = _mm512_add_epi32(
-                        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                            6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16)),
-                        _mm512_set1_epi32(n));
-                    _mm512_i32scatter_epi32(t, idx, x, 4);
-                } else {
-                    for (int j = 0; j < 16; j++) t[16 * j + n] = 0;
-                }
+                const vx_bf16* p = kr[16 * g + n];
+                r[n] = p ? _mm512_castsi512_ps(_mm512_loadu_si512((const void*)(p + 32 * s)))
+                         : _mm512_setzero_ps();
             }
+            vx_transpose16(r);
+            uint32_t* t = kt + (int64_t)(g * DV + s) * 256;
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512((void*)(t + 16 * j), _mm512_castps_si512(r[j]));
         }
     uint32_t* vt = dst + (int64_t)2 * DV * 256;  /* [D / 16][16][16] */
     const __m512i il = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
