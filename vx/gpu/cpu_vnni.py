@@ -35,6 +35,9 @@ import os
 import numpy as np
 import torch
 
+from vx.gpu.cpu_ops import AMX_MAX_ROWS, gemv_fits, gemv_kernels
+from vx.gpu.cpu_row_plan import vnni_wins
+
 __all__ = [
     "VNNI_MIN_ROWS",
     "VnniWeight",
@@ -58,8 +61,6 @@ def _kernels(amx: bool):
     faster); True, the AMX one where AMX is on."""
     key = "amx" if amx else "lib"
     if key not in _state:
-        from vx.gpu.cpu_ops import gemv_kernels
-
         lib = gemv_kernels()
         ok = (
             lib is not None
@@ -82,10 +83,11 @@ def _amx_lib():
 def amx_vnni_rows() -> tuple[int, int]:
     """(first, last) row counts the AMX VNNI GEMM takes a linear's x for (C's constants, which
     the fused decode step routes by too)."""
-    lib = _amx_lib()
-    if lib is None:
-        return (0, -1)
-    return (lib.vx_amx_vnni_rows(0), lib.vx_amx_vnni_rows(1))
+    if "amx_rows" not in _state:  # asked on every linear's call: once
+        lib = _amx_lib()
+        _state["amx_rows"] = (0, -1) if lib is None else (
+            lib.vx_amx_vnni_rows(0), lib.vx_amx_vnni_rows(1))
+    return _state["amx_rows"]  # type: ignore[return-value]
 
 
 def amx_vnni_wanted(weight: torch.Tensor) -> bool:
@@ -121,18 +123,14 @@ def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | N
         m = x.shape[0]
         if not lo <= m <= hi:
             return False
-        from vx.gpu.cpu_ops import AMX_MAX_ROWS
-        from vx.gpu.cpu_row_plan import vnni_wins
-
         # past the skinny GEMM's rows: where it beats oneDNN for this shape (measured at load)
         return m <= AMX_MAX_ROWS or vnni_wins(vnni.n, vnni.k, m)
-    from vx.gpu.cpu_ops import gemv_fits
-
     return x.shape[0] >= VNNI_MIN_ROWS or plain is None or not gemv_fits(x, plain)
 
 
 class VnniWeight:
-    """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`); `apply(x, bias)` is
+    """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`), or with `amx` for
+    `vx_gemm_amx_vnni` (the same layout; see `amx_vnni_wanted`); `apply(x, bias)` is
     x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride."""
 
     def __init__(self, weight: torch.Tensor, amx: bool = False) -> None:
