@@ -61,6 +61,7 @@ class OpTimer:
     seconds of the current `module_path` step."""
 
     def __init__(self, runner: ModelRunner) -> None:
+        import vx.gpu.layers as layers_mod
         import vx.gpu.models.llama as llama_mod
 
         self.active = False
@@ -74,6 +75,9 @@ class OpTimer:
             self._time_module(attn.qkv_proj, "qkv")
             self._time_module(attn.o_proj, "o")
             self._time_module(layer.mlp.gate_up_proj, "gate_up")
+            vnni = layer.mlp.gate_up_proj.vnni
+            if vnni is not None and vnni.silu:  # the GEMM with the SiLU-mul in its epilogue
+                self._patch(vnni, "apply_silu", "gate_up")
             self._time_module(layer.mlp.down_proj, "down")
             self._time_module(layer.input_layernorm, "norms")
             self._time_module(layer.post_attention_layernorm, "norms")
@@ -82,7 +86,7 @@ class OpTimer:
         self._time_module(inner.embed_tokens, "embedding")
         self._time_module(inner, "model")
         self._patch(llama_mod, "apply_rotary", "rotary")
-        self._patch(llama_mod, "silu_and_mul", "silu_mul")
+        self._patch(layers_mod, "silu_and_mul", "silu_mul")  # the gate-up's SiLU pass
 
     def _time_module(self, module: torch.nn.Module, op: str) -> None:
         starts: list[float] = []
@@ -110,14 +114,18 @@ class OpTimer:
             finally:
                 self.times[op] += time.perf_counter() - t0
 
+        own = name in getattr(owner, "__dict__", {})  # else a method: the instance's goes
         setattr(owner, name, timed)
-        self._patched.append((owner, name, fn))
+        self._patched.append((owner, name, fn if own else None))
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         for owner, name, fn in self._patched:
-            setattr(owner, name, fn)
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
 
     @contextlib.contextmanager
     def module_path(self) -> Iterator[dict[str, float]]:

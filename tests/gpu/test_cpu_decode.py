@@ -267,9 +267,9 @@ def test_kept_rows_torchs_int8_kernel_takes_go_the_module_path(tmp_path, monkeyp
 def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> None:
     """AMX switched off after the rows were counted: where the linears have no VNNI copies the
     C step answers -2 before writing anything (its GEMMs without AMX take fewer rows), `run`
-    answers None and the module path gives the same logits; with VNNI copies (AMX's, whose
-    layout the VNNI GEMM without AMX takes, or those of a CPU without AMX) the step is taken,
-    with the module path's logits."""
+    answers None and the module path gives the same logits; likewise where the gate-up has
+    AMX's SiLU copy; with VNNI copies (AMX's, whose layout the VNNI GEMM without AMX takes, or
+    those of a CPU without AMX) the step is taken, with the module path's logits."""
     model, fused = _load(tmp_path, "llama-d64")
     if not _prefill_fused(model, 64, fused.max_rows()):
         pytest.skip("the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)")
@@ -295,7 +295,9 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
     la = a.step_all(prompt)
     model.model.fused_decode = None
     lb = b.step_all(prompt)
-    if amx and model.model.layers[0].mlp.down_proj.vnni is None:
+    mlp = model.model.layers[0].mlp
+    if amx and (mlp.down_proj.vnni is None or getattr(mlp.gate_up_proj.vnni, "silu", False)):
+        # (a gate-up's SiLU copy is the AMX GEMM's only: without AMX the step declines)
         assert answers == [None]
     else:
         assert len(answers) == 1 and answers[0] is not None

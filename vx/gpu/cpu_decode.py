@@ -57,7 +57,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [
         ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
         ("q4", _P), ("s4", _P), ("z4", _P), ("cw", _P), ("ch", _P), ("craw", _P),
-        ("panels", _P),
+        ("panels", _P), ("vs", _P),
     ]  # fmt: skip
 
 
@@ -151,13 +151,15 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
         if q is None:
             return None
         scale = layer.quant.scales
-    vn = None if avx2 or layer.vnni is None else layer.vnni.packed
+    vn = vs = None
+    if not avx2 and layer.vnni is not None:  # a gate-up's SiLU copy: the C step's own GEMM
+        vn, vs = (None, layer.vnni.packed) if layer.vnni.silu else (layer.vnni.packed, None)
     c = layer.wide.compact if avx2 else None
     return _Linear(
         w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
         *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else (None,) * 3),
         *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else (None,) * 3),
-        _ptr(layer.wide.panels) if avx2 else None,
+        _ptr(layer.wide.panels) if avx2 else None, _ptr(vs),
     )  # fmt: skip
 
 
@@ -192,8 +194,8 @@ class FusedDecode:
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
         # and torch ops too (56 decodes + 4 x 128 prompt tokens: 245 against 259 ms, medians
         # of 12 alternated steps on a 2-core Zen 5)
-        # (with AMX on, the copies are the AMX GEMM's for 8-1,024 rows, `vx.gpu.cpu_vnni`, and
-        # the step keeps the AMX skinny GEMM's cap, `bf16_max_rows`)
+        # (with AMX on, the copies are the AMX GEMM's, `vx.gpu.cpu_vnni`, a gate-up's packed
+        # for the SiLU epilogue, and the step keeps the AMX skinny GEMM's cap, `bf16_max_rows`)
         self._vnni_rows = _VNNI_STEP_ROWS if all(
             lin.vn for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ) and not lib.vx_fast_amx(-1) else 0  # fmt: skip

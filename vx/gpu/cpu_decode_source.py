@@ -86,6 +86,8 @@ typedef struct {
     const uint8_t* ch;      /* its block bytes and raw blocks, with cw */
     const vx_bf16* craw;
     const uint32_t* panels; /* AVX2: w in bf16 panels (`cpu_widen.pack_panels`), or NULL */
+    const uint32_t* vs;     /* a gate-up w packed for vx_gemm_amx_vnni_silu (gate and up rows
+                               interleaved by 16; then vn is NULL), or NULL */
 } vx_linear;
 typedef struct {
     const vx_bf16* in_norm;
@@ -224,9 +226,19 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
         rc = vx_linear_apply(&L->o, s->attn, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
         vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, Tl, H, s->eps);
-        rc = vx_linear_apply(&L->gate_up, s->h, Tl, s->quant_rows, s->skinny_rows, s->gu);
-        if (rc) return rc;
-        vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, Tl, s->I);
+#if defined(__AVX512F__)
+        if (L->gate_up.vs && VX_STEP_AMX && Tl >= vx_amx_vnni_rows(0)) {
+            /* the GEMM with the SiLU-mul in its epilogue: the same bits, no [T, 2 I] pass */
+            rc = vx_gemm_amx_vnni_silu(s->h, H, (int)Tl, L->gate_up.vs, NULL, s->act, s->I,
+                                       s->I, H);  /* SiLU copies have no bias (`cpu_vnni`) */
+            if (rc) return rc;
+        } else
+#endif
+        {
+            rc = vx_linear_apply(&L->gate_up, s->h, Tl, s->quant_rows, s->skinny_rows, s->gu);
+            if (rc) return rc;
+            vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, Tl, s->I);
+        }
         rc = vx_linear_apply(&L->down, s->act, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
     }

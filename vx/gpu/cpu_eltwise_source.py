@@ -102,6 +102,18 @@ static inline float vx_silu_round(float g, float u) {
     const float s = ld_bf16(st_bf16v(g * ((g >= 0.f ? 1.f : e) / (1.f + e))));
     return s * u;
 }
+#if defined(__AVX512BF16__)
+/* 16 lanes of vx_silu_round: gate and up values (bf16 values widened) -> bf16 (also the AMX
+   gate-up GEMM's epilogue, `vx.gpu.cpu_gemm_amx_vnni_source`: the same bits either way) */
+static inline __m256bh vx_silu_mul16(__m512 gv, __m512 uv) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+    const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
+    const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
+    return _mm512_cvtneps_pbh(_mm512_mul_ps(s, uv));
+}
+#endif
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VX_SILU_AVX2 1
@@ -143,16 +155,9 @@ void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_
         vx_bf16* o = out + t * I;
         int64_t i = 0;
 #if defined(__AVX512BF16__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= I; i += 16) {
-            const __m512 gv = vx_ld16_bf16(g + i);
-            const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
-            const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
-            const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(gv, sig)));
-            const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, vx_ld16_bf16(u + i)));
-            _mm256_storeu_si256((__m256i*)(o + i), (__m256i)y);
-        }
+        for (; i + 16 <= I; i += 16)
+            _mm256_storeu_si256((__m256i*)(o + i),
+                                (__m256i)vx_silu_mul16(vx_ld16_bf16(g + i), vx_ld16_bf16(u + i)));
 #elif defined(VX_SILU_AVX2)
         /* non-finite gate or up values take the scalar tail's NaN handling */
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();

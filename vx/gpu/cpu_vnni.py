@@ -18,13 +18,18 @@ one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM 
 
 On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
 `vx_gemm_amx_vnni` (`vx.gpu.cpu_gemm_amx_vnni_source`) takes the linears' rows from
-`amx_vnni_rows()[0]` to `[1]` (8-1,024; see `amx_vnni_wanted`). At 8-192 rows it gives
+`amx_vnni_rows()[0]` to `[1]` (8-2,048; see `amx_vnni_wanted`). At 8-192 rows it gives
 bit-identical results to the AMX skinny GEMM on the plain weight in 0.77-0.97 of its time
-(cold weights). At 193-1,024 rows it takes a shape's rows where the load-time timing
+(cold weights). At 193-2,048 rows it takes a shape's rows where the load-time timing
 (`vx.gpu.cpu_row_plan.tune_vnni`) found it faster than oneDNN under the row plan (SmolLM2 on
-2 cores: o and down in about half oneDNN's time, qkv 0.7-1.0x; gate-up mostly stays with
-oneDNN). There a layer keeps all three copies: the plain weight (the skinny GEMM, below 8
-rows), the VNNI copy, and oneDNN's (past 1,024 rows, and the shapes it wins).
+2 cores: o and down in about half oneDNN's time to 1,024 rows, qkv 0.7-1.0x). There a layer
+keeps all three copies: the plain weight (the skinny GEMM, below 8 rows), the VNNI copy, and
+oneDNN's (past 2,048 rows, and the sizes it wins).
+
+A gate-up read through its SiLU (`MergedColumnParallelLinear(silu_pairs=True)`, no bias)
+instead keeps the plain weight and a copy packed with its gate and up rows interleaved
+(`VnniWeight(silu=True)`), for `vx_gemm_amx_vnni_silu`: the GEMM with silu(gate) * up in its
+epilogue, from 8 rows at any count, the bits of the GEMM then the SiLU pass; no oneDNN copy.
 `VX_CPU_AMX_VNNI=0` leaves it out (A/B timing).
 """
 
@@ -43,6 +48,7 @@ __all__ = [
     "VnniWeight",
     "amx_vnni_rows",
     "amx_vnni_wanted",
+    "silu_packable",
     "vnni_takes",
     "vnni_wanted",
 ]
@@ -96,6 +102,12 @@ def amx_vnni_wanted(weight: torch.Tensor) -> bool:
     return _packable(weight) and weight.shape[1] <= 16384 and _amx_lib() is not None
 
 
+def silu_packable(weight: torch.Tensor) -> bool:
+    """Whether a gate-up `weight` [2I, K] can have the AMX SiLU copy (`VnniWeight(silu=True)`):
+    an AMX VNNI copy at all, and I % 16 == 0."""
+    return amx_vnni_wanted(weight) and weight.shape[0] % 32 == 0
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """CPU bf16 [N, K] with N % 16 == 0 and K % 32 == 0, and packed copies not turned off."""
     return (
@@ -116,7 +128,7 @@ def vnni_wanted(weight: torch.Tensor) -> bool:
 def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | None) -> bool:
     """Whether x @ W.T goes to the VNNI copy `vnni`: 2-D bf16 x of at least `VNNI_MIN_ROWS`
     rows, or any rows the skinny GEMM on `plain` does not take."""
-    if vnni is None or x.dim() != 2 or x.dtype != torch.bfloat16:
+    if vnni is None or vnni.silu or x.dim() != 2 or x.dtype != torch.bfloat16:
         return False
     if vnni.amx:
         lo, hi = amx_vnni_rows()
@@ -131,15 +143,26 @@ def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | N
 class VnniWeight:
     """`weight` [N, K] packed for `vx_gemm_vnni_bf16` (see `vnni_wanted`), or with `amx` for
     `vx_gemm_amx_vnni` (the same layout; see `amx_vnni_wanted`); `apply(x, bias)` is
-    x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride."""
+    x @ weight.T + bias in bf16 for bf16 x [M, K] with unit column stride.
 
-    def __init__(self, weight: torch.Tensor, amx: bool = False) -> None:
-        """amx: for `vx_gemm_amx_vnni` (see `amx_vnni_wanted`), else `vx_gemm_vnni_bf16`."""
+    With `silu` (AMX only) `weight` is a gate-up [gate; up] ([2I, K], I % 16 == 0), packed with
+    its gate and up rows interleaved by 16 for `vx_gemm_amx_vnni_silu`: `apply_silu(x)` is
+    silu(x @ gate.T) * (x @ up.T) [M, I] with the roundings of `apply` then SiLU-mul (the same
+    bits), and `apply` does not apply."""
+
+    def __init__(self, weight: torch.Tensor, amx: bool = False, silu: bool = False) -> None:
+        """amx: for `vx_gemm_amx_vnni` (see `amx_vnni_wanted`), else `vx_gemm_vnni_bf16`;
+        silu: a gate-up weight for `vx_gemm_amx_vnni_silu` (see `silu_packable`)."""
         n, k = weight.shape
         self.n, self.k = n, k
         self.amx = amx
+        self.silu = silu
+        if silu and not (amx and silu_packable(weight)):
+            raise ValueError(f"a {n} x {k} weight cannot be packed for the SiLU GEMM")
         lib = _amx_lib() if amx else _lib()
         w = weight.detach().contiguous()
+        if silu:  # rows gate 0-15, up 0-15, gate 16-31, ...: each 32 columns one gate | up pair
+            w = w.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
         # [N / 16, K / 2, 16] dwords; 64-byte aligned rows come from torch's CPU allocator
         # (its allocations are 64-byte aligned), and each panel row is 64 bytes.
         self.packed = torch.empty(n // 16, k // 2, 16, dtype=torch.int32)
@@ -150,6 +173,8 @@ class VnniWeight:
             raise ValueError(f"vx could not pack a {n} x {k} weight for the VNNI GEMM")
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.silu:
+            raise RuntimeError("a SiLU-packed gate-up weight is read by apply_silu only")
         if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
             x = x.contiguous()
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
@@ -164,6 +189,22 @@ class VnniWeight:
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"vx VNNI GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
+        return y
+
+    def apply_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x @ gate.T) * (x @ up.T), bf16 [M, I], for a `silu` weight (no bias); None
+        where AMX was switched off since (`vx_fast_amx`: A/B timing, tests)."""
+        if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.contiguous()
+        m, i = x.shape[0], self.n // 2
+        y = torch.empty(m, i, dtype=torch.bfloat16)
+        rc = _amx_lib().vx_gemm_amx_vnni_silu(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), m, self.packed.data_ptr(), None, y.data_ptr(), i, i, self.k
+        )
+        if rc == -2:
+            return None
+        if rc != 0:
+            raise RuntimeError(f"vx SiLU GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
         return y
 
     def argmax(self, x: torch.Tensor) -> np.ndarray:

@@ -22,13 +22,20 @@ for token in fp32.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vx.gpu.cpu_ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
-from vx.gpu.cpu_vnni import VnniWeight, amx_vnni_wanted, vnni_wanted
+from vx.gpu.cpu_vnni import (
+    VnniWeight,
+    amx_vnni_rows,
+    amx_vnni_wanted,
+    silu_packable,
+    vnni_wanted,
+)
 from vx.gpu.cpu_widen import WideWeight, widen_wanted
 from vx.gpu.quantization import (
     QuantizedWeight,
@@ -117,6 +124,18 @@ def _process_linear(layer: nn.Module) -> None:
         # GEMM from VNNI_MIN_ROWS (vx.gpu.cpu_vnni); no oneDNN copy.
         layer.plain = layer.weight.data if gemv_kernels() is not None else None
         layer.vnni = VnniWeight(layer.weight.data)
+        return
+    if (
+        layer.quant is None
+        and getattr(layer, "silu_pairs", False)
+        and layer.bias is None
+        and silu_packable(layer.weight)
+    ):
+        # AMX, a gate-up read through `silu_and_mul`: the GEMM with the SiLU-mul in its
+        # epilogue from 8 rows (vx.gpu.cpu_vnni), the skinny GEMM on the plain weight below;
+        # no oneDNN copy (2,048 rows: 2.6 against 4.2-4.5 ms for oneDNN's GEMM then the SiLU)
+        layer.vnni = VnniWeight(layer.weight.data, amx=True, silu=True)
+        layer.plain = layer.weight.data if gemv_kernels() is not None else None
         return
     if layer.quant is None and amx_vnni_wanted(layer.weight):
         # AMX: vx's AMX GEMM over the VNNI copy takes the middle rows (vx.gpu.cpu_vnni), the
@@ -216,7 +235,32 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several same-input projections in one GEMM (gate_up_proj: [gate; up])."""
+    """Several same-input projections in one GEMM (gate_up_proj: [gate; up]).
+
+    With `silu_pairs` (two equal parts, [gate; up], read through `silu_and_mul`), on AMX the
+    VNNI copy is packed for the GEMM with the SiLU-mul in its epilogue (`VnniWeight(silu=True)`).
+    """
+
+    def __init__(self, *args: Any, silu_pairs: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        sizes = self.output_sizes_per_rank
+        self.silu_pairs = silu_pairs and len(sizes) == 2 and sizes[0] == sizes[1]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection of x, [T, I]: one GEMM with its
+        epilogue where the SiLU copy takes x's rows, else the GEMM then `silu_and_mul`."""
+        v = self.vnni
+        if (
+            v is not None
+            and v.silu
+            and x.dim() == 2
+            and x.dtype == torch.bfloat16
+            and x.shape[0] >= amx_vnni_rows()[0]
+        ):
+            out = v.apply_silu(x)
+            if out is not None:
+                return out
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

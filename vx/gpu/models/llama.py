@@ -32,7 +32,6 @@ from vx.gpu.layers import (
     RowParallelLinear,
     apply_rotary,
     default_weight_loader,
-    silu_and_mul,
 )
 from vx.gpu.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -159,14 +158,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, a: ModelArgs, **kw: Any) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            a.hidden_size, [a.intermediate_size] * 2, bias=a.mlp_bias, **kw
+            a.hidden_size, [a.intermediate_size] * 2, bias=a.mlp_bias, silu_pairs=True, **kw
         )
         self.down_proj = RowParallelLinear(
             a.intermediate_size, a.hidden_size, bias=a.mlp_bias, **kw
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
