@@ -78,6 +78,9 @@ class OpTimer:
             vnni = layer.mlp.gate_up_proj.vnni
             if vnni is not None and vnni.silu:  # the GEMM with the SiLU-mul in its epilogue
                 self._patch(vnni, "apply_silu", "gate_up")
+            vnni = attn.qkv_proj.vnni
+            if vnni is not None and vnni.amx:  # the GEMM with the rotary in its epilogue
+                self._patch(vnni, "apply_rope", "qkv")
             self._time_module(layer.mlp.down_proj, "down")
             self._time_module(layer.input_layernorm, "norms")
             self._time_module(layer.post_attention_layernorm, "norms")

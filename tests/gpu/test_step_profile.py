@@ -27,6 +27,9 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
         torch.set_num_threads(threads)
     mlps = [layer.mlp for layer in runner.model.model.layers]
     fused_silu = all(getattr(m.gate_up_proj.vnni, "silu", False) for m in mlps)
+    fused_rope = all(
+        getattr(layer.self_attn.qkv_proj.vnni, "amx", False) for layer in runner.model.model.layers
+    )
     assert [r[0] for r in results] == ["decode", "prefill", "mixed"]
     for name, served, module, ops in results:
         assert len(served) == len(module) == 2 and min(served) > 0
@@ -34,8 +37,8 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
         # each op ran on the module-path step: the hooks saw every kind of layer op
         for op in ("qkv", "o", "gate_up", "down", "attention", "norms", "rotary", "silu_mul",
                    "embedding"):  # fmt: skip
-            if op == "silu_mul" and fused_silu:
-                continue  # the gate-up's AMX GEMM does the SiLU-mul in its epilogue
+            if (op == "silu_mul" and fused_silu) or (op == "rotary" and fused_rope):
+                continue  # the AMX GEMMs do the SiLU-mul and the rotary in their epilogues
             assert ops[op] > 0, (name, op)
         # the categories split the step: they add up to it, and no op's time is counted twice
         assert sum(ops.values()) <= max(module) * 1.0001
@@ -47,6 +50,8 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
     assert (model.fused_decode is None) == (FusedDecode.build(model) is None)
     assert llama_mod.apply_rotary is rotary and layers_mod.silu_and_mul is silu
     assert all("apply_silu" not in getattr(m.gate_up_proj.vnni, "__dict__", {}) for m in mlps)
+    assert all("apply_rope" not in getattr(layer.self_attn.qkv_proj.vnni, "__dict__", {})
+               for layer in model.layers)  # fmt: skip
     for m in model.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
     assert all("timed" not in getattr(layer.self_attn.attn_fn, "__name__", "")

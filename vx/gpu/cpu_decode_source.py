@@ -173,9 +173,20 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
         } else {
             vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
         }
-        rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->skinny_rows, s->qkv);
-        if (rc) return rc;
-        vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
+        rc = -2;
+#if defined(__AVX512F__)
+        if (L->qkv.vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+            /* the rotary in the GEMM's epilogue: the same bits, no pass over q and k */
+            rc = vx_gemm_amx_vnni_rope(s->h, H, (int)T, L->qkv.vn, L->qkv.bias, s->qkv, qkv_n,
+                                       qkv_n, H, s->cos, s->sin, (Hq + Hkv) * D, (int)D);
+#endif
+        if (rc == -2) {
+            rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->skinny_rows, s->qkv);
+            if (rc) return rc;
+            vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
+        } else if (rc) {
+            return rc;
+        }
         vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
                     (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
                     (char*)L->k_cache, (char*)L->v_cache, c_sh * e, c_sb * e, D * e, D * e,

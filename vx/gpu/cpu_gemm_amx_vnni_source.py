@@ -50,6 +50,12 @@ from __future__ import annotations
 #: oneDNN's GEMM then the SiLU pass; at 576 rows 0.75 against 1.09; at 64 rows 0.09 against
 #: 0.17-0.2 (hot weights).
 #:
+#: `vx_gemm_amx_vnni_rope` is the same loop over the fused qkv projection with rotate-half
+#: rotary in its epilogue on the q and k heads: a head's D / 32 blocks are one unit (an item's
+#: column chunk holds whole heads), its rows go out once its last block is done, rounded as
+#: the GEMM's output and then as `vx_rotary_bf16` (the same bits), so no pass reads q and k
+#: back.
+#:
 #: A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`), a last single
 #: 16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
 #: N % 16, K too big; with the SiLU, I % 16).
@@ -65,6 +71,7 @@ GEMM_AMX_VNNI_SOURCE = r"""
 #define VX_AV_MIN_ROWS 8
 #define VX_AV_STREAM 2    /* past this many 32-row blocks: B tiles by tileloaddt1, and */
 #define VX_AV_NC_SMALL 4  /* up to it, items of at most this many column pairs */
+#define VX_AV_RG 4        /* 32-column blocks a rotated head may take (D <= 128) */
 #define VX_AV_MAX_ROWS 2048
 static vx_bf16 vx_av_pad[32 * VX_GEMV_MAX_K] __attribute__((aligned(64)));
 /* Rows [j0, j1) of a finished 32 x 32 block (c: 32 rows of 32 fp32; rows past M skipped) to
@@ -89,11 +96,64 @@ VX_INLINE void vx_av_rows(const float* c, vx_bf16* y, int64_t y_st, int m0, int 
             _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(lo));
     }
 }
+/* Rows [j0, j1) of a finished head of D columns (D / 32 blocks of 32 x 32 fp32, 1,024 floats
+   apart) at row m0, column n0 of y: each value + bias rounded to bf16 (the GEMM's output),
+   then rotate-half rotary with cos/sin [M, D / 2] (row t for row t of y), vx_rotary_bf16's
+   roundings: the bits of the GEMM then the rotary pass. */
+VX_INLINE void vx_av_rope_rows(const float* c, vx_bf16* y, int64_t y_st, int m0, int M,
+                               int64_t n0, const vx_bf16* bias, const vx_bf16* rcos,
+                               const vx_bf16* rsin, int D, int j0, int j1) {
+    const int h2 = D / 2;
+    if (j1 > M - m0) j1 = M - m0;
+    for (int j = j0; j < j1; j++) {
+        const int64_t t = m0 + j;
+        const vx_bf16 *cs = rcos + t * h2, *sn = rsin + t * h2;
+        vx_bf16* dst = y + t * y_st + n0;
+        for (int i = 0; i < h2; i += 16) {
+            const int ib = i + h2;
+            __m512 a = _mm512_load_ps(c + (i / 32) * 1024 + 32 * j + i % 32);
+            __m512 b = _mm512_load_ps(c + (ib / 32) * 1024 + 32 * j + ib % 32);
+            if (bias) {
+                a = _mm512_add_ps(a, vx_ld16_bf16(bias + n0 + i));
+                b = _mm512_add_ps(b, vx_ld16_bf16(bias + n0 + ib));
+            }
+            a = vx_round16_bf16(a), b = vx_round16_bf16(b);
+            const __m512 ci = vx_ld16_bf16(cs + i), si = vx_ld16_bf16(sn + i);
+            const __m512 ac = vx_round16_bf16(_mm512_mul_ps(a, ci));
+            const __m512 bs = vx_round16_bf16(_mm512_mul_ps(b, si));
+            const __m512 bc = vx_round16_bf16(_mm512_mul_ps(b, ci));
+            const __m512 as = vx_round16_bf16(_mm512_mul_ps(a, si));
+            vx_st16_bf16(dst + i, _mm512_sub_ps(ac, bs));
+            vx_st16_bf16(dst + ib, _mm512_add_ps(bc, as));
+        }
+    }
+}
+/* The epilogue of the unit waiting at c: a head of the rotated columns, or one block */
+typedef struct {
+    const vx_bf16 *bias, *rcos, *rsin;
+    int64_t rope_n;
+    int silu, D;
+} vx_av_epi;
+VX_INLINE void vx_av_emit(const float* c, vx_bf16* y, int64_t y_st, int m0, int M, int64_t n0,
+                          int nt, const vx_av_epi* e, int j0, int j1) {
+    if (n0 < e->rope_n)
+        vx_av_rope_rows(c, y, y_st, m0, M, n0, e->bias, e->rcos, e->rsin, e->D, j0, j1);
+    else
+        vx_av_rows(c, y, y_st, m0, M, n0, nt, e->bias, e->silu, j0, j1);
+}
+/* rope_n > 0: columns [0, rope_n) are heads of D columns to rotate (D % 32 == 0, D <=
+   32 VX_AV_RG, rope_n % D == 0), with cos/sin [M, D / 2] */
 static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K,
-                     int silu) {
+                     int silu, const vx_bf16* rcos, const vx_bf16* rsin, int64_t rope_n, int D) {
     if (!vx_amx_on || M < 1 || K % 32 || K > VX_GEMV_MAX_K || N % 16 || N < 16) return -2;
     if (silu && N % 32) return -2;
+    if (rope_n && (silu || D < 32 || D % 32 || D > 32 * VX_AV_RG || rope_n % D || rope_n > N
+                   || !rcos || !rsin))
+        return -2;
+    const vx_av_epi epi = {bias, rcos, rsin, rope_n, silu, D};
+    const int g = rope_n ? D / 32 : 1;  /* 32-column blocks a rotated head takes */
+    const int64_t rope_b = rope_n / 32;  /* the blocks of the rotated columns */
     const int64_t KC = K / 32, NB = N / 16, NB2 = (NB + 1) / 2;
     const int MB2 = (M + 31) / 32, tail = M % 32;
     if (tail) {  /* the last 32-row block, zero-padded */
@@ -113,16 +173,18 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
     const int64_t nc_max = MB2 > VX_AV_STREAM ? VX_AV_NC : VX_AV_NC_SMALL;
     int64_t NN = (NB2 + nc_max - 1) / nc_max;
     while ((NP * NN) % nth && NN < NB2) NN++;
-    const int64_t NC = (NB2 + NN - 1) / NN;
+    int64_t NC = (NB2 + NN - 1) / NN;
+    NC = (NC + g - 1) / g * g;  /* an item's chunk holds whole rotated heads */
     NN = (NB2 + NC - 1) / NC;
     const int stream = MB2 > VX_AV_STREAM;
     vx_ws ws;
     vx_ws_init(&ws, NP * NN, par);
     _Pragma("omp parallel if (par)") {
         vx_amx_load_tiles(8);  /* 0-3: C, 4, 5: A (x rows 0-15, 16-31), 6, 7: B (columns) */
-        /* two C buffers: a block's rows go out while the next block's products run */
-        float cb[2][32 * 32] __attribute__((aligned(64)));
-        int pm0 = -1, pnt = 0, cur = 0;  /* the block waiting in cb[cur ^ 1] */
+        /* two C buffers: a unit's rows go out while the next block's products run (a unit:
+           a block, or a rotated head's g blocks) */
+        float cb[2][VX_AV_RG][32 * 32] __attribute__((aligned(64)));
+        int pm0 = -1, pnt = 0, cur = 0;  /* the unit waiting in cb[cur ^ 1] */
         int64_t pn0 = 0;
         for (int64_t it; (it = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
             const int mp = (int)(it / NN);
@@ -142,7 +204,8 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                     const int nt = 2 * nb2 + 1 < NB ? 2 : 1;  /* 16-column blocks here */
                     const uint32_t* b0 = wp + (2 * nb2) * KC * 256;
                     const uint32_t* b1 = b0 + KC * 256;
-                    const float* pc = cb[cur ^ 1];
+                    const float* pc = &cb[cur ^ 1][0][0];
+                    const int j = nb2 < rope_b ? (int)(nb2 % g) : 0;  /* block of its unit */
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                     if (nt == 2) {
                         for (int64_t kc = 0; kc < KC; kc++) {
@@ -158,15 +221,13 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                             _tile_dpbf16ps(3, 5, 7);
                             /* the last block's rows, 4 a step, between the tile products */
                             if (pm0 >= 0 && kc < 8)
-                                vx_av_rows(pc, y, y_st, pm0, M, pn0, pnt, bias, silu,
-                                           4 * (int)kc, 4 * (int)kc + 4);
+                                vx_av_emit(pc, y, y_st, pm0, M, pn0, pnt, &epi, 4 * (int)kc,
+                                           4 * (int)kc + 4);
                         }
                         if (pm0 >= 0 && KC < 8)
-                            vx_av_rows(pc, y, y_st, pm0, M, pn0, pnt, bias, silu, 4 * (int)KC,
-                                       32);
+                            vx_av_emit(pc, y, y_st, pm0, M, pn0, pnt, &epi, 4 * (int)KC, 32);
                     } else {
-                        if (pm0 >= 0)
-                            vx_av_rows(pc, y, y_st, pm0, M, pn0, pnt, bias, silu, 0, 32);
+                        if (pm0 >= 0) vx_av_emit(pc, y, y_st, pm0, M, pn0, pnt, &epi, 0, 32);
                         for (int64_t kc = 0; kc < KC; kc++) {
                             _tile_loadd(4, a0 + kc * 32, ast * 2);
                             _tile_stream_loadd(6, b0 + kc * 256, 64);
@@ -175,25 +236,35 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                             _tile_dpbf16ps(2, 5, 6);
                         }
                     }
-                    float* c = cb[cur];  /* rows m0 .. m0 + 15 from tiles 0, 1; then 2, 3 */
+                    pm0 = -1;  /* the waiting unit is out */
+                    float* c = cb[cur][j];  /* rows m0 .. m0 + 15 from tiles 0, 1; then 2, 3 */
                     _tile_stored(0, c, 128);
                     if (nt == 2) _tile_stored(1, c + 16, 128);
                     if (m0 + 16 < M) {  /* rows past M are never read */
                         _tile_stored(2, c + 512, 128);
                         if (nt == 2) _tile_stored(3, c + 528, 128);
                     }
-                    pm0 = m0, pn0 = 32 * nb2, pnt = nt, cur ^= 1;
+                    if (j == g - 1 || nb2 >= rope_b)  /* a whole unit: it waits */
+                        pm0 = m0, pn0 = 32 * (nb2 - j), pnt = nt, cur ^= 1;
                 }
             }
         }
-        if (pm0 >= 0) vx_av_rows(cb[cur ^ 1], y, y_st, pm0, M, pn0, pnt, bias, silu, 0, 32);
+        if (pm0 >= 0) vx_av_emit(&cb[cur ^ 1][0][0], y, y_st, pm0, M, pn0, pnt, &epi, 0, 32);
         _tile_release();
     }
     return 0;
 }
 int vx_gemm_amx_vnni(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                      const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
-    return vx_av_run(x, x_st, M, wp, bias, y, y_st, N, K, 0);
+    return vx_av_run(x, x_st, M, wp, bias, y, y_st, N, K, 0, NULL, NULL, 0, 0);
+}
+/* vx_gemm_amx_vnni with rotate-half rotary in its epilogue on columns [0, rope_n), heads of D
+   (the fused qkv projection's q and k heads), cos/sin [M, D / 2]: the bits of the GEMM then
+   vx_rotary_bf16. -2 where it does not apply (D % 32, D > 128, rope_n % D, rope_n > N). */
+int vx_gemm_amx_vnni_rope(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
+                          const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K,
+                          const vx_bf16* rcos, const vx_bf16* rsin, int64_t rope_n, int D) {
+    return vx_av_run(x, x_st, M, wp, bias, y, y_st, N, K, 0, rcos, rsin, rope_n, D);
 }
 /* y [M, I] = silu(x Wg^T + bg) * (x Wu^T + bu), each rounded to bf16 first (torch's
    roundings, as the GEMM then vx_silu_and_mul_bf16: the same bits), for a gate-up weight
@@ -201,7 +272,7 @@ int vx_gemm_amx_vnni(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
    `vx.gpu.cpu_vnni.VnniWeight(silu=True)`); bias likewise interleaved, or NULL. */
 int vx_gemm_amx_vnni_silu(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                           const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t I, int64_t K) {
-    return vx_av_run(x, x_st, M, wp, bias, y, y_st, 2 * I, K, 1);
+    return vx_av_run(x, x_st, M, wp, bias, y, y_st, 2 * I, K, 1, NULL, NULL, 0, 0);
 }
 int vx_has_gemm_amx_vnni(void) { return vx_amx_on; }
 #endif
@@ -223,6 +294,13 @@ int vx_gemm_amx_vnni(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
 int vx_gemm_amx_vnni_silu(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                           const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t I, int64_t K) {
     (void)x; (void)x_st; (void)M; (void)wp; (void)bias; (void)y; (void)y_st; (void)I; (void)K;
+    return -2;
+}
+int vx_gemm_amx_vnni_rope(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
+                          const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K,
+                          const vx_bf16* rcos, const vx_bf16* rsin, int64_t rope_n, int D) {
+    (void)x; (void)x_st; (void)M; (void)wp; (void)bias; (void)y; (void)y_st; (void)N; (void)K;
+    (void)rcos; (void)rsin; (void)rope_n; (void)D;
     return -2;
 }
 int vx_has_gemm_amx_vnni(void) { return 0; }

@@ -191,6 +191,46 @@ class VnniWeight:
             raise RuntimeError(f"vx VNNI GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
         return y
 
+    def apply_rope(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rope_n: int,
+        head_dim: int,
+    ) -> torch.Tensor | None:
+        """`apply(x, bias)` [M, N] with rotate-half rotary on its columns [0, rope_n) (heads of
+        `head_dim`; cos/sin bf16 [M, 1, head_dim / 2] as `rotary.apply_rotary` takes them),
+        by the AMX GEMM's epilogue: the bits of `apply` then `apply_rotary`. None where it does
+        not apply (not an AMX copy, AMX off, the shapes: the caller does the two steps)."""
+        m = x.shape[0]
+        if (
+            not self.amx
+            or self.silu
+            or cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
+            or cos.shape != (m, 1, head_dim // 2)
+            or sin.shape != cos.shape
+            or not cos.is_contiguous()
+            or not sin.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
+        ):
+            return None
+        if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.contiguous()
+        y = torch.empty(m, self.n, dtype=torch.bfloat16)
+        rc = _amx_lib().vx_gemm_amx_vnni_rope(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), m, self.packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, self.n, self.k,
+            cos.data_ptr(), sin.data_ptr(), rope_n, head_dim,
+        )  # fmt: skip
+        if rc == -2:
+            return None
+        if rc != 0:
+            raise RuntimeError(f"vx rotary GEMM refused {tuple(x.shape)} @ ({self.n}, {self.k})")
+        return y
+
     def apply_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x @ gate.T) * (x @ up.T), bf16 [M, I], for a `silu` weight (no bias); None
         where AMX was switched off since (`vx_fast_amx`: A/B timing, tests)."""

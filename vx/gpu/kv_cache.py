@@ -340,6 +340,10 @@ def _build_kernels() -> ctypes.CDLL | None:
     for fn in (lib.vx_gemm_amx_vnni, lib.vx_gemm_amx_vnni_silu):
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
+    lib.vx_gemm_amx_vnni_rope.restype = ctypes.c_int
+    lib.vx_gemm_amx_vnni_rope.argtypes = [
+        ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int,
+    ]  # fmt: skip
     lib.vx_has_gemm_amx_vnni.restype = ctypes.c_int
     lib.vx_amx_vnni_rows.restype = ctypes.c_int
     lib.vx_amx_vnni_rows.argtypes = [ctypes.c_int]

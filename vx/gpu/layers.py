@@ -308,6 +308,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = self.num_kv_heads * self.head_dim
         return [self.num_heads * self.head_dim, kv, kv]
 
+    def rope_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """The projection of x with its q and k heads rotated (cos/sin [T, 1, head_dim / 2]),
+        in one AMX GEMM with the rotary in its epilogue, where its VNNI copy takes x's rows
+        (from `amx_vnni_rows()[0]` to `[1]`: the rotary pass saved outweighs oneDNN's lead
+        at some sizes); else None, and the caller projects, then rotates."""
+        v = self.vnni
+        if v is None or not v.amx or x.dim() != 2 or x.dtype != torch.bfloat16:
+            return None
+        lo, hi = amx_vnni_rows()
+        if not lo <= x.shape[0] <= hi:
+            return None
+        qk = (self.num_heads + self.num_kv_heads) * self.head_dim
+        return v.apply_rope(x, self.bias, cos, sin, qk, self.head_dim)
+
     def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
         if shard_id == 0:
             return super()._shard_rows(0, loaded)

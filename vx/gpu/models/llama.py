@@ -138,10 +138,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or the rows `keep` only (every row's K/V is written)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         qk_size = self.q_size + self.kv_size
-        # q and k are adjacent in the fused output: rotate both heads in one pass.
-        qk = apply_rotary(qkv[:, :qk_size].view(t, -1, self.head_dim), *rope)  # [T, Hq+Hkv, D]
+        qkv = self.qkv_proj.rope_forward(x, *rope)  # [T, q + 2 kv], q and k rotated (AMX)
+        if qkv is not None:
+            qk = qkv[:, :qk_size].view(t, -1, self.head_dim)  # [T, Hq+Hkv, D]
+        else:
+            qkv = self.qkv_proj(x)
+            # q and k are adjacent in the fused output: rotate both heads in one pass.
+            qk = apply_rotary(qkv[:, :qk_size].view(t, -1, self.head_dim), *rope)
         q = qk[:, : self.num_heads]  # [T, Hq, D]
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
