@@ -3,8 +3,8 @@
 Each case runs the same bf16 model through two PagedDrivers over the same requests: one with the
 fused step, one with it switched off (the per-layer modules). Decode steps of 1, 2 (VDPBF16PS),
 3-64 and 65-192 rows (AMX, one and two calls per GEMM) take the fused one, and so do prefill and
-mixed steps of up to 192 rows where the C prefill attention takes the chunks (AMX, head size a
-multiple of 32); it must give the very same logits.
+mixed steps of up to 192 rows (with AMX VNNI copies, up to 2,048) where the C prefill attention
+takes the chunks (AMX, head size a multiple of 32); it must give the very same logits.
 """
 
 from __future__ import annotations
@@ -337,6 +337,29 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
         if counting is not None:
             assert counting.taken == 3 and counting.kept[0]
     assert runs[True] == runs[False]
+
+
+def test_amx_fused_step_takes_prompt_steps_past_192_rows(tmp_path, monkeypatch) -> None:
+    """With AMX every linear has its AMX VNNI copy (the gate-up's for the SiLU epilogue), so
+    the fused step takes up to `amx_vnni_rows()[1]` rows: a 250-row prompt step, with the
+    module path's logits bit for bit (the same kernels); a shape whose rows the module path
+    routes to oneDNN (`vnni_wins` False) sends the step to the module path."""
+    from vx.gpu import cpu_decode
+    from vx.gpu.cpu_vnni import amx_vnni_rows
+
+    model, fused = _load(tmp_path, "llama-d64")
+    if not fused._amx or not _prefill_fused(model, 250, fused.max_rows()):
+        pytest.skip("no AMX VNNI copies here: the fused step keeps the skinny GEMM's rows")
+    assert fused.max_rows() == amx_vnni_rows()[1]
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(8)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    a, b = PagedDriver(model, num_blocks=80), PagedDriver(model, num_blocks=80)
+    _step_both(model, counting, a, b, {"p": tok(130), "q": tok(120)})
+    assert counting.taken == 1
+    monkeypatch.setattr(cpu_decode, "vnni_wins", lambda n, k, m: False)
+    _step_both(model, counting, a, b, {"p": tok(100), "q": tok(110)})
+    assert counting.taken == 1  # declined: the module path ran it
 
 
 def test_split_cuts_follow_the_threads_speeds() -> None:

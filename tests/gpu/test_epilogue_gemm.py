@@ -84,7 +84,9 @@ def test_mlp_gate_up_routes_its_rows(amx_vnni, monkeypatch, bias) -> None:
         else:  # the skinny GEMM on the plain weight, then the SiLU pass
             h = x.float() @ w.float().T
             gate, up = h.bfloat16().chunk(2, dim=-1)
-            torch.testing.assert_close(got, (torch.nn.functional.silu(gate) * up), atol=0.05, rtol=0.02)
+            torch.testing.assert_close(
+                got, (torch.nn.functional.silu(gate) * up), atol=0.05, rtol=0.02
+            )
     assert calls == [r for r in sizes if r >= lo]
 
 
@@ -93,8 +95,10 @@ def _rope_tables(g: torch.Generator, m: int, d: int) -> tuple[torch.Tensor, torc
     return angle.cos().bfloat16(), angle.sin().bfloat16()
 
 
-@pytest.mark.parametrize(("heads", "d", "k"), [((9, 3, 3), 64, 576), ((4, 2, 2), 128, 256),
-                                               ((2, 1, 1), 32, 64), ((3, 1, 1), 96, 96)])
+@pytest.mark.parametrize(
+    ("heads", "d", "k"),
+    [((9, 3, 3), 64, 576), ((4, 2, 2), 128, 256), ((2, 1, 1), 32, 64), ((3, 1, 1), 96, 96)],
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_rope_gemm_is_the_gemm_then_rotary(amx_vnni, heads, d, k, bias) -> None:
     hq, hkv, hv = heads

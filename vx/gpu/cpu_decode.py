@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vx.gpu.cpu_ops import GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.cpu_ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.cpu_row_plan import vnni_wins
 from vx.gpu.cpu_vnni import VNNI_MIN_ROWS
 from vx.gpu.cpu_widen import PANEL_FROM_ROWS
 from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
@@ -194,14 +195,28 @@ class FusedDecode:
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
         # and torch ops too (56 decodes + 4 x 128 prompt tokens: 245 against 259 ms, medians
         # of 12 alternated steps on a 2-core Zen 5)
-        # (with AMX on, the copies are the AMX GEMM's, `vx.gpu.cpu_vnni`, a gate-up's packed
-        # for the SiLU epilogue, and the step keeps the AMX skinny GEMM's cap, `bf16_max_rows`)
-        self._vnni_rows = _VNNI_STEP_ROWS if all(
-            lin.vn for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ) and not lib.vx_fast_amx(-1) else 0  # fmt: skip
+        self._amx = hasattr(lib, "vx_fast_amx") and bool(lib.vx_fast_amx(-1))  # not on AVX2
+        every = all(
+            lin.vn or lin.vs
+            for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )  # fmt: skip
+        # With AMX the copies are the AMX GEMM's (`vx.gpu.cpu_vnni`; a gate-up's packed for the
+        # SiLU epilogue): the step takes their rows, to `amx_vnni_rows()[1]`, and past the
+        # skinny GEMM's only where the module path routes them to the same copies (for each
+        # shape, `vnni_wins`): prompt steps then skip its Python and torch ops too (one
+        # 2,048-token prompt 346-351 against 372-375 ms, 4 x 128 tokens 72 against 85, with
+        # 64 decodes 93-97 against 106-107; 2-core Sapphire Rapids, SmolLM2)
+        self._vnni_rows = 0
+        if every:
+            self._vnni_rows = lib.vx_amx_vnni_rows(1) if self._amx else _VNNI_STEP_ROWS
+        self._shapes = {
+            (lin.n, lin.k) for layer in layers for lin in (layer.qkv, layer.o, layer.down)
+        }
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
-        self.split_parts, self.split_min_rows = _split_policy(bool(self._vnni_rows))
+        self.split_parts, self.split_min_rows = _split_policy(
+            bool(self._vnni_rows) and not self._amx
+        )
         if lib.vx_has_decode_step() == 1:  # the parts' cuts follow the threads' speeds
             lib.vx_set_split_adapt(int(os.environ.get("VX_CPU_SPLIT_ADAPT", "1") != "0"))
             lib.vx_set_split_steal(int(os.environ.get("VX_CPU_SPLIT_STEAL", "1") != "0"))
@@ -288,6 +303,8 @@ class FusedDecode:
             return None
         if t > self.max_rows() or self._int8_rows() < t <= self._quant_rows:
             return None
+        if self._amx and t > AMX_MAX_ROWS and not all(vnni_wins(n, k, t) for n, k in self._shapes):
+            return None  # the module path takes oneDNN's GEMM for a shape at these rows
         if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
             return None
         k0, v0 = kv_caches[0]
@@ -322,7 +339,7 @@ class FusedDecode:
             int(self._has_fast and fast_decode_attention()),
             # as `linear` (AVX2: `WideWeight.apply`) routes
             PANEL_FROM_ROWS - 1 if self._avx2_rows
-            else VNNI_MIN_ROWS - 1 if self._vnni_rows else bf16_max_rows(),
+            else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),

@@ -91,8 +91,9 @@ def amx_vnni_rows() -> tuple[int, int]:
     the fused decode step routes by too)."""
     if "amx_rows" not in _state:  # asked on every linear's call: once
         lib = _amx_lib()
-        _state["amx_rows"] = (0, -1) if lib is None else (
-            lib.vx_amx_vnni_rows(0), lib.vx_amx_vnni_rows(1))
+        _state["amx_rows"] = (
+            (0, -1) if lib is None else (lib.vx_amx_vnni_rows(0), lib.vx_amx_vnni_rows(1))
+        )
     return _state["amx_rows"]  # type: ignore[return-value]
 
 

@@ -308,7 +308,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv = self.num_kv_heads * self.head_dim
         return [self.num_heads * self.head_dim, kv, kv]
 
-    def rope_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    def rope_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
         """The projection of x with its q and k heads rotated (cos/sin [T, 1, head_dim / 2]),
         in one AMX GEMM with the rotary in its epilogue, where its VNNI copy takes x's rows
         (from `amx_vnni_rows()[0]` to `[1]`: the rotary pass saved outweighs oneDNN's lead
