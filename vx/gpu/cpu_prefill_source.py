@@ -108,6 +108,27 @@ VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
                                _mm512_permutex2var_epi16(x, il, y));
         }
 }
+/* Lane r = op-reduction of v[r] over its 16 lanes, for 16 vectors at once, in
+   _mm512_reduce_add_ps's order (GCC's: the 256-bit halves, the 128-bit halves, then lanes
+   (0 + 2) + (1 + 3)), so the sums are its bits; max is exact in any order. */
+#define VX_PF_REDUCE16(NAME, OP)                                                              \
+VX_INLINE __m512 NAME(const __m512* v) {                                                      \
+    __m512 s[8], w[4];                                                                        \
+    for (int i = 0; i < 8; i++)  /* rows 2i, 2i + 1: blocks (0 op 2, 1 op 3) */               \
+        s[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),                         \
+                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));                        \
+    for (int i = 0; i < 4; i++)  /* block k: row 4i + k, (0 op 2) op (1 op 3) */              \
+        w[i] = OP(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),                         \
+                  _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));                        \
+    const __m512 p0 = OP(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));     \
+    const __m512 p1 = OP(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));     \
+    const __m512 r = OP(_mm512_shuffle_ps(p0, p1, 0x44), _mm512_shuffle_ps(p0, p1, 0xEE));    \
+    /* lane 4k + j holds row 4j + k */                                                        \
+    return _mm512_permutexvar_ps(                                                             \
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);           \
+}
+VX_PF_REDUCE16(vx_pf_reduce_add16, _mm512_add_ps)
+VX_PF_REDUCE16(vx_pf_reduce_max16, _mm512_max_ps)
 /* One chunk's softmax for 16 rows of an item (sb, pb, mx, sum and corr point at the first of
    them; row r has nv0 + r valid keys in the chunk), the rows interleaved (one row at a time is a
    chain of dependent max, reduce, exp and sum steps that leaves the core idle). Keys past a
@@ -131,14 +152,13 @@ VX_INLINE void vx_pf_softmax16(float (*sb)[VX_PCH], vx_bf16 (*pb)[VX_PCH], float
     for (int r = 0; r < 16; r++) run[r] = ninf;
     for (int t = 0; t < 2 * np; t++)
         for (int r = 0; r < 16; r++) run[r] = _mm512_max_ps(run[r], _mm512_load_ps(&sb[r][16 * t]));
-    float cm[16] __attribute__((aligned(64)));
-    for (int r = 0; r < 16; r++) cm[r] = _mm512_reduce_max_ps(run[r]);
     {
         const __m512 mo = _mm512_load_ps(mx);
-        const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(_mm512_load_ps(cm), sv));
+        const __m512 mn = _mm512_max_ps(mo, _mm512_mul_ps(vx_pf_reduce_max16(run), sv));
         _mm512_store_ps(corr, vx_exp2_16(_mm512_sub_ps(mo, mn)));  /* ~0 on the first chunk */
         _mm512_store_ps(mx, mn);
     }
+    __m512 rs[16];
     for (int r = 0; r < 16; r++) {  /* keys within a row are independent: row by row */
         const __m512 mv = _mm512_set1_ps(mx[r]);
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
@@ -148,8 +168,12 @@ VX_INLINE void vx_pf_softmax16(float (*sb)[VX_PCH], vx_bf16 (*pb)[VX_PCH], float
             s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
             _mm512_store_si512((void*)&pb[r][32 * t], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        rs[r] = _mm512_add_ps(s0, s1);
     }
+    /* the 16 rows' sums at once (one reduction a row was a chain of ~25 cycles each):
+       sum * corr + the chunk's, fused, as the compiler contracted the scalar form */
+    _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_load_ps(corr),
+                                          vx_pf_reduce_add16(rs)));
 }
 /* An item's state before its first chunk: R query rows copied in (rows past m zero, row
    stride ldq), the output accumulators (stride lda) at 0, no max, no sum. */
