@@ -15,8 +15,9 @@ import torch
 
 from tests.models import make_tiny_model
 from vx.config import BLOCK_SIZE
+from vx.gpu import cpu_vnni
 from vx.gpu.attention import build_attention_metadata
-from vx.gpu.kv_cache import allocate_kv_caches
+from vx.gpu.kv_cache import allocate_kv_caches, load_cpu_kernels
 
 
 class PagedDriver:
@@ -107,3 +108,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny-models")
     archs = ("llama", "qwen2", "mistral")
     return {arch: make_tiny_model(root, arch, seed=i) for i, arch in enumerate(archs)}
+
+
+@pytest.fixture()
+def amx_vnni():
+    """The CPU kernel library where the AMX VNNI GEMM is on (native AMX, or emulated), else
+    the test is skipped."""
+    lib = load_cpu_kernels()
+    if lib is None or not lib.vx_has_gemm_amx_vnni() or cpu_vnni._amx_lib() is None:
+        pytest.skip("no AMX here (native or emulated): the AMX VNNI GEMM is not on")
+    return lib

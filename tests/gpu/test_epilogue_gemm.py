@@ -16,15 +16,6 @@ import torch
 
 from vx.gpu import cpu_vnni
 from vx.gpu.cpu_ops import fused_rotary, fused_silu_and_mul
-from vx.gpu.kv_cache import load_cpu_kernels
-
-
-@pytest.fixture()
-def amx_vnni():
-    lib = load_cpu_kernels()
-    if lib is None or not lib.vx_has_gemm_amx_vnni() or cpu_vnni._amx_lib() is None:
-        pytest.skip("no AMX here (native or emulated): the AMX VNNI GEMM is not on")
-    return lib
 
 
 @pytest.mark.parametrize(("i", "k"), [(1536, 576), (48, 64), (80, 160)])

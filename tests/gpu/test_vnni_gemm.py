@@ -159,14 +159,6 @@ def test_lm_head_greedy_ids_take_the_argmax(vnni, monkeypatch) -> None:
         assert one is not None and one[0] == head.compute_logits(h[:1]).argmax(-1).item()
 
 
-@pytest.fixture()
-def amx_vnni():
-    lib = load_cpu_kernels()
-    if lib is None or not lib.vx_has_gemm_amx_vnni() or cpu_vnni._amx_lib() is None:
-        pytest.skip("no AMX here (native or emulated): the AMX VNNI GEMM is not on")
-    return lib
-
-
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (48, 64), (80, 96), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_vnni_is_bit_identical_to_the_amx_skinny_gemm(amx_vnni, n, k, bias) -> None:

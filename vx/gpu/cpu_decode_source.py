@@ -44,14 +44,8 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
             int64_t i = 0;
 #if defined(__AVX512BF16__)
             for (; i + 16 <= h2; i += 16) {  /* the loop below on 16 lanes, its roundings */
-                const __m512 a = vx_ld16_bf16(p + i), b = vx_ld16_bf16(p + i + h2);
-                const __m512 ci = vx_ld16_bf16(c + i), si = vx_ld16_bf16(s + i);
-                const __m512 ac = vx_round16_bf16(_mm512_mul_ps(a, ci));
-                const __m512 bs = vx_round16_bf16(_mm512_mul_ps(b, si));
-                const __m512 bc = vx_round16_bf16(_mm512_mul_ps(b, ci));
-                const __m512 as = vx_round16_bf16(_mm512_mul_ps(a, si));
-                vx_st16_bf16(p + i, _mm512_sub_ps(ac, bs));
-                vx_st16_bf16(p + i + h2, _mm512_add_ps(bc, as));
+                vx_rope16(p + i, p + i + h2, vx_ld16_bf16(p + i), vx_ld16_bf16(p + i + h2),
+                          vx_ld16_bf16(c + i), vx_ld16_bf16(s + i));
             }
 #endif
             for (; i < h2; i++) {

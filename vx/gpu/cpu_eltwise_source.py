@@ -103,6 +103,17 @@ static inline float vx_silu_round(float g, float u) {
     return s * u;
 }
 #if defined(__AVX512BF16__)
+/* Rotate-half rotary on 16 lanes: pa = a c - b s, pb = b c + a s, each product and the sum
+   rounded to bf16 (torch's eager ops; vx_rotary_bf16's, and the AMX qkv GEMM's epilogue) */
+static inline void vx_rope16(vx_bf16* pa, vx_bf16* pb, __m512 a, __m512 b, __m512 ci,
+                             __m512 si) {
+    const __m512 ac = vx_round16_bf16(_mm512_mul_ps(a, ci));
+    const __m512 bs = vx_round16_bf16(_mm512_mul_ps(b, si));
+    const __m512 bc = vx_round16_bf16(_mm512_mul_ps(b, ci));
+    const __m512 as = vx_round16_bf16(_mm512_mul_ps(a, si));
+    vx_st16_bf16(pa, _mm512_sub_ps(ac, bs));
+    vx_st16_bf16(pb, _mm512_add_ps(bc, as));
+}
 /* 16 lanes of vx_silu_round: gate and up values (bf16 values widened) -> bf16 (also the AMX
    gate-up GEMM's epilogue, `vx.gpu.cpu_gemm_amx_vnni_source`: the same bits either way) */
 static inline __m256bh vx_silu_mul16(__m512 gv, __m512 uv) {

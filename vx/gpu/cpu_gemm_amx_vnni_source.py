@@ -1,8 +1,8 @@
 """The C source of vx's AMX GEMM over VNNI-packed weights (`vx.gpu.cpu_vnni`'s layout), built
 into the same library as the other CPU kernels (`vx.gpu.kv_cache` appends it after
 `vx.gpu.cpu_gemm_vnni_source`, whose packer lays the weights out; it uses `vx_ws`,
-`vx_amx_load_tiles`, `vx_ld16_bf16`, `vx_silu_mul16` and `VX_GEMV_MAX_K` from the sources
-before it).
+`vx_amx_load_tiles`, `vx_ld16_bf16`, `vx_silu_mul16`, `vx_rope16` and `VX_GEMV_MAX_K` from
+the sources before it).
 
 Runs in: the Worker process.
 """
@@ -117,14 +117,8 @@ VX_INLINE void vx_av_rope_rows(const float* c, vx_bf16* y, int64_t y_st, int m0,
                 a = _mm512_add_ps(a, vx_ld16_bf16(bias + n0 + i));
                 b = _mm512_add_ps(b, vx_ld16_bf16(bias + n0 + ib));
             }
-            a = vx_round16_bf16(a), b = vx_round16_bf16(b);
-            const __m512 ci = vx_ld16_bf16(cs + i), si = vx_ld16_bf16(sn + i);
-            const __m512 ac = vx_round16_bf16(_mm512_mul_ps(a, ci));
-            const __m512 bs = vx_round16_bf16(_mm512_mul_ps(b, si));
-            const __m512 bc = vx_round16_bf16(_mm512_mul_ps(b, ci));
-            const __m512 as = vx_round16_bf16(_mm512_mul_ps(a, si));
-            vx_st16_bf16(dst + i, _mm512_sub_ps(ac, bs));
-            vx_st16_bf16(dst + ib, _mm512_add_ps(bc, as));
+            vx_rope16(dst + i, dst + ib, vx_round16_bf16(a), vx_round16_bf16(b),
+                      vx_ld16_bf16(cs + i), vx_ld16_bf16(sn + i));
         }
     }
 }
