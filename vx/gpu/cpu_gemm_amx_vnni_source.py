@@ -164,13 +164,13 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
     /* column chunks: at most VX_AV_NC blocks, and as many items as a multiple of the threads
        where the blocks allow (o at 64 rows: 18 blocks in 4 items, not 3 of which one thread
        would take two) */
-    const int64_t nc_max = MB2 > VX_AV_STREAM ? VX_AV_NC : VX_AV_NC_SMALL;
+    const int stream = MB2 > VX_AV_STREAM;
+    const int64_t nc_max = stream ? VX_AV_NC : VX_AV_NC_SMALL;
     int64_t NN = (NB2 + nc_max - 1) / nc_max;
     while ((NP * NN) % nth && NN < NB2) NN++;
     int64_t NC = (NB2 + NN - 1) / NN;
     NC = (NC + g - 1) / g * g;  /* an item's chunk holds whole rotated heads */
     NN = (NB2 + NC - 1) / NC;
-    const int stream = MB2 > VX_AV_STREAM;
     vx_ws ws;
     vx_ws_init(&ws, NP * NN, par);
     _Pragma("omp parallel if (par)") {
