@@ -189,8 +189,10 @@ def test_amx_vnni_past_the_skinny_rows_is_the_fp32_product(amx_vnni, rows: int) 
 
 def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
     """With AMX a linear keeps three copies: the plain weight (the skinny GEMM, below
-    `amx_vnni_rows()[0]`), the VNNI copy (through `[1]`) and oneDNN's (past it)."""
+    `amx_vnni_rows()[0]`), the VNNI copy (through `[1]`) and oneDNN's (past it; under the
+    emulation there is none, and F.linear on the plain weight takes those rows)."""
     from vx.gpu.layers import ColumnParallelLinear
+    from vx.gpu.quantization import cpu_prepack_enabled
 
     lo, hi = cpu_vnni.amx_vnni_rows()
     assert 1 <= lo <= 192 < hi
@@ -202,7 +204,8 @@ def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
     lin.bias.data.copy_(torch.randn(160, generator=g))
     plain = lin.weight.data.clone()
     lin.process_weights_after_loading()
-    assert lin.vnni is not None and lin.vnni.amx and lin.plain is not None and lin.packed
+    assert lin.vnni is not None and lin.vnni.amx and lin.plain is not None
+    assert lin.packed == cpu_prepack_enabled(plain)
     calls = []
     real = lin.vnni.apply
     monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -154,6 +154,15 @@ EMULATED_DEFINES = [
 ]  # fmt: skip
 
 
+def emulating() -> bool:
+    """Whether this process builds and routes for the emulated Sapphire Rapids
+    (``VX_CPU_EMULATE=1``). Then the layers route by the emulated CPU, not this one: they take
+    its bf16 arithmetic as given (no fp32 copies, `vx.gpu.cpu_widen`) and make no oneDNN copies
+    (`vx.gpu.quantization.cpu_prepack_enabled`), which an AVX2 host's oneDNN could not run.
+    So the emulated tests take the same paths on every host."""
+    return os.environ.get("VX_CPU_EMULATE", "0") == "1"
+
+
 def emulation_flags(build_dir: str) -> list[str]:
     """The compiler flags of the emulated build: writes the header into `build_dir`, which
     must outlive the compile. Raises RuntimeError, naming the fix, without SIMDe."""

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from vx.gpu.cpu_compact import CompactWeight
+from vx.gpu.cpu_emulate import emulating
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,9 @@ class Int4Avx2:
 
 
 def _native_bf16() -> bool:
-    return bool(
+    """Whether this CPU does bf16 arithmetic (oneDNN's bf16 GEMM); under the emulation, the
+    emulated CPU's answer (yes), whatever this one's (`vx.gpu.cpu_emulate.emulating`)."""
+    return emulating() or bool(
         torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 

@@ -39,7 +39,12 @@ from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
 from vx.gpu.cpu_compact_source import COMPACT_AVX2_SOURCE
 from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
 from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
-from vx.gpu.cpu_emulate import EMULATED_DEFINES, EMULATED_IMMINTRIN, emulation_flags
+from vx.gpu.cpu_emulate import (
+    EMULATED_DEFINES,
+    EMULATED_IMMINTRIN,
+    emulating,
+    emulation_flags,
+)
 from vx.gpu.cpu_gemm_amx_vnni_source import GEMM_AMX_VNNI_SOURCE
 from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
 from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
@@ -59,11 +64,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "KVCache",
+    "KernelBuildError",
     "allocate_kv_caches",
     "block_bytes",
     "cpu_decode_kernel_available",
     "decode_kernel_fn",
     "fast_decode_attention",
+    "first_compiler_error",
+    "kernel_build_error",
     "load_cpu_kernels",
     "num_cpu_blocks",
     "num_gpu_blocks",
@@ -265,21 +273,44 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     if enabled:
         try:
             lib = _build_kernels()
-        except (OSError, subprocess.SubprocessError) as e:
-            logger.warning("CPU decode kernel unavailable (%s); using the torch path", e)
+        except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as e:
+            # AttributeError: a symbol the binding names is not in the library
+            _kernel_state["error"] = str(e)
+            logger.warning("the CPU kernel library is unavailable; using the torch path: %s", e)
     _kernel_state["lib"] = lib
     return lib
+
+
+def kernel_build_error() -> str | None:
+    """Why `load_cpu_kernels` has no library (the compiler's first error, a missing compiler
+    or symbol), or None: it loaded, was turned off, or was not asked for yet."""
+    return _kernel_state.get("error")  # type: ignore[return-value]
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler rejected the kernel source; the message leads with its first error."""
+
+
+def first_compiler_error(stderr: str) -> str:
+    """The first line of `stderr` that reports an error (GCC's and Clang's
+    ``file:line:col: error: ...``, or the driver's ``cc: error: ...``), else its first line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error:" in ln:
+            return ln
+    return lines[0] if lines else "(the compiler printed nothing)"
 
 
 def _build_kernels() -> ctypes.CDLL | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
-        logger.warning("no C compiler found; CPU decode attention uses the torch path")
+        _kernel_state["error"] = "no C compiler found (cc or gcc on PATH, or $CC)"
+        logger.warning("no C compiler found; the CPU path uses torch's kernels")
         return None
     with open("/proc/cpuinfo", "rb") as f:  # -march=native: one build per CPU model
         cpu = b"".join(line for line in f if line.startswith((b"flags", b"model name")))
     # VX_CPU_EMULATE=1 (tests): the AVX-512 BF16 and AMX kernels in software on any x86 CPU
-    emulate = os.environ.get("VX_CPU_EMULATE", "0") == "1"
+    emulate = emulating()
     if emulate:
         cpu += EMULATED_IMMINTRIN.encode() + " ".join(EMULATED_DEFINES).encode()
     key = hashlib.sha256(_DECODE_KERNEL_SOURCE.encode() + " ".join(_CFLAGS).encode() + cpu)
@@ -297,9 +328,14 @@ def _build_kernels() -> ctypes.CDLL | None:
                 f.write(_DECODE_KERNEL_SOURCE)
             so = os.path.join(tmp, "decode_attention.so")
             extra = emulation_flags(tmp) if emulate else []
-            subprocess.run(
-                [cc, *_CFLAGS, *extra, "-o", so, src], check=True, capture_output=True, timeout=300
+            proc = subprocess.run(
+                [cc, *_CFLAGS, *extra, "-o", so, src], capture_output=True, text=True, timeout=300
             )
+            if proc.returncode != 0:
+                raise KernelBuildError(
+                    f"{os.path.basename(cc)} exited with {proc.returncode}: "
+                    f"{first_compiler_error(proc.stderr)}"
+                )
             os.replace(so, path)  # atomic: concurrent builders each publish a whole file
         logger.info("built the CPU decode attention kernel: %s", path)
     lib = ctypes.CDLL(path)

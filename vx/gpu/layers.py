@@ -141,10 +141,12 @@ def _process_linear(layer: nn.Module) -> None:
         # AMX: vx's AMX GEMM over the VNNI copy takes the middle rows (vx.gpu.cpu_vnni), the
         # skinny GEMM the fewest (plain, kept below) and oneDNN the most (packed, below).
         layer.vnni = VnniWeight(layer.weight.data, amx=True)
-    if cpu_prepack_enabled(layer.weight) and gemv_kernels() is not None:
+    w = layer.weight
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and gemv_kernels() is not None:
         # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
-        # the quantized path's: up to twice oneDNN's speed), at the cost of a second copy of
-        # the dense weights.
+        # the quantized path's), at the cost of a second copy of the dense weights where
+        # oneDNN's is made below. NOTE: not tied to oneDNN's bf16: under the emulation
+        # (`VX_CPU_EMULATE=1`) an AVX2 host has the AVX-512 kernels without it.
         layer.plain = layer.weight.data
     if cpu_prepack_enabled(layer.weight):
         layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)

@@ -27,6 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vx.gpu.cpu_emulate import emulating
 from vx.gpu.cpu_ops import (
     AMX_MAX_ROWS,
     GEMV_MAX_ROWS_INT8,
@@ -99,10 +100,13 @@ def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
 
     NOTE: at M <= 64 rows a prepacked bf16 GEMM is about 1.5-2.4x faster than `F.linear` on the
     same weight (which reorders on every call), with bit-identical results at decode sizes.
-    `VX_CPU_PREPACK=0` turns it off (e.g. to trace the model with torch.compile).
+    `VX_CPU_PREPACK=0` turns it off (e.g. to trace the model with torch.compile), and so does
+    the emulation (`vx.gpu.cpu_emulate.emulating`: the emulated CPU's layers route the same on
+    every host, and an AVX2 host's oneDNN has no bf16 GEMM).
     """
     return (
         weight.device.type == "cpu"
+        and not emulating()
         and weight.dtype == torch.bfloat16
         and os.environ.get("VX_CPU_PREPACK", "1") != "0"
         and torch.backends.mkldnn.is_available()
