@@ -1,4 +1,7 @@
-"""The `vx` command: `vx serve [MODEL]`, `vx bench serve`, `vx bench compare`.
+"""The `vx` command: `vx serve [MODEL]`, `vx bench serve`, `vx version`.
+
+Comparing vx with its peers (vLLM, llama.cpp) is a script, not a subcommand:
+`python bench/compare.py`.
 
 Runs in: the front process. Flags mirror vLLM's; argparse turns them into an `EngineConfig`
 (engine side) and `ServerSettings` (front side), validated once.
@@ -183,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vx", description="vx: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="start the OpenAI-compatible server"))
-    sub.add_parser("bench", help="`vx bench serve --help` for the load generator")
+    sub.add_parser(
+        "bench",
+        help="`vx bench serve --help` for the load generator (comparisons with vLLM and "
+        "llama.cpp are a script: python bench/compare.py)",
+    )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -67,19 +67,23 @@ def _free_port() -> int:
 
 @dataclass
 class EngineRank:
-    """One data-parallel rank: its EngineCore, its Workers, and the front's ends of its rings."""
+    """One data-parallel rank: its EngineCore, its Workers, and the front's ends of its rings.
+
+    `engine_proc` is None until `EngineProcesses.start` spawns it, just after the rank's Workers
+    (or for good, if the start failed before).
+    """
 
     index: int
     to_engine: RingWriter
     from_engine: RingReader
     to_workers: RingOwner
     from_rank0: RingOwner
-    engine_proc: BaseProcess
     worker_procs: list[BaseProcess] = field(default_factory=list)
+    engine_proc: BaseProcess | None = None
 
     @property
     def processes(self) -> list[BaseProcess]:
-        return [self.engine_proc, *self.worker_procs]
+        return [p for p in (self.engine_proc, *self.worker_procs) if p is not None]
 
 
 class EngineProcesses:
@@ -110,20 +114,7 @@ class EngineProcesses:
                 from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
                 to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=tp)
                 from_rank0 = RingOwner.create(capacity=RESULT_RING_BYTES)
-                engine_proc = ctx.Process(
-                    target=run_engine_core,
-                    name=f"vx-engine{index}",
-                    args=(
-                        cfg,
-                        index,
-                        enc(to_engine.handle),
-                        enc(from_engine.handle),
-                        enc(to_workers.handle),
-                        enc(from_rank0.handle),
-                    ),
-                    daemon=False,
-                )
-                rank = EngineRank(index, to_engine, from_engine, to_workers, from_rank0, engine_proc)
+                rank = EngineRank(index, to_engine, from_engine, to_workers, from_rank0)
                 self.ranks.append(rank)
                 port = _free_port() if tp > 1 else 0
                 for r in range(tp):
@@ -137,8 +128,25 @@ class EngineProcesses:
                         )
                     )
             for rank in self.ranks:
-                for proc in rank.processes:
+                for proc in rank.worker_procs:
                     proc.start()
+                # The Workers start first so that their pids, every TP rank's, can be handed
+                # to the EngineCore, which reports them in EngineReady (only rank 0 talks to it).
+                rank.engine_proc = ctx.Process(
+                    target=run_engine_core,
+                    name=f"vx-engine{rank.index}",
+                    args=(
+                        cfg,
+                        rank.index,
+                        enc(rank.to_engine.handle),
+                        enc(rank.from_engine.handle),
+                        enc(rank.to_workers.handle),
+                        enc(rank.from_rank0.handle),
+                        enc([proc.pid for proc in rank.worker_procs]),
+                    ),
+                    daemon=False,
+                )
+                rank.engine_proc.start()
         except BaseException:
             self.close()
             raise
@@ -160,7 +168,7 @@ class EngineProcesses:
 
         encode = codec.engine_input_codec().encode
         for rank in self.ranks:
-            if rank.engine_proc.is_alive():
+            if rank.engine_proc is not None and rank.engine_proc.is_alive():
                 try:
                     rank.to_engine.send(encode(messages.Shutdown(reason="close")), timeout=0.5)
                 except Exception:  # full or broken: force comes next

@@ -11,7 +11,7 @@ There are four rings, each with one writer:
 3. EngineCore -> Workers, a broadcast (`WorkerInput`): `SchedulerOutput` (a diff against the
    workers' persistent batch), `Shutdown`.
 4. Worker rank 0 -> EngineCore (`WorkerEvent`): `ModelRunnerOutput`, `WorkerReady`, `WorkerDead`.
-   Other ranks only send `WorkerReady`/`WorkerDead` on their own rings.
+   Other ranks send nothing: rank 0 reports ready once every rank has loaded.
 
 All messages are frozen msgspec Structs tagged with their class name, encoded as msgpack by
 `vx.codec`. Fields are primitives, lists, dicts and other Structs of this module: no tensors,
@@ -188,7 +188,10 @@ class EngineCoreOutputs(_StepMsg, frozen=True):
 
 
 class EngineReady(_Msg):
-    """Sent once, after every worker reported ready and the KV pool is sized."""
+    """Sent once, after every worker reported ready and the KV pool is sized.
+
+    `worker_pids` lists every Worker process of this EngineCore, one per TP rank, in rank order.
+    """
 
     engine_index: int
     num_blocks: int

@@ -106,13 +106,16 @@ async def running_app(
     max_model_len: int = 256,
     reply: str = REPLY,
     num_engines: int = 1,
+    worker_pids: list[list[int]] | None = None,
     **app_kwargs: Any,
 ) -> AsyncIterator[Harness]:
+    """`worker_pids[i]`: what engine i's EngineReady reports (none by default)."""
     reply_ids = tokenizer.encode(reply, add_special_tokens=False)
     engines = [
         FakeEngine(
             reply_ids, eos_token_id=tokenizer.eos_token_id, engine_index=i,
             max_model_len=max_model_len, step_s=step_s,
+            worker_pids=worker_pids[i] if worker_pids else None,
         ).start()
         for i in range(num_engines)
     ]  # fmt: skip

@@ -44,8 +44,11 @@ class FakeEngine:
         max_model_len: int = 256,
         step_s: float = 0.0,
         capacity: int = 1 << 20,
+        worker_pids: list[int] | None = None,
     ) -> None:
         self.reply_ids = reply_ids
+        #: What EngineReady reports as this engine's Workers.
+        self.worker_pids = list(worker_pids or [])
         self.eos_token_id = eos_token_id
         self.engine_index = engine_index
         self.max_model_len = max_model_len
@@ -122,7 +125,7 @@ class FakeEngine:
             messages.EngineReady(
                 engine_index=self.engine_index, num_blocks=64, block_size=16,
                 max_model_len=self.max_model_len, max_num_batched_tokens=8192, max_num_seqs=256,
-                kv_cache_bytes=1 << 20, engine_pid=os.getpid(), worker_pids=[],
+                kv_cache_bytes=1 << 20, engine_pid=os.getpid(), worker_pids=self.worker_pids,
                 async_scheduling=False,
             )
         )  # fmt: skip

@@ -301,8 +301,13 @@ def run_engine_core(
     output_handle: bytes,
     to_workers_handle: bytes,
     from_rank0_handle: bytes,
+    worker_pids: bytes,
 ) -> None:
-    """Process entry point. Every argument is bytes (msgpack), so spawning pickles none of ours."""
+    """Process entry point. Every argument is bytes (msgpack), so spawning pickles none of ours.
+
+    `worker_pids` are this rank's Workers (every TP rank, in rank order), started by the launcher
+    before this process; they are reported in EngineReady as they are.
+    """
     config = EngineConfig.decode(config_bytes)
     setup_logging(f"engine{engine_index}")
     # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
@@ -333,7 +338,7 @@ def run_engine_core(
                     max_num_seqs=config.scheduler.max_num_seqs,
                     kv_cache_bytes=ready.kv_cache_bytes,
                     engine_pid=os.getpid(),
-                    worker_pids=[ready.pid],
+                    worker_pids=msgspec.msgpack.decode(worker_pids, type=list[int]),
                     async_scheduling=config.scheduler.async_scheduling,
                 )
             )

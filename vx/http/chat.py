@@ -19,6 +19,7 @@ from vx.http.detokenizer import TextState
 from vx.http.errors import APIError
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
 from vx.http.protocol import (
+    ROLES,
     ChatCompletionRequest,
     CompletionMessage,
     build_sampling_params,
@@ -31,34 +32,139 @@ from vx.http.tokenizer import ChatTemplateError, Tokenizer
 logger = logging.getLogger(__name__)
 
 
+#: OpenAI's content part types for media; the model this server runs takes text only.
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "input_audio": "audio",
+    "file": "file",
+}
+
+
 def message_dicts(messages: list[CompletionMessage]) -> list[dict[str, Any]]:
-    """The messages as the dicts chat templates expect; text parts are joined with newlines."""
+    """The messages as the dicts chat templates expect; text parts are joined with newlines.
+
+    Checks what OpenAI checks, each failure a 400 whose `param` is the field's path
+    (`messages[1].content[0].type`): the role is one of `ROLES`; content is a string or a
+    non-empty list of text parts (assistant messages may also have refusal parts), and is null
+    only on an assistant message with tool calls; media parts (image, audio, file) are refused,
+    the model being text-only; `tool_calls` appear only on assistant messages, each with a
+    `function` naming a string `name` and string `arguments`; a tool message has a
+    `tool_call_id`. `name` and `tool_call_id` are strings (checked when decoding).
+    """
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise APIError(
-                        400, "a text content part needs a string `text`", param="messages"
-                    )
-                texts.append(text)
-            content = "\n".join(texts)
-        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_calls is not None:
-            d["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
+    return [_message_dict(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _message_dict(m: CompletionMessage, at: str) -> dict[str, Any]:
+    """One checked message (see `message_dicts`); `at` is its path in the request."""
+    if m.role not in ROLES:
+        supported = ", ".join(repr(r) for r in ROLES)
+        raise APIError(
+            400, f"Invalid value: {m.role!r}. Supported values are: {supported}.",
+            param=f"{at}.role", code="invalid_value",
+        )  # fmt: skip
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise APIError(
+                400, f"tool_calls is only allowed on assistant messages, not {m.role!r} ones",
+                param=f"{at}.tool_calls", code="invalid_value",
+            )  # fmt: skip
+        for j, call in enumerate(m.tool_calls):
+            _check_tool_call(call, f"{at}.tool_calls[{j}]")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise APIError(
+            400, f"Missing required parameter: '{at}.tool_call_id'.",
+            param=f"{at}.tool_call_id", code="missing_required_parameter",
+        )  # fmt: skip
+    content = m.content
+    if content is None:
+        if m.role != "assistant" or not m.tool_calls:
+            raise APIError(
+                400, f"Invalid type for '{at}.content': expected a string or an array of "
+                "content parts, got null (null is allowed only on an assistant message with "
+                "tool_calls).",
+                param=f"{at}.content", code="invalid_type",
+            )  # fmt: skip
+        content = ""
+    elif isinstance(content, list):
+        content = _join_text_parts(content, m.role, f"{at}.content")
+    d: dict[str, Any] = {"role": m.role, "content": content}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_calls is not None:
+        d["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def _join_text_parts(parts: list[dict[str, Any]], role: str, at: str) -> str:
+    if not parts:
+        raise APIError(
+            400, f"Invalid '{at}': empty array. Expected a string or at least one content part.",
+            param=at, code="empty_array",
+        )  # fmt: skip
+    # An assistant's refusal is text the model said, so it is rendered like text.
+    allowed = ("text", "refusal") if role == "assistant" else ("text",)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        where = f"{at}[{j}]"
+        if kind is None:
+            raise APIError(
+                400, f"Missing required parameter: '{where}.type'.", param=f"{where}.type",
+                code="missing_required_parameter",
+            )  # fmt: skip
+        if not isinstance(kind, str):
+            raise APIError(
+                400, f"'{where}.type' must be a string", param=f"{where}.type",
+                code="invalid_type",
+            )  # fmt: skip
+        if kind in _MEDIA_PARTS:
+            raise APIError(
+                400, f"Content parts of type {kind!r} are not supported: this server has no "
+                f"{_MEDIA_PARTS[kind]} input (its model takes text only).",
+                param=f"{where}.type", code="invalid_value",
+            )  # fmt: skip
+        if kind not in allowed:
+            supported = " and ".join(repr(a) for a in allowed)
+            raise APIError(
+                400, f"Invalid value: {kind!r}. Supported values are: {supported}.",
+                param=f"{where}.type", code="invalid_value",
+            )  # fmt: skip
+        text = part.get(kind)
+        if not isinstance(text, str):
+            raise APIError(
+                400, f"a {kind} content part needs a string `{kind}`",
+                param=f"{where}.{kind}", code="invalid_type",
+            )  # fmt: skip
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _check_tool_call(call: dict[str, Any], at: str) -> None:
+    """What chat templates read of an assistant's tool call (OpenAI requires the same)."""
+    if call.get("type", "function") != "function":
+        raise APIError(
+            400, f"Invalid value: {call['type']!r}. Supported values are: 'function'.",
+            param=f"{at}.type", code="invalid_value",
+        )  # fmt: skip
+    if "id" in call and not isinstance(call["id"], str):
+        raise APIError(400, f"{at}.id must be a string", param=f"{at}.id", code="invalid_type")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise APIError(
+            400, "a tool call needs a `function` object with `name` and `arguments`",
+            param=f"{at}.function", code="invalid_type",
+        )  # fmt: skip
+    for key in ("name", "arguments"):
+        if not isinstance(function.get(key), str):
+            raise APIError(
+                400, f"{at}.function.{key} must be a string", param=f"{at}.function.{key}",
+                code="invalid_type",
+            )  # fmt: skip
 
 
 def render_chat(

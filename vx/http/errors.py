@@ -82,16 +82,26 @@ def error_response(
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\]|\.[A-Za-z_][A-Za-z0-9_]*)*)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
+#: Top-level fields whose errors name the whole path, as OpenAI's do (`messages[0].role`);
+#: errors in other fields name only the top-level field.
+_FULL_PATH_FIELDS = frozenset({"messages"})
 
 
 def from_validation_error(e: msgspec.MsgspecError) -> APIError:
     """A msgspec decode or validation failure as a 400 naming the field when it can."""
     text = str(e)
     if isinstance(e, msgspec.ValidationError):
-        m = _PATH.search(text) or _MISSING.search(text)
-        return APIError(400, text, param=m.group(1) if m else None, code="invalid_type")
+        param = None
+        path, missing = _PATH.search(text), _MISSING.search(text)
+        if path is not None:
+            param = path.group(1)
+            if param in _FULL_PATH_FIELDS:
+                param += path.group(2) + (f".{missing.group(1)}" if missing else "")
+        elif missing is not None:
+            param = missing.group(1)
+        return APIError(400, text, param=param, code="invalid_type")
     return APIError(
         400, f"We could not parse the JSON body of your request: {text}", code="invalid_json"
     )

@@ -10,7 +10,7 @@ from each other yet a repeated request reproduces all of them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -68,11 +68,21 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = True
 
 
+#: The roles a chat message may take: OpenAI's, less its deprecated `function`.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class CompletionMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[Any] | None = None
+    """One chat message as sent. Decoding checks each field's JSON type; what each role allows
+    (a known role, content by role, content parts, tool calls) is `chat.message_dicts`'s check,
+    so that its errors can name the field and say why. A null or absent `content` are alike.
+    """
+
+    # The enum is for /openapi.json; the value is checked by `chat.message_dicts`.
+    role: Annotated[str, msgspec.Meta(extra_json_schema={"enum": list(ROLES)})]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
 
