@@ -30,6 +30,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+#: Overrides for a tiny Llama that a test serves on vx's default path (no `--dtype`: `auto`):
+#: a bf16 checkpoint, which `auto` keeps in bf16 on CPU as it keeps SmolLM2's (an fp32 one stays
+#: fp32, which the fused CPU step and the LM head's C argmax do not take), and a head size of
+#: 32, the least the fused step's C prefill attention takes (vx/gpu/cpu_decode.py: at the
+#: default 16, prompt and mixed steps decline it). The linears' shapes (N % 16, K % 32) already
+#: suit its GEMMs. tests/e2e/test_serve.py checks that a served greedy request takes it.
+SERVED: dict[str, Any] = {"dtype": "bfloat16", "head_dim": 32}
+
 _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -105,7 +113,8 @@ def make_tiny_model(tmp_path: Any, arch: str = "llama", *, seed: int = 0, **over
     """Write a tiny random `arch` model + tokenizer under tmp_path/<arch>-<seed>; return the dir.
 
     `overrides` go to the transformers config (e.g. `tie_word_embeddings=True`,
-    `rope_parameters={...}`, `num_hidden_layers=3`).
+    `rope_parameters={...}`, `num_hidden_layers=3`); with `dtype="bfloat16"` (as in `SERVED`)
+    the weights are saved in bf16 (rounded from the same fp32 draw).
     """
     import torch
     import transformers
@@ -118,6 +127,9 @@ def make_tiny_model(tmp_path: Any, arch: str = "llama", *, seed: int = 0, **over
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).eval()
+    dtype = config.dtype if not isinstance(config.dtype, str) else getattr(torch, config.dtype)
+    if dtype in (torch.bfloat16, torch.float16):  # else save_pretrained writes fp32
+        model = model.to(dtype)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

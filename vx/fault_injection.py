@@ -7,7 +7,11 @@ raises inside the EngineCore's per-request output update, and one whose seed is 
 inside the Worker's sampler. The reliability tests (tests/reliability, G9) use it to prove that
 such a request fails alone, with finish reason "error", and that the engine keeps serving.
 
-Invariant: with the variable unset, `poison_seed()` returns None and no code path changes.
+Invariant: with the variable unset, `poison_seed()` returns None and no code path changes. Set,
+only what touches a poisoned request changes: a Worker step whose batch holds one leaves the fused
+greedy step and the LM head's C argmax for the sampler, where that request raises (and fails
+alone); every other step keeps them (`ModelRunner._poisoned`), so a shared test server with the
+variable set still serves its other requests on the default path.
 """
 
 from __future__ import annotations

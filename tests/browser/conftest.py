@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.server import VxServer
-from tests.models import make_tiny_model
+from tests.models import SERVED, make_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -84,10 +84,12 @@ API_KEY = "sk-browser"
 @pytest.fixture(scope="module")
 def tiny_server(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VxServer]:
     """`vx serve --api-key` on a tiny random model whose context (8192) lets a reply run for
-    seconds. One server for the whole module: its start-up is most of the module's time."""
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=8192)
+    seconds, served on the default path (a bf16 checkpoint, no --dtype: `SERVED`). One server
+    for the whole module: its start-up is most of the module's time. On exit `VxServer` fails
+    the module if a process or segment of the tree is left behind."""
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=8192, **SERVED)
     with VxServer(
-        model, "--served-model-name", "tiny", "--dtype", "float32",
+        model, "--served-model-name", "tiny",
         "--num-gpu-blocks-override", "2048", "--api-key", API_KEY,
     ) as srv:  # fmt: skip
         yield srv

@@ -15,16 +15,33 @@ import httpx
 import pytest
 
 from tests.e2e.server import VxServer
-from tests.models import make_tiny_model
+from tests.models import SERVED, make_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama")
-    with VxServer(model, "--served-model-name", "tiny", "--dtype", "float32") as srv:
+    # SERVED: a bf16 checkpoint, served with no --dtype: the default path (see the next test)
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", **SERVED)
+    with VxServer(model, "--served-model-name", "tiny") as srv:
         yield srv
+
+
+def test_greedy_request_takes_the_fused_step(server: VxServer) -> None:
+    """A served greedy request runs the default CPU path: its one-row decode steps take the
+    fused greedy step (every layer, the final norm and the LM head's argmax in one C call),
+    which the Worker logs at its first such step (`ModelRunner.path_steps`)."""
+    from vx.gpu.kv_cache import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("vx's C kernels are not built here (no compiler): no fused step to take")
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    line = "tokens by the fused greedy step: first step, of 1 row(s)"
+    assert wait_for(lambda: line in server.full_log()), server.log()
 
 
 def metric(url: str, name: str, **labels: str) -> float:

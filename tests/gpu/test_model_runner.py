@@ -523,3 +523,55 @@ def test_runner_last_layer_runs_past_attention_on_the_sampled_rows_only(tiny_lla
     out = sim.step({"lp": 20})
     assert rows["last"] == [20]
     assert out.prompt_logprobs and len(out.prompt_logprobs["lp"].ranks) == 19
+
+
+def test_runner_poison_leaves_the_fast_paths_for_its_own_steps_only(tiny_llama, monkeypatch):
+    """With `VX_TEST_POISON` set, a step without the poisoned seed takes the fused greedy step
+    or the LM head's C argmax as it would unset; a step with a poisoned request takes the
+    logits path, where that request fails alone (token -1) and its neighbour gets the tokens
+    it gets unpoisoned."""
+    from vx.fault_injection import ENV
+    from vx.gpu.model_runner import SAMPLE_FAILED
+
+    seed = 6662
+    poison = SamplingParams.create(temperature=0.0, seed=seed, max_tokens=64)
+    runs = {}
+    for armed in (False, True):
+        if armed:
+            monkeypatch.setenv(ENV, f"worker:{seed}")
+        else:
+            monkeypatch.delenv(ENV, raising=False)
+        runner = make_runner(tiny_llama, dtype="bfloat16")
+        assert runner._poison_seed == (seed if armed else None)
+        sim = Sim(runner)
+        phases = []
+        sim.add("alone", PROMPT[:7])  # one row: the fused greedy step where it is built
+        out = {"alone": sim.run(["alone"], 16, 6)["alone"]}
+        phases.append(dict(runner.path_steps))
+        sim.add("p", PROMPT[:5], params=poison)
+        sim.add("ok", PROMPT[:9])
+        sim.add("ok2", PROMPT[20:31])  # three rows: two take neither C path on some CPUs
+        out |= sim.run(["p", "ok", "ok2"], 16, 5)
+        phases.append(dict(runner.path_steps))
+        sim.add("after", PROMPT[3:10])
+        out["after"] = sim.run(["after"], 16, 6)["after"]
+        phases.append(dict(runner.path_steps))
+        runs[armed] = out, phases
+    (plain, plain_phases), (armed_out, armed_phases) = runs[False], runs[True]
+    fast = plain_phases[0]["fused"] + plain_phases[0]["argmax"]
+    if not fast:
+        pytest.skip("no fused step and no C argmax here: every step takes the logits path")
+    # Steps without the poisoned request: the same paths as unarmed, the same tokens.
+    assert armed_phases[0] == plain_phases[0]
+    assert armed_out["alone"] == plain["alone"] and armed_out["after"] == plain["after"]
+    # Steps with it: every one on the logits path (the three sample 5 steps together).
+    steps = {k: armed_phases[1][k] - armed_phases[0][k] for k in armed_phases[0]}
+    assert steps == {"fused": 0, "argmax": 0, "logits": 5}, steps
+    plain_steps = {k: plain_phases[1][k] - plain_phases[0][k] for k in plain_phases[0]}
+    assert plain_steps["logits"] == 0, plain_steps  # unarmed, the same steps kept the fast paths
+    assert armed_out["p"] == [SAMPLE_FAILED] * 5 and plain["p"] != armed_out["p"]
+    assert armed_out["ok"] == plain["ok"] and armed_out["ok2"] == plain["ok2"]
+    # ... and once it is gone, the fast paths again.
+    after = {k: armed_phases[2][k] - armed_phases[1][k] for k in armed_phases[1]}
+    assert after == {k: plain_phases[2][k] - plain_phases[1][k] for k in plain_phases[1]}
+    assert after["logits"] == 0 and after["fused"] + after["argmax"] == 6

@@ -7,13 +7,14 @@ Sizes: every goal test takes the `size` fixture, parametrized "ci" (runs in `mak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.reliability.harness import Served, poll, settled
+from tests.reliability.harness import FIGURES as _FIGURES, Served, poll, settled
 
 #: Per goal: the CI tier (2 busy cores, a few minutes in all) and the full stress tier.
 SIZES: dict[str, dict[str, dict[str, float]]] = {
@@ -35,7 +36,6 @@ SIZES: dict[str, dict[str, dict[str, float]]] = {
 ENGINE_POISON_SEED = 6661
 WORKER_POISON_SEED = 6662
 
-_FIGURES: list[str] = []
 FIGURES_PATH = os.environ.get("VX_RELIABILITY_FIGURES", "/tmp/vx-reliability-figures.txt")
 
 
@@ -55,6 +55,43 @@ def figure(line: str) -> None:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
 
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:limit] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def checked_figure(line: str) -> Iterator[None]:
+    """Record a goal's figure `line` (formatted from measured values) only once its checks, the
+    asserts in the `with` block, have passed. If one fails, "FAIL <line> | <the failure>" is
+    recorded instead and the failure propagates: a failing run never prints a passing line."""
+    try:
+        yield
+    except Exception as e:
+        figure(f"FAIL {line} | {_first_line(e)}")
+        raise
+    figure(line)
+
+
+_FIGURES_AT_SETUP = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A goal that fails before it could record its figure (a start-up or an early check), or
+    in a fixture's checks after it (teardown: the shared server's, a tree's leftovers), still
+    prints a line, starting "FAIL"."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_FIGURES_AT_SETUP] = len(_FIGURES)
+    if not report.failed or call.excinfo is None:
+        return
+    recorded = len(_FIGURES) > item.stash.get(_FIGURES_AT_SETUP, len(_FIGURES))
+    if report.when != "call" or not recorded:
+        figure(f"FAIL {item.name} ({report.when}): {_first_line(call.excinfo.value)}")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     if _FIGURES:
         terminalreporter.section("reliability figures")
@@ -64,12 +101,17 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.models import make_tiny_model
+    from tests.models import SERVED, make_tiny_model
 
     # 1024 positions: G8's stalled streams need more output than loopback's socket buffers hold.
+    # SERVED: bf16 weights and head size 32, so the servers run the default path (the fused
+    # CPU step, the LM head's C argmax).
     return str(
         make_tiny_model(
-            tmp_path_factory.mktemp("reliability-tiny"), arch="llama", max_position_embeddings=1024
+            tmp_path_factory.mktemp("reliability-tiny"),
+            arch="llama",
+            max_position_embeddings=1024,
+            **SERVED,
         )
     )
 

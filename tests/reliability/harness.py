@@ -25,6 +25,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_NAME = "tiny"
+#: Every goal's figure line this session (`tests.reliability.conftest.figure`). Kept here, in a
+#: module imported under one name only: pytest loads the conftest as `reliability.conftest` while
+#: the goal tests import it as `tests.reliability.conftest`, two modules with a list each.
+FIGURES: list[str] = []
 
 
 def free_port() -> int:
@@ -72,6 +76,14 @@ def shm_of(pids: set[int]) -> set[str]:
         if len(parts) >= 3 and parts[0] == "vx" and parts[1].isdigit() and int(parts[1]) in pids:
             out.add(name)
     return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return "?"
 
 
 def num_fds(pid: int) -> int:
@@ -156,9 +168,10 @@ class Served:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self) -> Served:
+        # No --dtype: the default (auto; bf16 for the bf16 tiny model, `tests.models.SERVED`),
+        # so the fused CPU step and the LM head's C argmax serve, as they serve a user.
         cmd = [sys.executable, "-m", "vx", "serve", self.model, "--port", str(self.port),
-               "--num-threads", "1", "--dtype", "float32", "--served-model-name", MODEL_NAME,
-               *self.args]  # fmt: skip
+               "--num-threads", "1", "--served-model-name", MODEL_NAME, *self.args]  # fmt: skip
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         env = {**os.environ, **self.env}
@@ -166,8 +179,12 @@ class Served:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
+            # the tree so far, for a failed start's cleanup (an exited front's children are
+            # no longer its descendants)
+            tree = [*self.pids, self.proc.pid, *descendants(self.proc.pid)]
+            self.pids = list(dict.fromkeys(tree))
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vx serve exited with {self.proc.returncode}:\n{self.log()}")
+                self._failed_start(RuntimeError(f"vx serve exited with {self.proc.returncode}"))
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
@@ -175,8 +192,7 @@ class Served:
                 pass
             time.sleep(0.1)  # polling an external process's start-up
         else:
-            self.kill_tree()
-            raise TimeoutError(f"vx serve not healthy:\n{self.log()}")
+            self._failed_start(TimeoutError("vx serve not healthy"))
         version = httpx.get(self.url + "/version", headers=self.headers, timeout=5).json()
         self.engine_pid = version["engine_pids"][0]
         self.worker_pids = list(version["worker_pids"])
@@ -184,11 +200,33 @@ class Served:
         assert self.engine_pid in self.pids and set(self.worker_pids) <= set(self.pids)
         return self
 
+    def _failed_start(self, error: Exception) -> None:
+        """Raise `error` with the log and whatever of the tree was left, once cleaned up."""
+        self.kill_tree()
+        left = self.leftovers(timeout_s=5)
+        self.unlink_shm()
+        raise type(error)(f"{error} ({left or 'nothing left behind'}):\n{self.log()}")
+
     def __enter__(self) -> Served:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.kill_tree()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Stop the tree if the test left it running (SIGTERM, as a user would), then fail
+        loudly if any process or `vx-*` segment of it is left: the leftovers are named in an
+        AssertionError (or, when the test already failed, in a note on its exception) before
+        they are SIGKILLed and unlinked, so a test never passes over a leak."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.stop(timeout_s=30)
+            leftovers = self.leftovers()
+        finally:
+            self.kill_tree()
+            self.unlink_shm()
+        if leftovers:
+            if exc is not None:
+                exc.add_note(f"vx serve tree {leftovers}")
+                return
+            raise AssertionError(f"vx serve tree {leftovers}\n{self.log()}")
 
     def log(self, tail: int = 6000) -> str:
         with open(self.log_path, "rb") as f:
@@ -221,8 +259,34 @@ class Served:
     def leftover_shm(self) -> set[str]:
         return shm_of(set(self.pids))
 
+    def left_behind(self, timeout_s: float = 10.0) -> tuple[list[int], set[str]]:
+        """(live pids, `vx-*` segments) of the tree once it has exited: polled for up to
+        `timeout_s` until both are empty (children and the resource tracker exit, and the
+        segments go, a moment after the front)."""
+        if self.pids:
+            poll(lambda: not self.survivors() and not self.leftover_shm(), timeout_s)
+        return self.survivors(), self.leftover_shm() if self.pids else set()
+
+    def leftovers(self, timeout_s: float = 10.0) -> str:
+        """'' where `left_behind` finds nothing, else what is left (pids with their command
+        lines, segment names)."""
+        pids, shm = self.left_behind(timeout_s)
+        if not pids and not shm:
+            return ""
+        procs = {p: _cmdline(p) for p in pids}
+        return f"left behind: processes {procs}, /dev/shm segments {sorted(shm)}"
+
+    def unlink_shm(self) -> None:
+        """Cleanup after `leftovers` named them: unlink the tree's remaining segments."""
+        for name in self.leftover_shm() if self.pids else ():
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
     def kill_tree(self) -> None:
-        """Last-resort cleanup: SIGKILL whatever of the tree still lives (ours only)."""
+        """Cleanup: SIGKILL whatever of the tree still lives (ours only). Silent: callers that
+        must not leave anything (`__exit__`) check `leftovers` first."""
         for pid in self.survivors():
             try:
                 os.kill(pid, signal.SIGCONT)

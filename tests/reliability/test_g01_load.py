@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from tests.reliability.harness import MODEL_NAME, Served, accounting, delta
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(600)]
@@ -78,13 +78,14 @@ async def test_g1_steady_streams(shared: Served, size: str) -> None:
     after = accounting(shared.scrape())
     d = delta(after, before)
     rss_growth_mib = (_rss_kib(shared.proc.pid) - rss_before) / 1024
-    figure(
+    line = (
         f"G1 steady streams [{size}]: load {n} streams x {elapsed:.0f} s = {sent} requests "
         f"({sent * MAX_TOKENS / elapsed:.0f} tok/s) | faults 0 | bad 0 | lost "
         f"{sent - tally['ok']} (non-2xx {tally['non_2xx']}, truncated {tally['truncated']}, "
         f"shape {tally['bad_shape']}, transport {tally['transport']}; server finished "
         f"{d['finished']:.0f} of received {d['received']:.0f}; front RSS +{rss_growth_mib:.1f} MiB)"
     )
-    assert tally["ok"] == sent > 0, tally
-    assert d == {"received": sent, "rejected": 0, "finished": sent, "aborted": 0}, d
-    assert rss_growth_mib < 50
+    with checked_figure(line):
+        assert tally["ok"] == sent > 0, tally
+        assert d == {"received": sent, "rejected": 0, "finished": sent, "aborted": 0}, d
+        assert rss_growth_mib < 50

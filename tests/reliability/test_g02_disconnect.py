@@ -22,7 +22,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from tests.reliability.harness import MODEL_NAME, Served, accounting, delta, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(600)]
@@ -152,41 +152,47 @@ async def test_g2_disconnect_storm(tiny_model: str, logs: str, size: str) -> Non
         settle_s = time.time() - last_close
         d = delta(acc, before)
         aborts = server.abort_times()
-        assert server.survivors() == server.pids
+        died = [p for p in server.pids if p not in server.survivors()]
         code = server.stop()
+        left_pids, left_shm = server.left_behind()  # after stop: nothing of the tree
     latencies = [aborts[c.port] - c.closed_at for c in clients if c.port in aborts and c.closed_at]
     slow = sorted(
         ((aborts[c.port] - c.closed_at, c.leave, c.rst) for c in clients if c.port in aborts),
         reverse=True,
     )[:5]
-    left = [c for c in clients if c.outcome == "left"]
+    leavers = [c for c in clients if c.outcome == "left"]
     broken = [c for c in clients if c.outcome == "broken"]
-    stayed = [c for c in clients if c.leave is None]
-    unmatched = [c for c in left if c.port not in aborts]
-    kinds = {k: sum(c.leave == k for c in left) for k in ("queued", "decode", "plain")}
-    rst = sum(c.rst for c in left)
-    figure(
+    unfinished = [c for c in clients if c.leave is None and c.outcome != "finished"]
+    unmatched = [c for c in leavers if c.port not in aborts]
+    kinds = {k: sum(c.leave == k for c in leavers) for k in ("queued", "decode", "plain")}
+    rst = sum(c.rst for c in leavers)
+    line = (
         f"G2 disconnect storm [{size}]: load {len(clients)} req ({n_stream} SSE) | faults "
-        f"{len(left)} disconnects (queued {kinds['queued']}, mid-decode {kinds['decode']}, "
-        f"non-stream {kinds['plain']}; {len(left) - rst} FIN, {rst} RST) | bad 0 | lost "
-        f"{len(broken)} (finished {d['finished']:.0f} + aborted {d['aborted']:.0f} = "
+        f"{len(leavers)} disconnects (queued {kinds['queued']}, mid-decode {kinds['decode']}, "
+        f"non-stream {kinds['plain']}; {len(leavers) - rst} FIN, {rst} RST) | bad 0 | lost "
+        f"{len(broken) + len(unfinished)} ({len(broken)} broken, {len(unfinished)} stayers "
+        f"unfinished; finished {d['finished']:.0f} + aborted {d['aborted']:.0f} = "
         f"{d['received']:.0f}; kv free {kv['free']:.0f}/{kv['blocks']:.0f} within "
         f"{settle_s:.2f} s of the last close; detect p50 {1e3 * _p(latencies, 0.5):.1f} ms, "
         f"p99 {1e3 * _p(latencies, 0.99):.1f} ms, max {1e3 * max(latencies, default=0):.1f} ms "
-        f"over {len(latencies)})"
+        f"over {len(latencies)}; exit code {code}, {len(died)} died before stop, "
+        f"{len(left_pids)} processes and {len(left_shm)} segments left after it)"
     )
-    assert code == 0
-    assert not broken, [(c.index, c.stream, c.leave) for c in broken]
-    assert all(c.outcome == "finished" for c in stayed)
-    assert d["received"] == len(clients) and d["rejected"] == 0
-    assert d["finished"] + d["aborted"] == len(clients)
-    # A leaver the server saw leave has its abort line; one that finished first does not.
-    assert d["aborted"] == len(aborts) == len(left) - len(unmatched)
-    assert len(unmatched) <= len(left) // 10, "most leavers must be seen leaving"
-    assert latencies and max(latencies) < 1.0, slow
-    if size == "stress":
-        assert _p(latencies, 0.99) < 0.1, slow
-    else:
-        # On a 2-core box shared by the client, the front and a busy worker, the tail is CPU
-        # contention (docs/reliability.md): CI holds the median and a bound on the worst.
-        assert _p(latencies, 0.5) < 0.02, slow
+    with checked_figure(line):
+        assert not died, died
+        assert code == 0
+        assert not left_pids and not left_shm, (left_pids, left_shm)
+        assert not broken, [(c.index, c.stream, c.leave) for c in broken]
+        assert not unfinished, [(c.index, c.outcome) for c in unfinished]
+        assert d["received"] == len(clients) and d["rejected"] == 0
+        assert d["finished"] + d["aborted"] == len(clients)
+        # A leaver the server saw leave has its abort line; one that finished first does not.
+        assert d["aborted"] == len(aborts) == len(leavers) - len(unmatched)
+        assert len(unmatched) <= len(leavers) // 10, "most leavers must be seen leaving"
+        assert latencies and max(latencies) < 1.0, slow
+        if size == "stress":
+            assert _p(latencies, 0.99) < 0.1, slow
+        else:
+            # On a 2-core box shared by the client, the front and a busy worker, the tail is
+            # CPU contention (docs/reliability.md): CI holds the median and a bound on the worst.
+            assert _p(latencies, 0.5) < 0.02, slow

@@ -20,7 +20,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from tests.reliability.harness import MODEL_NAME, Served, poll
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(900)]
@@ -85,11 +85,14 @@ CORPUS: list[tuple[str, object, int, str | None]] = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": None}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
-    (CHAT, {"messages": [123]}, 400, "messages"),
-    (CHAT, {"messages": [{}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": 5, "content": "x"}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+    (CHAT, {"messages": [123]}, 400, "messages[0]"),
+    (CHAT, {"messages": [{}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": 5, "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
     (CHAT, {"messages": OK_MSG, "top_logprobs": 5}, 400, "top_logprobs"),
     (CHAT, {"messages": OK_MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": OK_MSG, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
@@ -318,18 +321,18 @@ async def test_g3_bad_input_barrage(shared: Served, size: str) -> None:
     fuzz_sent = sum(statuses.values())
     fivexx = sum(v for k, v in statuses.items() if k >= 500)
     version = httpx.get(shared.url + "/version", timeout=5).json()
-    figure(
+    line = (
         f"G3 bad inputs [{size}]: load {valid['ok'] + valid['bad']} valid streams alongside, "
         f"{elapsed:.0f} s | faults 0 | bad {fuzz_sent + corpus_sent} tried ({fuzz_sent} "
         f"schemathesis negative, {fuzz['unique']} distinct; {corpus_sent} corpus): statuses "
         f"{dict(sorted(statuses.items()))}, 5xx {fivexx}, envelope failures "
-        f"{len(fuzz['failures']) + len(corpus_failures)} | lost 0 (valid stream errors "  # type: ignore[arg-type]
-        f"{valid['bad']}; /health {dict(health)}; engine pid unchanged "
-        f"{version['engine_pids'] == [engine_pid]})"
+        f"{len(fuzz['failures']) + len(corpus_failures)} | lost {valid['bad']} valid streams "  # type: ignore[arg-type]
+        f"(/health {dict(health)}; engine pid unchanged {version['engine_pids'] == [engine_pid]})"
     )
-    assert not corpus_failures, "\n".join(corpus_failures)
-    assert not fuzz["failures"], "\n".join(fuzz["failures"])  # type: ignore[arg-type]
-    assert fuzz_sent + corpus_sent >= (1000 if size == "ci" else fuzz_total)
-    assert valid["bad"] == 0 and valid["ok"] > 0
-    assert set(health) == {200}
-    assert version["engine_pids"] == [engine_pid]
+    with checked_figure(line):
+        assert not corpus_failures, "\n".join(corpus_failures)
+        assert not fuzz["failures"], "\n".join(fuzz["failures"])  # type: ignore[arg-type]
+        assert fuzz_sent + corpus_sent >= (1000 if size == "ci" else fuzz_total)
+        assert valid["bad"] == 0 and valid["ok"] > 0
+        assert set(health) == {200}
+        assert version["engine_pids"] == [engine_pid]

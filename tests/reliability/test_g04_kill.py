@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from tests.reliability.harness import MODEL_NAME, Served, poll
 from tests.reliability.streams import client_for, start_streams
 
@@ -60,22 +60,24 @@ async def test_g4_child_kill9(tiny_model: str, logs: str, size: str, victim: str
         code = server.wait_exit(15)
         exited = time.monotonic() - killed
         gone = poll(lambda: not server.survivors(), 5)
-        shm = server.leftover_shm()
+        survivors, shm = server.survivors(), server.leftover_shm()
         log = server.log()
     ends = [r.ended_at - killed for r in records if r.ended_at is not None]
     with_error = sum(r.error is not None and r.done for r in records)
-    figure(
-        f"G4 kill -9 {victim} [{size}]: load {n} streams | faults 1 kill -9 survived: /health "
+    line = (
+        f"G4 kill -9 {victim} [{size}]: load {n} streams | faults 1 kill -9: /health "
         f"503 after {health_503 if health_503 is None else f'{health_503:.2f} s'}, new request "
         f"503 Retry-After {retry_after}, {with_error}/{n} streams ended with an error event, "
-        f"last after {max(ends):.2f} s, tree exited (code {code}) after {exited:.1f} s | bad 0 "
-        f"| lost 0 (survivors {len(server.survivors())}, shm leftovers {len(shm)})"
+        f"last after {max(ends, default=float('nan')):.2f} s, tree exited (code {code}) after "
+        f"{exited:.1f} s | bad 0 | lost {n - with_error} streams without an error event "
+        f"(survivors {len(survivors)}, shm leftovers {len(shm)})"
     )
-    assert health_503 is not None and health_503 < 2.0, log
-    assert retry_after is not None
-    assert with_error == n and max(ends) < 2.0, [(r.error, r.transport_error) for r in records]
-    assert code is not None and code != 0 and exited < 10.0, log
-    assert gone and shm == set()
+    with checked_figure(line):
+        assert health_503 is not None and health_503 < 2.0, log
+        assert retry_after is not None
+        assert with_error == n and max(ends) < 2.0, [(r.error, r.transport_error) for r in records]
+        assert code is not None and code != 0 and exited < 10.0, log
+        assert gone and not survivors and shm == set(), (survivors, shm)
 
 
 async def test_g5_front_kill9(tiny_model: str, logs: str, size: str) -> None:
@@ -90,16 +92,20 @@ async def test_g5_front_kill9(tiny_model: str, logs: str, size: str) -> None:
         gone = poll(lambda: not any(map(_alive, children)), 30, 0.05)
         exited = time.monotonic() - killed
         shm_clean = poll(lambda: server.leftover_shm() == set(), 10)
+        alive_children = [p for p in children if _alive(p)]
+        shm = server.leftover_shm()
         log = server.log()
     cut = sum(r.transport_error is not None or not r.done for r in records)
-    figure(
-        f"G5 kill -9 front [{size}]: load 4 streams | faults 1 kill -9 survived: "
-        f"{len(children)} children (EngineCore, worker, resource tracker) exited by themselves "
-        f"after {exited:.1f} s; {cut}/4 client streams cut | bad 0 | lost 0 (shm leftovers "
-        f"{len(server.leftover_shm())})"
+    line = (
+        f"G5 kill -9 front [{size}]: load 4 streams | faults 1 kill -9: "
+        f"{len(children) - len(alive_children)}/{len(children)} children (EngineCore, worker, "
+        f"resource tracker) exited by themselves after {exited:.1f} s; {cut}/4 client streams "
+        f"cut | bad 0 | lost {len(alive_children) + len(shm)} (children left "
+        f"{len(alive_children)}, shm leftovers {len(shm)})"
     )
-    assert gone and exited < 30.0, log
-    assert shm_clean
+    with checked_figure(line):
+        assert gone and exited < 30.0, log
+        assert shm_clean and not shm, shm
 
 
 def _alive(pid: int) -> bool:

@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from tests.reliability.harness import MODEL_NAME, Served, poll
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -97,21 +97,27 @@ def test_g10_auth_and_exposure(tiny_model: str, logs: str) -> None:
             name: stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
             for name in server.leftover_shm()
         }
-        server.stop()
+        code = server.stop()
+        left_pids, left_shm = server.left_behind()  # after stop: nothing of the tree
         log = server.full_log()
-    assert ok.status_code == 200 and ok_xkey.status_code == 200
-    assert "access-control-allow-origin" not in cors.headers
-    assert listen == ["0100007F"], listen  # 127.0.0.1, nothing on 0.0.0.0 or ::
-    assert modes and all(m & 0o077 == 0 for m in modes.values()), modes
     leaked = [k for k in (key, wrong) if k in log]
-    figure(
+    cors_on = "access-control-allow-origin" in cors.headers
+    line = (
         f"G10 auth and exposure: load {tried} requests over {len(paths)} paths x 4 methods x 4 "
         f"credentials | faults 0 | bad {tried} unauthenticated tried, {len(problems)} not 401 | "
-        f"lost 0 (keys in log {len(leaked)}; bind {listen}; shm modes "
-        f"{sorted({oct(m) for m in modes.values()})}; CORS off)"
+        f"lost {len(leaked)} keys to the log (key accepted {ok.status_code}/"
+        f"{ok_xkey.status_code}; bind {listen}; shm modes "
+        f"{sorted({oct(m) for m in modes.values()})}; CORS {'on' if cors_on else 'off'}; exit "
+        f"code {code}, {len(left_pids)} processes and {len(left_shm)} segments left)"
     )
-    assert not problems, problems
-    assert not leaked
+    with checked_figure(line):
+        assert ok.status_code == 200 and ok_xkey.status_code == 200
+        assert not cors_on
+        assert listen == ["0100007F"], listen  # 127.0.0.1, nothing on 0.0.0.0 or ::
+        assert modes and all(m & 0o077 == 0 for m in modes.values()), modes
+        assert not problems, problems
+        assert not leaked
+        assert code == 0 and not left_pids and not left_shm, (code, left_pids, left_shm)
 
 
 FORBIDDEN_MODULES = {"pickle", "cloudpickle", "dill", "marshal", "shelve", "_pickle"}
@@ -175,9 +181,11 @@ def test_g12_restart_hygiene(tiny_model: str, logs: str, size: str) -> None:
                 problems.append(f"cycle {cycle}: shm {server.leftover_shm()}")
             if not poll(lambda s=server: _port_free(s.port), 10):
                 problems.append(f"cycle {cycle}: port {server.port} still bound")
-    figure(
+    line = (
         f"G12 restart hygiene [{size}]: load {n_term + n_kill} starts (median "
         f"{sorted(starts)[len(starts) // 2]:.1f} s) | faults {n_term} SIGTERM + {n_kill} kill -9 "
-        f"| bad 0 | lost 0 ({len(problems)} leftovers: processes, shm, ports)"
+        f"| bad 0 | lost {len(problems)} (leftovers: processes, shm, ports, failed requests "
+        f"or exit codes)"
     )
-    assert not problems, problems
+    with checked_figure(line):
+        assert not problems, problems

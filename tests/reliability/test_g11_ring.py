@@ -21,7 +21,7 @@ import zlib
 import anyio
 import pytest
 
-from tests.reliability.conftest import figure, sized
+from tests.reliability.conftest import checked_figure, sized
 from vx.ring import RingHandle, RingReader, RingWriter
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -178,7 +178,7 @@ def test_g11_ring_torture(size: str) -> None:
                 proc.join()
                 w.close()
     leftovers = sorted(set(_leftovers()) - set(before))
-    figure(
+    line = (
         f"G11 ring torture [{size}]: load {count} checksummed messages to 2 readers in "
         f"{stream_s:.1f} s (counters crossed 2**32: {crossed}) | faults {kills} kill -9 "
         f"({(kills + 1) // 2} writer, {kills // 2} reader), peer noticed in max "
@@ -186,7 +186,8 @@ def test_g11_ring_torture(size: str) -> None:
         f"{exact}; {received} messages verified before the writer kills, {sent_before_kill} "
         f"sent before the reader kills; leftovers {len(leftovers)})"
     )
-    assert exact and crossed
-    assert not bad, bad
-    assert len(detect) == kills and max(detect) < 1.0, detect
-    assert not leftovers, leftovers
+    with checked_figure(line):
+        assert exact and crossed
+        assert not bad, bad
+        assert len(detect) == kills and max(detect) < 1.0, detect
+        assert not leftovers, leftovers

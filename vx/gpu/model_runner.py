@@ -45,6 +45,8 @@ SAMPLE_FAILED = -1
 #: Prompt-logprob rows go through the LM head in slices of this many (a [rows, vocab] fp32
 #: tensor for a whole 8K-token chunk would take gigabytes).
 PROMPT_LOGPROBS_SLICE = 512
+#: `ModelRunner.path_steps`' keys, and how the first step of each is logged.
+_PATH_LABELS = {"fused": "fused greedy step", "argmax": "C argmax", "logits": "logits path"}
 
 
 @dataclass(eq=False)
@@ -86,8 +88,15 @@ class ModelRunner:
         self.sampler = None
         #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
         self.cuda_graphs = None
-        #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise.
+        #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise; a step
+        #: with one of them in its batch leaves the fused step and the C argmax (`_poisoned`).
         self._poison_seed = poison_seed("worker")
+        #: Sampling steps by the path that gave their tokens: "fused" (`fused_greedy_step`: the
+        #: layers, the final norm and the LM head's argmax in one C call), "argmax" (the model's
+        #: forward, then the LM head's C argmax), "logits" (the logits and the sampler). The
+        #: first step of each path is logged at INFO (`_count_path`), so that a test can tell
+        #: from a served tree's log that its steps took the default path.
+        self.path_steps: dict[str, int] = dict.fromkeys(_PATH_LABELS, 0)
 
     # ───────────────────────── start-up ─────────────────────────
 
@@ -257,7 +266,8 @@ class ModelRunner:
         if not wants_prompt_logprobs and last.size < inputs.input_ids.shape[0]:
             keep = last_rows
         fused = None
-        if self.device.type == "cpu" and self._poison_seed is None and not wants_prompt_logprobs:
+        cpu = self.device.type == "cpu"
+        if cpu and not wants_prompt_logprobs and not self._poisoned(inputs.rows):
             fused = fused_greedy_step(model, batch, inputs, self.kv_caches)
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
             hidden, sampled = fused
@@ -274,6 +284,9 @@ class ModelRunner:
             rows = inputs.rows[sample_idx]
             if fused is None:
                 sampled = self._greedy_ids(hidden_last, rows)
+            self._count_path(
+                "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
+            )
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
@@ -353,12 +366,29 @@ class ModelRunner:
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
         """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.greedy`);
-        None where the logits path must run (not CPU, fault injection armed, or a row that
-        samples, asks for logprobs, biases or penalises)."""
-        if self.device.type != "cpu" or self._poison_seed is not None:
+        None where the logits path must run (not CPU, a poisoned row (`_poisoned`), or a row
+        that samples, asks for logprobs, biases or penalises)."""
+        if self.device.type != "cpu" or self._poisoned(rows):
             return None
         assert self.input_batch is not None
         return greedy_tokens(self._model, self.input_batch, hidden, rows)
+
+    def _poisoned(self, rows: np.ndarray) -> bool:
+        """Test-only (VX_TEST_POISON): whether one of the batch rows `rows` carries the poisoned
+        seed. Such a step leaves the fused step and the C argmax, so that the poisoned request
+        reaches the sampler, where it raises (and fails alone); every other step keeps them.
+        False at once where the variable is unset."""
+        if self._poison_seed is None:
+            return False
+        assert self.input_batch is not None
+        params = self.input_batch.sampling_params
+        return any(params[r].seed == self._poison_seed for r in rows.tolist())
+
+    def _count_path(self, path: str, rows: int) -> None:
+        """Count a sampling step under `path` (`path_steps`); log the first of each path."""
+        n = self.path_steps[path] = self.path_steps[path] + 1
+        if n == 1:
+            logger.info("tokens by the %s: first step, of %d row(s)", _PATH_LABELS[path], rows)
 
     def _sample(
         self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
