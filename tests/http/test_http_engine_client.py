@@ -216,3 +216,43 @@ async def test_cancel_never_loses_a_queued_delta() -> None:
     assert delta.new_token_ids == [1]
     with pytest.raises(anyio.WouldBlock):
         stream.get_nowait()
+
+
+def test_a_reader_far_behind_gets_every_token_and_row_exactly() -> None:
+    """Past `PACK_FROM_TOKENS` undelivered tokens the mailbox packs tokens, ranks and logprob
+    rows into 4-byte arrays; what the reader gets is what the engine sent, in order, with the
+    fp32 logprobs exact, and rows of any width."""
+    import sys
+
+    import torch
+
+    from vx.http.engine_client import PACK_FROM_TOKENS
+
+    g = torch.Generator().manual_seed(0)
+    s = RequestStream("r", 0)
+    sent_tokens, sent_ids, sent_vals, sent_ranks = [], [], [], []
+    n = 3 * PACK_FROM_TOKENS + 5
+    for i in range(n):
+        k = 1 + i % 4  # rows of 1 to 4 entries
+        vals = torch.randn(k, generator=g).log_softmax(0).tolist()  # fp32 values, as the Worker's
+        ids = torch.randint(0, 50_000, (k,), generator=g).tolist()
+        out = messages.EngineCoreOutput(
+            request_id="r", new_token_ids=[ids[0]],
+            new_logprobs=messages.Logprobs(token_ids=[ids], logprobs=[vals], ranks=[i % 7 + 1]),
+            finish_reason="length" if i == n - 1 else None,
+        )  # fmt: skip
+        s.put(out)
+        sent_tokens.append(ids[0])
+        sent_ids.append(ids)
+        sent_vals.append(vals)
+        sent_ranks.append(i % 7 + 1)
+    delta = s.get_nowait()  # every output merged into one
+    assert delta._ids is not None  # packed
+    assert delta.new_token_ids == sent_tokens
+    assert delta.logprob_token_ids == sent_ids
+    assert delta.logprobs == sent_vals
+    assert delta.ranks == sent_ranks
+    assert delta.finish_reason == "length"
+    # packed, a token with its row of 4 takes under 60 bytes (Python lists: several hundred)
+    size = sum(sys.getsizeof(a) for a in (delta._ids, delta._lp_ids, delta._lp_vals, delta._ends))
+    assert size / n < 60, size / n

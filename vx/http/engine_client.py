@@ -15,11 +15,11 @@ input ring is full, messages wait in a per-engine outbox that a flusher task dra
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
@@ -57,31 +57,88 @@ class OutputObserver(Protocol):
     def on_tokens(self, *, num_tokens: int, ttft_s: float | None, itl_s: float | None) -> None: ...
 
 
-@dataclass(slots=True)
-class RequestDelta:
-    """Everything a request gained since the consumer last looked (merged engine outputs)."""
+#: Undelivered tokens from which a merged delta keeps its tokens and logprob rows packed in
+#: 4-byte arrays rather than Python lists (a quarter of their bytes or less): only a reader that
+#: fell behind (a client that stopped reading) pays for packing, and the front then holds less
+#: than the JSON it owes that client.
+PACK_FROM_TOKENS = 16
 
-    new_token_ids: list[int] = field(default_factory=list)
-    #: Logprob rows for `new_token_ids` (row i: sampled token first, then the top-k).
-    logprob_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    prompt_logprobs: messages.Logprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
+
+class RequestDelta:
+    """Everything a request gained since the consumer last looked (merged engine outputs).
+
+    Logprob row i belongs to token i: the sampled token first, then the top-k. Past
+    `PACK_FROM_TOKENS` tokens the older tokens, ranks and rows live in flat arrays (`_packed`),
+    the newer ones in lists; the public attributes read both, oldest first. Invariant: 4-byte
+    floats hold the logprobs exactly, since the Worker computes them in fp32.
+    """
+
+    __slots__ = (
+        "_ends",
+        "_ids",
+        "_lp_ids",
+        "_lp_vals",
+        "_ranks",
+        "_row_ids",
+        "_row_vals",
+        "_tail_ranks",
+        "_tail_tokens",
+        "error",
+        "finish_reason",
+        "num_cached_tokens",
+        "prompt_logprobs",
+        "stop_reason",
+    )
+
+    def __init__(self) -> None:
+        self._tail_tokens: list[int] = []
+        self._row_ids: list[list[int]] = []
+        self._row_vals: list[list[float]] = []
+        self._tail_ranks: list[int] = []
+        self._ids: array.array | None = None  # packed: None until the first pack
+        self._lp_ids = array.array("i")
+        self._lp_vals = array.array("f")
+        self._ends = array.array("q")  # row i of the packed rows ends at _ends[i]
+        self._ranks = array.array("i")
+        self.prompt_logprobs: messages.Logprobs | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.error: str | None = None
+        self.num_cached_tokens = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self._tail_tokens if self._ids is None else [*self._ids, *self._tail_tokens]
+
+    @property
+    def logprob_token_ids(self) -> list[list[int]]:
+        return self._rows(self._lp_ids) + self._row_ids
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        return self._rows(self._lp_vals) + self._row_vals
+
+    @property
+    def ranks(self) -> list[int]:
+        return [*self._ranks, *self._tail_ranks]
+
+    def _rows(self, flat: array.array) -> list[list[Any]]:
+        ends, start, rows = self._ends, 0, []
+        for end in ends:
+            rows.append(flat[start:end].tolist())
+            start = end
+        return rows
+
     def merge(self, out: messages.EngineCoreOutput) -> None:
-        self.new_token_ids.extend(out.new_token_ids)
+        self._tail_tokens.extend(out.new_token_ids)
         if out.new_logprobs is not None:
-            self.logprob_token_ids.extend(out.new_logprobs.token_ids)
-            self.logprobs.extend(out.new_logprobs.logprobs)
-            self.ranks.extend(out.new_logprobs.ranks)
+            self._row_ids.extend(out.new_logprobs.token_ids)
+            self._row_vals.extend(out.new_logprobs.logprobs)
+            self._tail_ranks.extend(out.new_logprobs.ranks)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
@@ -89,6 +146,24 @@ class RequestDelta:
             self.stop_reason = out.stop_reason
             self.error = out.error
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if len(self._tail_tokens) >= PACK_FROM_TOKENS:
+            self._pack()
+
+    def _pack(self) -> None:
+        """Move the list-held tokens, ranks and rows to the packed arrays."""
+        if self._ids is None:
+            self._ids = array.array("i")
+        self._ids.extend(self._tail_tokens)
+        self._tail_tokens = []
+        if self._row_ids:
+            end = len(self._lp_ids)
+            for ids, vals in zip(self._row_ids, self._row_vals, strict=True):
+                self._lp_ids.extend(ids)
+                self._lp_vals.extend(vals)
+                end += len(ids)
+                self._ends.append(end)
+            self._ranks.extend(self._tail_ranks)
+            self._row_ids, self._row_vals, self._tail_ranks = [], [], []
 
 
 class RequestStream:
