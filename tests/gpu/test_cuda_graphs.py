@@ -24,7 +24,7 @@ import torch
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
 from vx.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from vx.gpu import layers
+from vx.gpu import triton_ops
 from vx.gpu.attention import build_attention_metadata
 from vx.gpu.cuda_graphs import (
     PAD_SLOT_ID,
@@ -386,7 +386,7 @@ def test_model_dispatches_norm_and_rotary_to_triton_on_gpu(tiny_llama, monkeypat
         return q, k
 
     ops = types.SimpleNamespace(rms_norm=rms_norm, rotary_embedding=rotary_embedding)
-    monkeypatch.setattr(layers, "_triton_ops", lambda x: ops)
+    monkeypatch.setattr(triton_ops, "for_tensor", lambda x: ops)
     got_logits = PagedDriver(model).step(prompts)
     n_layers = model.num_layers
     assert calls == {"rms_norm": 2 * n_layers + 1, "rotary": n_layers}

@@ -13,6 +13,7 @@ resumption after preemption all fall out of that rule.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections import deque
@@ -22,7 +23,6 @@ from vx.config import EngineConfig
 from vx.core.block_hash import update_block_hashes
 from vx.core.kv_cache_manager import KVCacheManager
 from vx.core.request import Request, RequestStatus
-from vx.core.scheduler_checks import fail_requests, kv_self_check
 from vx.messages import (
     AddRequest,
     CachedRequestData,
@@ -389,7 +389,7 @@ class Scheduler:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
         if failed:
-            outputs += fail_requests(self, failed)
+            outputs += self._fail_requests(failed)
         return outputs
 
     def _cache_new_full_block(self, request: Request) -> None:
@@ -420,6 +420,86 @@ class Scheduler:
             step_token_budget=self.max_num_batched_tokens,
         )
 
+    def _fail_requests(self, failed: list[tuple[Request, Exception]]) -> list[EngineCoreOutput]:
+        """Finish each request whose own update raised with finish_reason "error", freeing its
+        blocks; the other requests of the step are untouched and the engine goes on. Runs only
+        when a request's own update raised."""
+        outputs = []
+        for request, e in failed:
+            logger.error("request %s failed in its update: %r", request.request_id, e)
+            if request.request_id in self.requests:
+                self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}"
+                )
+            )
+        return outputs
+
     def kv_self_check(self) -> dict[str, object]:
-        """Audit the block pool against the requests (see `scheduler_checks.kv_self_check`)."""
-        return kv_self_check(self)
+        """Audit the block pool against the requests: ``{"ok", "idle", "problems", ...counts}``;
+        `problems` is empty when sound.
+
+        Always: the pool's own invariants; every block's ref_cnt equals the number of live
+        requests holding it (no referenced block without an owner, no owner without a
+        reference); queue membership matches status; a running request holds blocks for its
+        computed tokens. When idle (no requests): additionally every block is free
+        (free + cached == total). Runs on demand only (the `kv_self_check` utility call, and
+        tests after every step): it walks every block and request, O(num_blocks + tokens held).
+        """
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        problems = list(pool.check_invariants())
+        owners: collections.Counter[int] = collections.Counter()
+        for request_id, blocks in kv.req_to_blocks.items():
+            if request_id not in self.requests:
+                problems.append(f"blocks held by unknown request {request_id!r}")
+            for block in blocks:
+                owners[block.block_id] += 1
+        for block in pool.blocks:
+            if block.ref_cnt != owners[block.block_id]:
+                problems.append(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                    f"{owners[block.block_id]} owning requests"
+                )
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        if len(running_ids) != len(self.running) or len(waiting_ids) != len(self.waiting):
+            problems.append("a request is queued twice")
+        if running_ids & waiting_ids:
+            problems.append(f"requests both running and waiting: {sorted(running_ids & waiting_ids)}")
+        if running_ids | waiting_ids != set(self.requests):
+            problems.append("the queues and the request table disagree")
+        if len(running_ids) > self.max_num_seqs:
+            problems.append(f"{len(running_ids)} running requests exceed max_num_seqs")
+        block_size = kv.block_size
+        for request in self.running:
+            held = len(kv.req_to_blocks.get(request.request_id, ()))
+            if request.status != RequestStatus.RUNNING:
+                problems.append(f"{request} is in running with status {request.status.name}")
+            if held * block_size < request.num_computed_tokens:
+                problems.append(f"{request} holds {held} blocks for its computed tokens")
+            if request.num_tokens > request.max_num_tokens:
+                problems.append(f"{request} is past its length limit {request.max_num_tokens}")
+        for request in self.waiting:
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                problems.append(f"{request} is in waiting with status {request.status.name}")
+            if request.request_id in kv.req_to_blocks or request.num_computed_tokens:
+                problems.append(f"waiting {request} holds blocks or computed tokens")
+        stats = pool.statistics()
+        idle = not self.requests
+        if idle and stats.num_free_blocks != stats.num_blocks:
+            problems.append(
+                f"idle, but only {stats.num_free_blocks} of {stats.num_blocks} blocks are free"
+            )
+        return {
+            "ok": not problems,
+            "idle": idle,
+            "problems": problems,
+            "num_blocks": stats.num_blocks,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_cached_free_blocks": stats.num_cached_free_blocks,
+            "num_cached_blocks": stats.num_cached_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }

@@ -30,15 +30,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vx.config import BLOCK_SIZE
 from vx.gpu.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from vx.gpu.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +281,17 @@ class CudaGraphRunner:
         return graph.replay()[: md.num_reqs]
 
 
-def capture_cuda_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
+class GraphedRunner(Protocol):
+    """What `capture_cuda_graphs` reads of the ModelRunner (after its KV init)."""
+
+    config: Any  # vx.config.EngineConfig
+    device: torch.device
+    max_model_len: int
+    model: Any
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def capture_cuda_graphs(runner: GraphedRunner) -> CudaGraphRunner | None:
     """Build and capture the graphs for `runner` (after its KV init), or None when graphs are
     off: not CUDA, `enforce_eager`, or tensor parallelism."""
     config = runner.config

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vx.gpu import triton_ops
 from vx.gpu.cpu_ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
 from vx.gpu.cpu_vnni import (
     VnniWeight,
@@ -80,29 +81,6 @@ def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
-
-
-def _triton_ops(x: torch.Tensor):
-    """`vx.gpu.triton_attention` when `x` is on a CUDA device and triton is there, else None:
-    RMSNorm and rotary then run as its fused kernels (same rounding as the torch code)."""
-    if not x.is_cuda:
-        return None
-    from vx.gpu import triton_attention
-
-    return triton_attention if triton_attention.HAS_TRITON else None
-
-
-_ROW_INDEX: dict[torch.device, torch.Tensor] = {}
-
-
-def _row_index(n: int, device: torch.device) -> torch.Tensor:
-    """arange(n) on `device`, cached (never grown inside a CUDA graph capture)."""
-    idx = _ROW_INDEX.get(device)
-    if idx is None or idx.shape[0] < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.arange(n, device=device)
-        idx = _ROW_INDEX[device] = torch.arange(max(n, 8192), device=device)
-    return idx[:n]
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -421,7 +399,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = _triton_ops(x)
+        ops = triton_ops.for_tensor(x)
         if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
             if residual is None or residual.stride(-1) == 1:
                 return ops.rms_norm(x, self.weight, self.eps, residual)

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from vx.gpu import triton_ops
+
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
 
 
@@ -82,14 +84,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     On CUDA the Triton kernel, and on CPU in bf16 the C one, rotate `x` IN PLACE (same
     roundings) and return it.
     """
-    from vx.gpu.layers import _row_index, _triton_ops  # layers imports this module
-
-    ops = _triton_ops(x)
+    ops = triton_ops.for_tensor(x)
     if ops is not None and x.stride(-1) == 1 and x.shape[0]:
         t, h = x.shape[0], x.shape[1]
         c, s = cos.reshape(t, -1), sin.reshape(t, -1)
         # The kernel indexes cos/sin by position; these are already looked up: row i is i.
-        ops.rotary_embedding(_row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s)
+        ops.rotary_embedding(triton_ops.row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s)
         return x
     if x.device.type == "cpu" and x.shape[0]:
         from vx.gpu.cpu_ops import fused_rotary

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from vx.gpu.attention import AttentionMetadata
+    from vx.gpu.attention_metadata import AttentionMetadata
 
 try:
     import triton
