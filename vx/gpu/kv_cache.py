@@ -19,6 +19,11 @@ where the CPU has it, by default; `VX_CPU_ATTENTION_KERNEL=portable` picks the p
 source in `vx/gpu/csrc/decode_attention.c`), compiled once per machine with the system C compiler
 into ``$VX_CACHE/kernels`` (default ``~/.cache/vx/kernels``) and loaded with ctypes; without a
 compiler, or with ``VX_CPU_ATTENTION_KERNEL=0``, callers fall back to torch ops.
+The C is in ``vx/gpu/csrc`` (`CSRC`): one translation unit, ``vx_kernels.c``, with the
+exported functions declared in ``vx_kernels.h`` and bound from the table in `vx.gpu.cpu_abi`.
+The library's name carries a digest of every .c and .h there, the flags and the CPU, so an edit
+to any of them builds a new one. ``VX_CPU_SANITIZE=address`` builds it with AddressSanitizer
+instead (its own name; for `make check-c`, which preloads the runtime).
 """
 
 from __future__ import annotations
@@ -282,12 +287,15 @@ def _build_kernels() -> ctypes.CDLL | None:
     emulate = emulating()
     if emulate:
         cpu += " ".join(EMULATED_DEFINES).encode()
-    key = hashlib.sha256(_kernel_source_digest() + " ".join(_CFLAGS).encode() + cpu)
+    flags = _build_flags()
+    key = hashlib.sha256(_kernel_source_digest() + " ".join(flags).encode() + cpu)
     cache = os.path.join(
         os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
         "kernels",
     )
     name = "decode_attention-emulated" if emulate else "decode_attention"
+    if flags != _CFLAGS:
+        name += "-" + os.environ["VX_CPU_SANITIZE"]
     path = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)
@@ -295,7 +303,7 @@ def _build_kernels() -> ctypes.CDLL | None:
             so = os.path.join(tmp, "decode_attention.so")
             extra = emulation_flags(CSRC) if emulate else []
             proc = subprocess.run(
-                [cc, *_CFLAGS, *extra, "-I", CSRC, "-o", so, *_KERNEL_SOURCES],
+                [cc, *flags, *extra, "-I", CSRC, "-o", so, *_KERNEL_SOURCES],
                 capture_output=True, text=True, timeout=300,
             )  # fmt: skip
             if proc.returncode != 0:
@@ -316,6 +324,19 @@ def _build_kernels() -> ctypes.CDLL | None:
     if os.environ.get("VX_CPU_WORK_STEALING", "1") == "0":  # served A/B timing
         lib.vx_set_work_stealing(0)
     return lib
+
+
+def _build_flags() -> list[str]:
+    """`_CFLAGS`, or with ``VX_CPU_SANITIZE=address`` (or another of the compiler's
+    ``-fsanitize=`` values; `make check-c`) a sanitized build of the same code: -O1 for the
+    sanitizer's speed, frame pointers and debug lines for its reports. A process that loads
+    it needs the sanitizer's runtime first (``LD_PRELOAD``, as `make check-c` sets it)."""
+    sanitize = os.environ.get("VX_CPU_SANITIZE", "")
+    if not sanitize:
+        return _CFLAGS
+    return [f for f in _CFLAGS if not f.startswith("-O")] + [
+        "-O1", "-g", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"
+    ]
 
 
 def _kernel_source_digest() -> bytes:

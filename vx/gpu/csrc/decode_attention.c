@@ -1,8 +1,9 @@
-/* The CPU kernels over the paged KV cache, and the flags it is built with.
+/* The decode attention over the paged KV cache (the portable kernel for fp32 and bf16, the
+   AVX512-BF16 one with AMX for q.k where the CPU has it), and the KV write through a slot
+   mapping; with the AMX switches (`vx_amx_on`) the later files share.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` compiles it with cc once per machine and loads
-   it with ctypes). Kept apart from the Python that builds and calls it so each stays readable. */
-
+   Runs in: the Worker process (`vx.gpu.kv_cache` compiles the library once per machine and
+   loads it with ctypes). */
 /* One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
    Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
    bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)

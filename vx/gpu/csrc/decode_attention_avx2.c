@@ -3,7 +3,7 @@
    Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library and hands it
    out as the "fast" bf16 decode kernel where it was built).
 
-   Why it exists: the portable kernel (`vx/gpu/csrc/decode_attention.c`) widens every K and V row to
+   Why it exists: the portable kernel (decode_attention.c) widens every K and V row to
    fp32 in a scratch row and reduces one dot product per (key, head) to a scalar, which the
    compiler vectorises poorly: a SmolLM2 decode step at 64 requests x 256 keys spent ~80 of its
    ~290 ms there on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
@@ -24,7 +24,7 @@
 #define VX_AVX2_ATT_MAX_BS 64
 /* the least (rows x query heads x keys) of a call worth a parallel region */
 #define VX_AVX2_ATT_PAR 1024
-/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx/gpu/csrc/eltwise.c`). */
+/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (eltwise.c). */
 /* The 4 horizontal sums of a[0..3], each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of
    its lanes l (the order of the kernel's earlier 8-key reduction: the same bits). */
 static inline __m128 vx_hsum4x4(const __m256* a) {

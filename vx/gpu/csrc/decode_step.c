@@ -10,7 +10,7 @@
    the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
    kernels the module path calls (so the results are bit-identical), chained without Python:
    RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
-   paged attention (decode rows: the decode kernel; prefill chunks: `vx/gpu/csrc/prefill_amx.c`'s
+   paged attention (decode rows: the decode kernel; prefill chunks: prefill_amx.c's
    kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
 
    GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to

@@ -1,6 +1,6 @@
 /* vx's AMX GEMM over VNNI-packed weights (`vx.gpu.cpu_vnni`'s layout), built
-   into the same library as the other CPU kernels (`vx.gpu.kv_cache` appends it after
-   `vx/gpu/csrc/gemm_vnni.c`, whose packer lays the weights out; it uses `vx_ws`,
+   into the same library as the other CPU kernels (vx_kernels.c includes it after
+   gemm_vnni.c, whose packer lays the weights out; it uses `vx_ws`,
    `vx_amx_load_tiles`, `vx_ld16_bf16`, `vx_silu_mul16`, `vx_rope16` and `VX_GEMV_MAX_K` from
    the sources before it).
 

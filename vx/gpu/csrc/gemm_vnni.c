@@ -1,6 +1,6 @@
 /* The bf16 GEMM on AVX512-BF16 CPUs without AMX (Zen 4 and 5, Cooper Lake),
    over weights packed once at load time into `vdpbf16ps`'s pair-interleaved ("VNNI") layout.
-   Built into the kernel library (`vx.gpu.kv_cache` appends it after the skinny GEMMs' source,
+   Built into the kernel library (vx_kernels.c includes it after the skinny GEMMs' source,
    whose helpers it uses: `vx_ld16_bf16`, `vx_ws`).
 
    Runs in: the Worker process.

@@ -95,7 +95,7 @@ VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
    the 32 weights at p as bf16 (bf16 products are exact in fp32; pairs are summed before the
    accumulate), PD the prefetch distance in weights, into L2 (one and two rows of SmolLM2's
    120 cold matrices: 0.93-0.98 of the time L1 prefetches took). The bf16 GEMV's tile below
-   and the LM head's int8 screen (`vx/gpu/csrc/screen.c`) are the two. */
+   and the LM head's int8 screen (screen.c) are the two. */
 #define VX_DP_TILE(NAME, WT, WIDEN, PD, MAXM) \
 static inline __attribute__((always_inline)) void NAME(const WT* W, int64_t K, int64_t n0, \
         int R, int M, const vx_bf16* x, int64_t x_st, float* out) { \

@@ -22,7 +22,7 @@
 
    Beside it, for the LM head's exact greedy search (`vx.gpu.cpu_screen`): `vx_screen_i8_avx2`,
    the same tiles over an int8 copy of W with per-row scales (fp32 out); `vx_screen_select`
-   (`vx/gpu/csrc/screen.c`) picks the rows it cannot rule out. */
+   (screen.c) picks the rows it cannot rule out. */
 #include "vx_kernels.h"
 #define VX_AVX2_MAX_ROWS 24
 #define VX_AVX2_MT 3  /* rows of x per tile: 3 x 4 accumulators, 4 weight vectors, x */

@@ -1,6 +1,6 @@
 /* The C source every CPU kernel's parallel loops share: work sharing with stealing (`vx_ws`).
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` puts it first in the kernel library's source;
+   Runs in: the Worker process (vx_kernels.c includes it first;
    the AMX GEMM, the LM-head argmax, the VDPBF16PS GEMV and the fast decode attention use it).
 
    Why it exists: the Worker's two OpenMP threads share two cores with the front, the EngineCore

@@ -1,5 +1,5 @@
 /* The CPU prefill attention (bf16, AMX), built into the same library as the
-   decode kernels (`vx.gpu.kv_cache` appends it to `vx/gpu/csrc/decode_attention.c`'s, whose helpers
+   decode kernels (vx_kernels.c includes it after decode_attention.c, whose helpers
    it uses: `vx_expf`, `vx_amx_load_tiles`, `vx_amx_on`, `VX_INLINE`, `VX_HAS_AMX`).
 
    Runs in: the Worker process. Kept apart from the decode kernels so each stays readable. */
@@ -23,7 +23,7 @@
       into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
       most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
       in list order).
-   Without AMX, on AVX2 builds, the chunks go to `vx/gpu/csrc/prefill_avx2.c`'s kernel.
+   Without AMX, on AVX2 builds, the chunks go to prefill_avx2.c's kernel.
    Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
    writing anything; -1 if scratch could not be allocated; the caller then uses SDPA. */
 #include "vx_kernels.h"

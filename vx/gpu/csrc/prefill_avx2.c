@@ -1,8 +1,8 @@
 /* The bf16 prefill attention for CPUs with AVX2 and no AVX-512.
 
    Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before
-   `vx/gpu/csrc/prefill_amx.c`, whose `vx_prefill_attention_bf16` hands chunks to it where AMX is
-   absent). It uses the AVX2 helpers of `vx/gpu/csrc/eltwise.c` (`vx_ld8_bf16`).
+   prefill_amx.c, whose `vx_prefill_attention_bf16` hands chunks to it where AMX is
+   absent). It uses the AVX2 helpers of eltwise.c (`vx_ld8_bf16`).
 
    Why it exists: without AMX the prefill chunks went to torch's SDPA, ~20 GFLOP/s for a
    128-token prompt on a 2-core AVX2 EPYC (~28 ms of a ~360 ms step) and ~70 GFLOP/s at 2,048
@@ -11,7 +11,7 @@
    register tile (6 rows by 16 columns) like a GEMM's, and the cached prefix is read in place
    through the block table.
 
-   Arguments and layouts: those of `vx_prefill_attention_bf16` (`vx/gpu/csrc/prefill_amx.c`):
+   Arguments and layouts: those of `vx_prefill_attention_bf16` (prefill_amx.c):
    q/out [T, Hq, D] with any row strides, chunk i owning rows [starts[i], starts[i] + lens[i]);
    caches [Hkv, NB, BS, D] by strides, the chunk's own K/V already written; bt [nchunks, >=
    ceil(ctx / BS)]; query j of chunk i at position computed[i] + j sees keys [0, computed[i] + j].
@@ -33,7 +33,7 @@
 #define VX_PFA_KC 128  /* keys per softmax chunk: the S rows of an item stay in L1/L2 */
 #define VX_PFA_QT 16   /* queries per item */
 /* 2^x on 8 lanes, x >= -125 after the clamp (so 2^n stays normal): n = round(x), r = x - n in
-   [-1/2, 1/2], 2^r by VX_EXP2_POLY (`vx/gpu/csrc/decode_attention.c`), 2^n by the exponent. */
+   [-1/2, 1/2], 2^r by VX_EXP2_POLY (decode_attention.c), 2^n by the exponent. */
 static inline __m256 vx_exp2_8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

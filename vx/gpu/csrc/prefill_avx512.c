@@ -1,6 +1,6 @@
 /* The CPU prefill attention's items on AVX512-BF16 without AMX (Zen 4 and 5,
    Cooper Lake, Sapphire Rapids with its tiles off), built into the same library as the other
-   kernels: `vx.gpu.kv_cache` puts it between `vx/gpu/csrc/prefill_amx.c`'s helpers and its
+   kernels: vx_kernels.c includes it between prefill_amx.c's helpers and its
    entry point `vx_prefill_attention_bf16`, which packs K and V and hands out the items.
 
    Runs in: the Worker process. */

@@ -1,7 +1,7 @@
 /* The CPU prefill attention's entry point: the chunks of a step to AMX's kernel
    (prefill_amx.c), AVX512-BF16's (prefill_avx512.c) or AVX2's (prefill_avx2.c). */
 
-/* The entry point, after `vx/gpu/csrc/prefill_avx512.c` (the items without AMX). */
+/* The entry point, after prefill_avx512.c (the items without AMX). */
 #include "vx_kernels.h"
 int vx_prefill_attention_bf16(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
@@ -93,7 +93,7 @@ int vx_prefill_attention_bf16(
     free(packed);
     free(pg0);
     return 0;
-#elif defined(VX_PFA_AVX2)  /* `vx/gpu/csrc/prefill_avx2.c` */
+#elif defined(VX_PFA_AVX2)  /* prefill_avx2.c */
     return vx_prefill_attention_bf16_avx2(q, q_st, q_sh, out, o_st, o_sh, kc, vc, c_sh, c_sb,
                                           c_ss, bt, bt_s, starts, lens, computed, nchunks, Hq,
                                           Hkv, D, BS, scale);
@@ -105,7 +105,7 @@ int vx_prefill_attention_bf16(
 #endif
 }
 /* Which prefill kernel `vx_prefill_attention_bf16` runs now: 1 AMX, 2 AVX2, 3 AVX512-BF16
-   without AMX (`vx/gpu/csrc/prefill_avx512.c`), 0 none. */
+   without AMX (prefill_avx512.c), 0 none. */
 int vx_has_prefill_attention(void) {
 #if defined(VX_HAS_AMX)
     return vx_amx_on ? 1 : 3;

@@ -13,11 +13,11 @@
    to bf16 once (int8 values are exact in bf16) and VDPBF16PS takes them against each row of x
    (the products are exact in fp32, the sums rounded in fp32), so the bytes read are the int8
    copy's and the arithmetic stays well under what the memory delivers. It is the bf16 GEMV's
-   tile and loop (`VX_DP_TILE`, `VX_DP_BODY` in `vx/gpu/csrc/gemv.c`) with the widening in
+   tile and loop (`VX_DP_TILE`, `VX_DP_BODY` in gemv.c) with the widening in
    place of the weight load: blocks of 4 weight rows shared with stealing (`vx_ws`), the next
    rows prefetched.
    Without AVX512-BF16 it returns -2 (`vx_has_screen()` is 0), and AVX2 builds have
-   `vx_screen_i8_avx2` (`vx/gpu/csrc/gemv_avx2.c`) instead.
+   `vx_screen_i8_avx2` (gemv_avx2.c) instead.
 
    `vx_screen_select`: row m's logits lie within a[m, n] +- l1[m] bound[n], with l1[m] = |x[m]|_1
    (computed here in double, from x as stored); n is a candidate of row m unless its upper end is

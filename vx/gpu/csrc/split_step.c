@@ -1,5 +1,5 @@
 /* The split decode step: a decode-only step as independent sub-steps, one per
-   thread, each running every layer (`vx/gpu/csrc/decode_step.c`'s `vx_llama_layers`) for its own
+   thread, each running every layer (decode_step.c's `vx_llama_layers`) for its own
    rows, with the rows a slower thread has not reached handed to a thread that is done.
 
    Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
