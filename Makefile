@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup test serve lint stress bench clean
+.PHONY: setup test serve lint stress bench clean check-c
 
 setup: $(BIN)/.vx-setup
 
@@ -27,6 +27,18 @@ serve: setup
 
 stress: setup
 	$(BIN)/python -m pytest -q -m stress
+
+# The CPU kernel library built with AddressSanitizer (VX_CPU_SANITIZE=address, its own cache
+# folder) under the kernel tests; python itself is not instrumented, so the runtime is preloaded,
+# and leak checks are off (the interpreter's own allocations would drown the kernels').
+# Run `make setup` first; CHECK_C_TESTS picks other test files.
+CC ?= cc
+CHECK_C_TESTS ?= tests/gpu/test_kernel_library.py tests/gpu/test_fast_attention.py \
+	tests/gpu/test_vnni_gemm.py tests/gpu/test_cpu_ops.py
+check-c:
+	VX_CPU_SANITIZE=address VX_CACHE=$(CURDIR)/build/asan ASAN_OPTIONS=detect_leaks=0 \
+	  LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider $(CHECK_C_TESTS)
 
 lint: setup
 	$(BIN)/python -m ruff check vx tests bench

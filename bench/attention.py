@@ -57,18 +57,21 @@ def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
         ["git", "-C", ROOT, "archive", rev, "vx"], capture_output=True, check=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-    show = (
+    show = (  # a source string until the C moved into vx/gpu/csrc, the files from then on
         "import json, sys; sys.path.insert(0, sys.argv[1]); import vx.gpu.kv_cache as k; "
-        "print(json.dumps([k._DECODE_KERNEL_SOURCE, list(k._CFLAGS)]))"
+        "print(json.dumps([getattr(k, '_DECODE_KERNEL_SOURCE', None), "
+        "list(getattr(k, '_KERNEL_SOURCES', [])), getattr(k, 'CSRC', ''), list(k._CFLAGS)]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", show, tree], capture_output=True, text=True, check=True
     ).stdout
-    source, cflags = json.loads(out.splitlines()[-1])
-    src, so = os.path.join(tmp, "old.c"), os.path.join(tmp, "old.so")
-    with open(src, "w") as f:
-        f.write(source)
-    subprocess.run(["cc", *cflags, "-o", so, src], check=True)
+    source, files, csrc, cflags = json.loads(out.splitlines()[-1])
+    so = os.path.join(tmp, "old.so")
+    if source is not None:
+        files, csrc = [os.path.join(tmp, "old.c")], tmp
+        with open(files[0], "w") as f:
+            f.write(source)
+    subprocess.run(["cc", *cflags, "-I", csrc, "-o", so, *files], check=True)
     return ctypes.CDLL(so)
 
 

@@ -116,7 +116,8 @@ def _literals(rev: str, path: str) -> dict[str, object]:
 
 def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
     """`rev`'s C kernel library, built as its `vx.gpu.kv_cache` built it, and the rows per AMX
-    call its kernel takes."""
+    call its kernel takes. For revisions from before the C moved into ``vx/gpu/csrc`` (the
+    baselines here), when it lived in string literals of ``vx/gpu/cpu_*_source.py``."""
     kern = _literals(rev, "vx/gpu/cpu_kernel_source.py")
     gemv = _literals(rev, "vx/gpu/cpu_gemv_source.py")["GEMV_KERNEL_SOURCE"]
     # The library's sources in `vx.gpu.kv_cache`'s order; a revision before a file existed

@@ -15,7 +15,7 @@ from vx.gpu.cpu_compact import pack_compact
 
 
 def _decode(blocks: torch.Tensor, hb: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 bits (int32) from the layout as `vx.gpu.cpu_compact_source` states it."""
+    """[N, K] bf16 bits (int32) from the layout as `vx/gpu/csrc/gemv_compact_avx2.c` states it."""
     n, nb, _ = blocks.shape
     out = torch.empty(n, nb * 32, dtype=torch.int32)
     raw_bits = raw.view(torch.int16).to(torch.int32) & 0xFFFF

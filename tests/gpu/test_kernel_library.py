@@ -32,6 +32,17 @@ pytestmark = pytest.mark.skipif(
 BROKEN_LINE = "int vx_broken_on_purpose = ;"
 
 
+def use_broken_sources(into: str) -> None:
+    """Points `kv_cache`'s build at a copy of the C sources in `into` whose last kernel file
+    (included last by vx_kernels.c) ends with `BROKEN_LINE`."""
+    csrc = os.path.join(into, "csrc")
+    shutil.copytree(kv_cache.CSRC, csrc)
+    with open(os.path.join(csrc, "greedy_step.c"), "a") as f:
+        f.write(BROKEN_LINE + "\n")
+    kv_cache.CSRC = csrc
+    kv_cache._KERNEL_SOURCES = [os.path.join(csrc, "vx_kernels.c")]
+
+
 def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -92,16 +103,17 @@ def own_library(monkeypatch, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_rejected_source_is_reported_with_the_compilers_error(
-    own_library, monkeypatch, caplog
+    own_library, monkeypatch, caplog, tmp_path
 ) -> None:
-    monkeypatch.setattr(
-        kv_cache, "_DECODE_KERNEL_SOURCE", kv_cache._DECODE_KERNEL_SOURCE + BROKEN_LINE + "\n"
-    )
+    monkeypatch.setattr(kv_cache, "CSRC", kv_cache.CSRC)
+    monkeypatch.setattr(kv_cache, "_KERNEL_SOURCES", kv_cache._KERNEL_SOURCES)
+    use_broken_sources(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="vx.gpu.kv_cache"):
         assert kv_cache.load_cpu_kernels() is None
     error = kv_cache.kernel_build_error()
     assert error is not None and "error:" in error, error
     assert "expected expression" in error, error  # GCC's and Clang's words for `= ;`
+    assert "greedy_step.c" in error, error  # the file and line, through vx_kernels.c
     # serving goes on on torch's kernels, with a warning that names the error
     assert any(error in r.getMessage() for r in caplog.records), caplog.text
 

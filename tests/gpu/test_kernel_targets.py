@@ -317,7 +317,7 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
 
 @pytest.mark.timeout(240)
 def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
-    """The AVX2 prefill attention (`vx.gpu.cpu_prefill_avx2_source`, from the x86-64-v3 build,
+    """The AVX2 prefill attention (`vx/gpu/csrc/prefill_avx2.c`, from the x86-64-v3 build,
     reached through `vx_prefill_attention_bf16`): every chunk of a call, causal after its
     cached prefix, read through a scattered block table, within a bf16 rounding of an fp64
     reference; shapes it cannot take are declined before anything is written."""

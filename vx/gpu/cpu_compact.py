@@ -9,7 +9,7 @@ the bf16 skinny GEMM reads them at this machine's read rate). bf16 spends 8 bits
 exponent, but within 32 neighbouring weights of a trained matrix the exponents span a few
 values: stored as a 3-bit distance from the block's largest, beside the sign, 99.7% of
 SmolLM2's blocks keep every value exactly in 4 bits of high byte instead of 8. The kernel
-(`vx.gpu.cpu_compact_source`, where the layout is written out) gives `vx_gemv_bf16_avx2`'s
+(`vx/gpu/csrc/gemv_compact_avx2.c`, where the layout is written out) gives `vx_gemv_bf16_avx2`'s
 outputs bit for bit, so tokens do not change; SmolLM2's 120 layer matrices at one row take
 0.77 of that kernel's time (the bytes' ratio), at two rows 0.88.
 

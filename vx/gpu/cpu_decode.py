@@ -6,7 +6,7 @@ it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight
 (its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
 through the modules and takes 19-21 ms here (2-core AMD EPYC).
 
-Runs in: each Worker process. The C side is `vx.gpu.cpu_decode_source` (built into the kernel
+Runs in: each Worker process. The C side is `vx/gpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
 module path when it answers None.
 
@@ -28,7 +28,7 @@ routing, so the logits are the same bits. Where every row of such a step is one 
 (`vx.gpu.greedy.fused_greedy_step`), `greedy_step` puts the embedding lookup, the final norm and
 the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
 clients: ~5-9% more output tok/s; docs/performance.md). Greedy decode steps too small to split
-run the same way whole on the pool (`vx.gpu.cpu_greedy_source`), the head's argmax for one row
+run the same way whole on the pool (`vx/gpu/csrc/greedy_step.c`), the head's argmax for one row
 by its int8 screen (`vx.gpu.cpu_screen`); on AVX2 builds one-row steps only, by the screen.
 """
 
@@ -100,7 +100,7 @@ def _split_policy(vnni: bool) -> tuple[int, int]:
     in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
     thread's measured speed (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly. A thread
     done with its rows takes half of those the other has left, from its next layer on
-    (`vx.gpu.cpu_split_source`); `VX_CPU_SPLIT_STEAL=0` turns that off."""
+    (`vx/gpu/csrc/split_step.c`); `VX_CPU_SPLIT_STEAL=0` turns that off."""
     env = os.environ.get("VX_CPU_SPLIT_STEP")
     if env is not None:
         parts = int(env)
@@ -237,7 +237,7 @@ class FusedDecode:
             return None
         lib = load_cpu_kernels()
         kind = 0 if lib is None else lib.vx_has_decode_step()
-        avx2 = kind == 2  # built for AVX2 without AVX-512 (vx.gpu.cpu_decode_source)
+        avx2 = kind == 2  # built for AVX2 without AVX-512 (vx/gpu/csrc/decode_step.c)
         if kind == 0 or (not avx2 and gemv_kernels() is None):
             return None
         if model.norm.weight.dtype != torch.bfloat16:

@@ -1,7 +1,7 @@
 """The Python side of vx's C CPU ops beside the attention kernel: the skinny GEMM (decode at
 small batch, bf16 or int8 weights) and the fused RMSNorm and SiLU-mul (bf16).
 
-Runs in: each Worker process. The C sources are `vx.gpu.cpu_gemv_source` and `vx.gpu.cpu_eltwise_source`, built into the same
+Runs in: each Worker process. The C sources are `vx/gpu/csrc/gemv.c` and `vx/gpu/csrc/eltwise.c`, built into the same
 library as the decode attention (`vx.gpu.kv_cache.load_cpu_kernels`). Every entry point
 answers "not here" (False / None) where the library, the CPU or the tensor does not fit, and
 the caller keeps its torch path; `VX_CPU_GEMV=0` turns all of them off.
@@ -27,7 +27,7 @@ __all__ = [
     "skinny_gemm",
 ]
 
-#: Rows up to which vx's C kernels (`vx.gpu.cpu_gemv_source`) replace the library GEMM, as
+#: Rows up to which vx's C kernels (`vx/gpu/csrc/gemv.c`) replace the library GEMM, as
 #: measured on the full SmolLM2 set of matrices with cold weights (2-core Sapphire Rapids):
 #: - int8 weights: twice torch's `_weight_int8pack_mm` at 1-8 rows;
 #: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, up to 192 rows a call): 2x oneDNN's packed GEMM at 8-32

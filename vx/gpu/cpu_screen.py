@@ -10,7 +10,7 @@ scale per vocab row) is half the bytes and gives every logit to within a bound; 
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
 kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`
 beside `vx_screen_i8_avx2` (AVX2 builds), `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
-`vx.gpu.cpu_screen_source`). SmolLM2 on real text: a median of 6 candidate rows, at most 88.
+`vx/gpu/csrc/screen.c`). SmolLM2 on real text: a median of 6 candidate rows, at most 88.
 
 Invariant: `ScreenedHead.argmax(x)` is the argmax (first maximum) of the bf16 logits that path
 gives for every x; or None, and the caller forms the logits. Why:

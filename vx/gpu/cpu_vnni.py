@@ -5,7 +5,7 @@ Runs in: each Worker process.
 
 Why: on such a CPU oneDNN's bf16 GEMM (the prepacked one included) ran SmolLM2's 120
 matrices at 350-700 GFLOP/s on two Zen 5 cores from 16 to 128 rows, where `vdpbf16ps` peaks at
-~960; vx's kernel (`vx.gpu.cpu_gemm_vnni_source`), on weights laid out once at load time,
+~960; vx's kernel (`vx/gpu/csrc/gemm_vnni.c`), on weights laid out once at load time,
 took 0.73-0.9x oneDNN's time there and about the same from 256 rows up (~900 GFLOP/s at 512
 and 2,048). It is ahead of the skinny GEMM (plain weights, `vdpbf16ps` with a reduction per
 output) from 2 rows too, so it takes every row count from `VNNI_MIN_ROWS`, and a layer with
@@ -17,7 +17,7 @@ one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM 
 `VX_CPU_PREPACK=0` leaves both out (plain weights, F.linear).
 
 On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
-`vx_gemm_amx_vnni` (`vx.gpu.cpu_gemm_amx_vnni_source`) takes the linears' rows from
+`vx_gemm_amx_vnni` (`vx/gpu/csrc/gemm_amx_vnni.c`) takes the linears' rows from
 `amx_vnni_rows()[0]` to `[1]` (8-2,048; see `amx_vnni_wanted`). At 8-192 rows it gives
 bit-identical results to the AMX skinny GEMM on the plain weight in 0.77-0.97 of its time
 (cold weights). At 193-2,048 rows it takes a shape's rows where the load-time timing

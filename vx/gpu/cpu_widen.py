@@ -11,13 +11,13 @@ products are exact in fp32, the sums are fp32 as in a bf16 GEMM, and the output 
 bf16 once, so only the order of the fp32 sums differs.
 
 Up to a few rows (decode at small batch) a step only streams weights. Those rows go to vx's
-AVX2 skinny GEMM on the layer's own bf16 weight (`vx.gpu.cpu_gemv_avx2_source`: 0.20 ms a
+AVX2 skinny GEMM on the layer's own bf16 weight (`vx/gpu/csrc/gemv_avx2.c`: 0.20 ms a
 SmolLM2 layer at one row, against 0.51 ms for torch's bf16 GEMV and 0.71 ms for an fp32 copy),
 or where it is not built, one row to torch's bf16 GEMV. One and two rows take the same
 kernel's sums from the weight's compact copy (`vx.gpu.cpu_compact`: the bf16 values in a
 quarter fewer bytes).
 
-Where vx's AVX2 panel GEMM is built (`vx.gpu.cpu_gemm_avx2_source`), N % 16 == 0 and K is
+Where vx's AVX2 panel GEMM is built (`vx/gpu/csrc/gemm_avx2.c`), N % 16 == 0 and K is
 even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
 kernel widens them in registers (a shift or a mask), so its sums are those of an fp32 copy
 in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, where it overtakes

@@ -16,9 +16,14 @@ counting this tensor-parallel rank's kv heads only.
 CPU kernels: a small C library over this layout (the KV write through a slot mapping, and the
 decode attention `vx.gpu.attention` uses: for bf16 an AVX512-BF16 kernel, with AMX for q.k
 where the CPU has it, by default; `VX_CPU_ATTENTION_KERNEL=portable` picks the portable one;
-source in `vx.gpu.cpu_kernel_source`), compiled once per machine with the system C compiler
+source in `vx/gpu/csrc/decode_attention.c`), compiled once per machine with the system C compiler
 into ``$VX_CACHE/kernels`` (default ``~/.cache/vx/kernels``) and loaded with ctypes; without a
 compiler, or with ``VX_CPU_ATTENTION_KERNEL=0``, callers fall back to torch ops.
+The C is in ``vx/gpu/csrc`` (`CSRC`): one translation unit, ``vx_kernels.c``, with the
+exported functions declared in ``vx_kernels.h`` and bound from the table in `vx.gpu.cpu_abi`.
+The library's name carries a digest of every .c and .h there, the flags and the CPU, so an edit
+to any of them builds a new one. ``VX_CPU_SANITIZE=address`` builds it with AddressSanitizer
+instead (its own name; for `make check-c`, which preloads the runtime).
 """
 
 from __future__ import annotations
@@ -35,30 +40,9 @@ import tempfile
 import torch
 
 from vx.config import BLOCK_SIZE
-from vx.gpu.cpu_attention_avx2_source import ATTENTION_AVX2_SOURCE
-from vx.gpu.cpu_compact_source import COMPACT_AVX2_SOURCE
-from vx.gpu.cpu_decode_source import DECODE_STEP_SOURCE
-from vx.gpu.cpu_eltwise_source import ELTWISE_SOURCE
-from vx.gpu.cpu_emulate import (
-    EMULATED_DEFINES,
-    EMULATED_IMMINTRIN,
-    emulating,
-    emulation_flags,
-)
-from vx.gpu.cpu_gemm_amx_vnni_source import GEMM_AMX_VNNI_SOURCE
-from vx.gpu.cpu_gemm_avx2_source import GEMM_AVX2_SOURCE
-from vx.gpu.cpu_gemm_vnni_source import GEMM_VNNI_SOURCE
-from vx.gpu.cpu_gemv_avx2_source import GEMV_AVX2_SOURCE
-from vx.gpu.cpu_gemv_source import GEMV_KERNEL_SOURCE
-from vx.gpu.cpu_greedy_source import GREEDY_STEP_SOURCE
-from vx.gpu.cpu_kernel_source import CFLAGS, DECODE_KERNEL_SOURCE
+from vx.gpu.cpu_abi import bind_kernels
+from vx.gpu.cpu_emulate import EMULATED_DEFINES, emulating, emulation_flags
 from vx.gpu.cpu_pages import advise_huge
-from vx.gpu.cpu_parallel_source import PARALLEL_SOURCE
-from vx.gpu.cpu_prefill_avx2_source import PREFILL_AVX2_SOURCE
-from vx.gpu.cpu_prefill_avx512_source import PREFILL_AVX512_SOURCE
-from vx.gpu.cpu_prefill_source import PREFILL_ATTENTION_SOURCE, PREFILL_DISPATCH_SOURCE
-from vx.gpu.cpu_screen_source import SCREEN_SOURCE
-from vx.gpu.cpu_split_source import SPLIT_STEP_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -168,26 +152,16 @@ def allocate_kv_caches(
 
 # ───────────────────────────── CPU kernels over the cache ─────────────────────────────
 
-_DECODE_KERNEL_SOURCE = (
-    PARALLEL_SOURCE
-    + DECODE_KERNEL_SOURCE
-    + ELTWISE_SOURCE
-    + GEMV_KERNEL_SOURCE
-    + GEMM_VNNI_SOURCE
-    + GEMM_AMX_VNNI_SOURCE
-    + GEMV_AVX2_SOURCE
-    + COMPACT_AVX2_SOURCE
-    + GEMM_AVX2_SOURCE
-    + SCREEN_SOURCE
-    + ATTENTION_AVX2_SOURCE
-    + PREFILL_AVX2_SOURCE
-    + PREFILL_ATTENTION_SOURCE
-    + PREFILL_AVX512_SOURCE
-    + PREFILL_DISPATCH_SOURCE
-    + DECODE_STEP_SOURCE
-    + SPLIT_STEP_SOURCE
-    + GREEDY_STEP_SOURCE
-)
+#: The C sources: vx_kernels.h, the kernel files, and vx_kernels.c, which includes them
+#: (one translation unit); emulate/ holds the emulated build's <immintrin.h>.
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+#: The files the compiler is given (tests add a broken one to see the compiler's error).
+_KERNEL_SOURCES = [os.path.join(CSRC, "vx_kernels.c")]
+# -fassociative-math (and what it needs) lets the dot products and sums vectorise.
+CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra",
+]  # fmt: skip
 _CFLAGS = CFLAGS
 
 _kernel_state: dict[str, object] = {}
@@ -218,7 +192,7 @@ def set_fast_decode_attention(enabled: bool | None) -> None:
 
 def set_work_stealing(mode: int) -> None:
     """How the C kernels' parallel loops share items between threads (`vx_ws` in
-    `vx.gpu.cpu_parallel_source`): 1, the default, each thread its own static range, then the
+    `vx/gpu/csrc/parallel.c`): 1, the default, each thread its own static range, then the
     others' leftovers; 0, own ranges only (as ``schedule(static)``: for A/B timing); k > 1,
     k ranges per thread, most of them taken by stealing (tests). Results are the same in every
     mode. Process-wide; a no-op without the kernels. ``VX_CPU_WORK_STEALING=0`` starts a
@@ -312,140 +286,68 @@ def _build_kernels() -> ctypes.CDLL | None:
     # VX_CPU_EMULATE=1 (tests): the AVX-512 BF16 and AMX kernels in software on any x86 CPU
     emulate = emulating()
     if emulate:
-        cpu += EMULATED_IMMINTRIN.encode() + " ".join(EMULATED_DEFINES).encode()
-    key = hashlib.sha256(_DECODE_KERNEL_SOURCE.encode() + " ".join(_CFLAGS).encode() + cpu)
+        cpu += " ".join(EMULATED_DEFINES).encode()
+    flags = _build_flags()
+    key = hashlib.sha256(_kernel_source_digest() + " ".join(flags).encode() + cpu)
     cache = os.path.join(
         os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
         "kernels",
     )
     name = "decode_attention-emulated" if emulate else "decode_attention"
+    if flags != _CFLAGS:
+        name += "-" + os.environ["VX_CPU_SANITIZE"]
     path = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "decode_attention.c")
-            with open(src, "w") as f:
-                f.write(_DECODE_KERNEL_SOURCE)
             so = os.path.join(tmp, "decode_attention.so")
-            extra = emulation_flags(tmp) if emulate else []
+            extra = emulation_flags(CSRC) if emulate else []
             proc = subprocess.run(
-                [cc, *_CFLAGS, *extra, "-o", so, src], capture_output=True, text=True, timeout=300
-            )
+                [cc, *flags, *extra, "-I", CSRC, "-o", so, *_KERNEL_SOURCES],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
             if proc.returncode != 0:
                 raise KernelBuildError(
                     f"{os.path.basename(cc)} exited with {proc.returncode}: "
                     f"{first_compiler_error(proc.stderr)}"
                 )
+            if proc.stderr.strip():  # the sources build with -Wall -Wextra and say nothing
+                logger.warning("the CPU kernel library built with warnings:\n%s", proc.stderr)
             os.replace(so, path)  # atomic: concurrent builders each publish a whole file
         logger.info("built the CPU decode attention kernel: %s", path)
     lib = ctypes.CDLL(path)
-    i64, i32 = ctypes.c_int64, ctypes.c_int
-    ptr = ctypes.c_void_p
-    fns = [lib.vx_decode_attention_f32, lib.vx_decode_attention_bf16]
-    lib.vx_has_avx2_attention.restype = ctypes.c_int
-    if lib.vx_has_avx2_attention():
-        fns.append(lib.vx_decode_attention_bf16_avx2)
-    lib.vx_has_fast_bf16.restype = ctypes.c_int
+    bind_kernels(lib)
     if lib.vx_has_fast_bf16():
-        fns.append(lib.vx_decode_attention_bf16_fast)
-        lib.vx_fast_amx.restype, lib.vx_fast_amx.argtypes = ctypes.c_int, [ctypes.c_int]
         # AMX tiles for q.k in the fast kernel where the CPU has them (VX_CPU_ATTENTION_AMX=0: off)
         if os.environ.get("VX_CPU_ATTENTION_AMX", "1") != "0" and lib.vx_fast_amx(1):
             logger.info("the fast CPU decode attention kernel uses AMX for q.k")
-    for fn in fns:
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,
-            i32, i32, i32, i32, i32, ctypes.c_float, i32,
-        ]  # fmt: skip
-    lib.vx_has_gemv.restype = ctypes.c_int
-    lib.vx_gemv_bf16_max_rows.restype = ctypes.c_int
-    if lib.vx_has_gemv():
-        for fn in (lib.vx_gemv_int8, lib.vx_gemv_bf16):
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ptr, i64, i32, ptr, ptr, ptr, ptr, i64, i64, i64]
-        lib.vx_gemm_amx_bf16.restype = ctypes.c_int
-        lib.vx_gemm_amx_bf16.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i64, i64, i64]
-        lib.vx_argmax_amx_bf16.restype = ctypes.c_int
-        lib.vx_argmax_amx_bf16.argtypes = [ptr, i64, i32, ptr, i64, i64, ptr]
-    lib.vx_has_gemm_vnni.restype = ctypes.c_int
-    lib.vx_pack_vnni_bf16.restype = ctypes.c_int
-    lib.vx_pack_vnni_bf16.argtypes = [ptr, i64, i64, ptr]
-    lib.vx_gemm_vnni_bf16.restype = ctypes.c_int
-    lib.vx_gemm_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
-    for fn in (lib.vx_gemm_amx_vnni, lib.vx_gemm_amx_vnni_silu):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
-    lib.vx_gemm_amx_vnni_rope.restype = ctypes.c_int
-    lib.vx_gemm_amx_vnni_rope.argtypes = [
-        ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int,
-    ]  # fmt: skip
-    lib.vx_has_gemm_amx_vnni.restype = ctypes.c_int
-    lib.vx_amx_vnni_rows.restype = ctypes.c_int
-    lib.vx_amx_vnni_rows.argtypes = [ctypes.c_int]
-    lib.vx_argmax_vnni_bf16.restype = ctypes.c_int
-    lib.vx_argmax_vnni_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, i64, ptr]
-    lib.vx_has_decode_step.restype = ctypes.c_int
-    if lib.vx_has_decode_step():
-        lib.vx_llama_decode_bf16.restype = ctypes.c_int
-        lib.vx_llama_decode_bf16.argtypes = [ptr, i32, ptr]
-        lib.vx_llama_decode_split.restype = ctypes.c_int
-        lib.vx_llama_decode_split.argtypes = [ptr, i32, ptr, i32, ptr]
-        lib.vx_llama_greedy_whole.restype = ctypes.c_int
-        lib.vx_llama_greedy_whole.argtypes = [ptr, i32, ptr, ptr, ptr]
-        lib.vx_split_cut.restype = None
-        lib.vx_split_cut.argtypes = [ptr, i64, i32, ptr]
-        lib.vx_split_set_speeds.restype = None
-        lib.vx_split_set_speeds.argtypes = [ptr, i32]
-        lib.vx_set_split_adapt.restype = None
-        lib.vx_set_split_adapt.argtypes = [i32]
-        lib.vx_set_split_steal.restype = None
-        lib.vx_set_split_steal.argtypes = [i32]
-        lib.vx_split_handovers.restype = ctypes.c_int
-    lib.vx_gemv_avx2_max_rows.restype = ctypes.c_int
-    lib.vx_has_gemm_panels_avx2.restype = ctypes.c_int
-    lib.vx_gemm_panels_avx2.restype = ctypes.c_int
-    lib.vx_gemm_panels_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
-    lib.vx_gemv_bf16_avx2.restype = ctypes.c_int
-    lib.vx_compact_max_rows.restype = ctypes.c_int
-    lib.vx_gemv_compact_avx2.restype = ctypes.c_int
-    lib.vx_gemv_compact_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.vx_gemv_bf16_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
-    lib.vx_gemv_int8_avx2.restype = ctypes.c_int
-    lib.vx_gemv_int8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.vx_gemv_int4_avx2.restype = ctypes.c_int
-    lib.vx_gemv_int4_avx2.argtypes = [
-        ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64
-    ]
-    lib.vx_screen_i8_avx2.restype = ctypes.c_int
-    lib.vx_screen_i8_avx2.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
-    lib.vx_screen_select.restype = i64
-    lib.vx_screen_select.argtypes = [ptr, ctypes.c_int, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
-    lib.vx_screen_i8.restype = ctypes.c_int
-    lib.vx_screen_i8.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64]
-    lib.vx_has_screen.restype = ctypes.c_int
-    # The element-wise kernels are built for every CPU (portable C).
-    lib.vx_add_rms_norm_bf16.restype = None
-    lib.vx_add_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.vx_silu_and_mul_bf16.restype = None
-    lib.vx_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64]
-    lib.vx_silu_simd.restype = ctypes.c_int
-    lib.vx_rotary_bf16.restype = None
-    lib.vx_rotary_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
-    lib.vx_prefill_attention_bf16.restype = ctypes.c_int
-    lib.vx_prefill_attention_bf16.argtypes = [
-        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
-        i32, i32, i32, i32, i32, ctypes.c_float,
-    ]  # fmt: skip
-    lib.vx_has_prefill_attention.restype = ctypes.c_int
-    lib.vx_bind_threads.restype = ctypes.c_int
-    lib.vx_bind_threads.argtypes = [ptr, ctypes.c_int]
-    lib.vx_set_work_stealing.restype = None
-    lib.vx_set_work_stealing.argtypes = [ctypes.c_int]
     if os.environ.get("VX_CPU_WORK_STEALING", "1") == "0":  # served A/B timing
         lib.vx_set_work_stealing(0)
-    lib.vx_write_kv.restype = None
-    lib.vx_write_kv.argtypes = [
-        ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32, i32, i64,
-    ]  # fmt: skip
     return lib
+
+
+def _build_flags() -> list[str]:
+    """`_CFLAGS`, or with ``VX_CPU_SANITIZE=address`` (or another of the compiler's
+    ``-fsanitize=`` values; `make check-c`) a sanitized build of the same code: -O1 for the
+    sanitizer's speed, frame pointers and debug lines for its reports. A process that loads
+    it needs the sanitizer's runtime first (``LD_PRELOAD``, as `make check-c` sets it)."""
+    sanitize = os.environ.get("VX_CPU_SANITIZE", "")
+    if not sanitize:
+        return _CFLAGS
+    return [f for f in _CFLAGS if not f.startswith("-O")] + [
+        "-O1", "-g", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"
+    ]
+
+
+def _kernel_source_digest() -> bytes:
+    """A digest of every C file the library is built from (each .c and .h under `CSRC`, the
+    emulated <immintrin.h> included, and any extra file in `_KERNEL_SOURCES`), by path and
+    content: any edit to one makes a new library."""
+    files = set(_KERNEL_SOURCES)
+    for root, _, names in os.walk(CSRC):
+        files.update(os.path.join(root, n) for n in names if n.endswith((".c", ".h")))
+    h = hashlib.sha256()
+    for f in sorted(files):
+        with open(f, "rb") as fh:
+            h.update(os.path.relpath(f, CSRC).encode() + b"\0" + fh.read() + b"\0")
+    return h.digest()

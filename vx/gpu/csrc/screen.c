@@ -1,34 +1,30 @@
-"""The C source of the LM head's int8 screen on AVX512-BF16, and of the screen's candidate
-selection on every CPU.
+/* The LM head's int8 screen on AVX512-BF16, and of the screen's candidate
+   selection on every CPU.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
-GEMV sources; `vx.gpu.cpu_screen.ScreenedHead` calls it).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   GEMV sources; `vx.gpu.cpu_screen.ScreenedHead` calls it).
 
-Why it exists: at batch 1 a decode step only streams weights, and SmolLM2's bf16 LM head is a
-fifth of them (57 MB of ~270: ~1.4 ms of a ~7 ms step on a 2-core Zen 5). The int8 copy is
-half the bytes; `vx.gpu.cpu_screen` states the search and the bound it rests on.
+   Why it exists: at batch 1 a decode step only streams weights, and SmolLM2's bf16 LM head is a
+   fifth of them (57 MB of ~270: ~1.4 ms of a ~7 ms step on a 2-core Zen 5). The int8 copy is
+   half the bytes; `vx.gpu.cpu_screen` states the search and the bound it rests on.
 
-`vx_screen_i8`: y [M, N] fp32, y[m, n] = s[n] * (x[m] . W[n]) for bf16 x [M, K] (row stride
-x_st) and int8 W [N, K]; 1 <= M <= VX_SCREEN_MAX_ROWS, K % 32 == 0. Each 32 weights are widened
-to bf16 once (int8 values are exact in bf16) and VDPBF16PS takes them against each row of x
-(the products are exact in fp32, the sums rounded in fp32), so the bytes read are the int8
-copy's and the arithmetic stays well under what the memory delivers. It is the bf16 GEMV's
-tile and loop (`VX_DP_TILE`, `VX_DP_BODY` in `vx.gpu.cpu_gemv_source`) with the widening in
-place of the weight load: blocks of 4 weight rows shared with stealing (`vx_ws`), the next
-rows prefetched.
-Without AVX512-BF16 it returns -2 (`vx_has_screen()` is 0), and AVX2 builds have
-`vx_screen_i8_avx2` (`vx.gpu.cpu_gemv_avx2_source`) instead.
+   `vx_screen_i8`: y [M, N] fp32, y[m, n] = s[n] * (x[m] . W[n]) for bf16 x [M, K] (row stride
+   x_st) and int8 W [N, K]; 1 <= M <= VX_SCREEN_MAX_ROWS, K % 32 == 0. Each 32 weights are widened
+   to bf16 once (int8 values are exact in bf16) and VDPBF16PS takes them against each row of x
+   (the products are exact in fp32, the sums rounded in fp32), so the bytes read are the int8
+   copy's and the arithmetic stays well under what the memory delivers. It is the bf16 GEMV's
+   tile and loop (`VX_DP_TILE`, `VX_DP_BODY` in gemv.c) with the widening in
+   place of the weight load: blocks of 4 weight rows shared with stealing (`vx_ws`), the next
+   rows prefetched.
+   Without AVX512-BF16 it returns -2 (`vx_has_screen()` is 0), and AVX2 builds have
+   `vx_screen_i8_avx2` (gemv_avx2.c) instead.
 
-`vx_screen_select`: row m's logits lie within a[m, n] +- l1[m] bound[n], with l1[m] = |x[m]|_1
-(computed here in double, from x as stored); n is a candidate of row m unless its upper end is
-below the largest lower end less |that| 2^-6. Writes the union of all rows' candidates,
-ascending, to idx, and whether each is row m's to cand[m * max_union + j]; returns the union's
-size, or -1 past max_union or where an l1 is not finite.
-"""
-
-from __future__ import annotations
-
-SCREEN_SOURCE = r"""
+   `vx_screen_select`: row m's logits lie within a[m, n] +- l1[m] bound[n], with l1[m] = |x[m]|_1
+   (computed here in double, from x as stored); n is a candidate of row m unless its upper end is
+   below the largest lower end less |that| 2^-6. Writes the union of all rows' candidates,
+   ascending, to idx, and whether each is row m's to cand[m * max_union + j]; returns the union's
+   size, or -1 past max_union or where an l1 is not finite. */
+#include "vx_kernels.h"
 #define VX_SCREEN_MAX_ROWS 4
 #if defined(__AVX512BF16__)
 #define VX_SCREEN_PD 8192  /* int8 weights ahead: one VX_GEMV_PD's worth of bf16 bytes */
@@ -152,4 +148,3 @@ int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound,
 #undef VX_SCREEN_TAKE
     return u;
 }
-"""

@@ -1,19 +1,15 @@
-"""The C source of the element-wise CPU kernels: RMSNorm (with the residual add), and SiLU-mul.
+/* The element-wise CPU kernels: RMSNorm (with the residual add), and SiLU-mul.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before the
-GEMMs; `vx.gpu.cpu_ops` calls them on the module path, the fused step in C).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before the
+   GEMMs; `vx.gpu.cpu_ops` calls them on the module path, the fused step in C).
 
-Portable C for any x86-64 level (the compiler vectorises the loops for the CPU it builds for),
-with an AVX512-BF16 or an AVX2 body for SiLU-mul's exp, and AVX512-BF16 bodies for RMSNorm (and
-the rotary, `vx.gpu.cpu_decode_source`): VCVTNEPS2BF16 does their bf16 roundings. Each keeps the roundings of the torch
-ops it replaces: RMSNorm HF Llama's, SiLU-mul bf16(silu) then bf16(product). The AVX2 exp and
-bf16 load (`vx_exp8`, `vx_ld8_bf16`) are shared with the AVX2 decode attention, which comes
-later in the library's source.
-"""
-
-from __future__ import annotations
-
-ELTWISE_SOURCE = r"""
+   Portable C for any x86-64 level (the compiler vectorises the loops for the CPU it builds for),
+   with an AVX512-BF16 or an AVX2 body for SiLU-mul's exp, and AVX512-BF16 bodies for RMSNorm (and
+   the rotary, decode_step.c): VCVTNEPS2BF16 does their bf16 roundings. Each keeps the roundings of the torch
+   ops it replaces: RMSNorm HF Llama's, SiLU-mul bf16(silu) then bf16(product). The AVX2 exp and
+   bf16 load (`vx_exp8`, `vx_ld8_bf16`) are shared with the AVX2 decode attention, which comes
+   later in the library's source. */
+#include "vx_kernels.h"
 #include <immintrin.h>
 /* The element-wise kernels: portable C (any x86-64 level; the compiler vectorises the loops
    for the CPU it builds for), with an AVX512-BF16 body where the CPU has it. */
@@ -115,7 +111,7 @@ static inline void vx_rope16(vx_bf16* pa, vx_bf16* pb, __m512 a, __m512 b, __m51
     vx_st16_bf16(pb, _mm512_add_ps(bc, as));
 }
 /* 16 lanes of vx_silu_round: gate and up values (bf16 values widened) -> bf16 (also the AMX
-   gate-up GEMM's epilogue, `vx.gpu.cpu_gemm_amx_vnni_source`: the same bits either way) */
+   gate-up GEMM's epilogue, gemm_amx_vnni.c: the same bits either way) */
 static inline __m256bh vx_silu_mul16(__m512 gv, __m512 uv) {
     const __m512 one = _mm512_set1_ps(1.f);
     const __m512 e = vx_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
@@ -199,4 +195,3 @@ int vx_silu_simd(void) {
     return 0;
 #endif
 }
-"""

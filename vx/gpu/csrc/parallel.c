@@ -1,21 +1,16 @@
-"""The C source every CPU kernel's parallel loops share: work sharing with stealing (`vx_ws`).
+/* The C source every CPU kernel's parallel loops share: work sharing with stealing (`vx_ws`).
 
-Runs in: the Worker process (`vx.gpu.kv_cache` puts it first in the kernel library's source;
-the AMX GEMM, the LM-head argmax, the VDPBF16PS GEMV and the fast decode attention use it).
+   Runs in: the Worker process (vx_kernels.c includes it first;
+   the AMX GEMM, the LM-head argmax, the VDPBF16PS GEMV and the fast decode attention use it).
 
-Why it exists: the Worker's two OpenMP threads share two cores with the front, the EngineCore
-and, in a benchmark, the load generator. With ``schedule(static)`` a thread descheduled in the
-middle of a loop left its partner idle at the region's barrier for as long, and a decode step
-runs ~240 regions: at 64 requests, served steps ran 1.25-1.4x their lone time. Here a thread
-that finishes its range takes what is left of the others' (served c = 64: +11% output tok/s in
-one interleaved A/B, two repeats each; `bench/compare.py --vx-variant
-static=VX_CPU_WORK_STEALING=0`).
-"""
-
-from __future__ import annotations
-
-PARALLEL_SOURCE = r"""
-#define _GNU_SOURCE  /* sched_setaffinity, CPU_SET: this source comes first in the library */
+   Why it exists: the Worker's two OpenMP threads share two cores with the front, the EngineCore
+   and, in a benchmark, the load generator. With ``schedule(static)`` a thread descheduled in the
+   middle of a loop left its partner idle at the region's barrier for as long, and a decode step
+   runs ~240 regions: at 64 requests, served steps ran 1.25-1.4x their lone time. Here a thread
+   that finishes its range takes what is left of the others' (served c = 64: +11% output tok/s in
+   one interleaved A/B, two repeats each; `bench/compare.py --vx-variant
+   static=VX_CPU_WORK_STEALING=0`). */
+#include "vx_kernels.h"
 #include <stdint.h>
 #include <sched.h>
 #include <omp.h>
@@ -83,4 +78,3 @@ static inline int64_t vx_ws_next(vx_ws* ws, int t) {
     }
     return -1;
 }
-"""

@@ -1,37 +1,33 @@
-"""The C source of the one- and two-row bf16 GEMM on the compact copy of a weight
-(`vx.gpu.cpu_compact`), for CPUs with AVX2 and no AVX-512.
+/* The one- and two-row bf16 GEMM on the compact copy of a weight
+   (`vx.gpu.cpu_compact`), for CPUs with AVX2 and no AVX-512.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
-AVX2 skinny GEMM, whose tile frame it shares; `vx.gpu.cpu_compact.CompactWeight` and the fused
-step's `vx_linear_apply` call it).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   AVX2 skinny GEMM, whose tile frame it shares; `vx.gpu.cpu_compact.CompactWeight` and the fused
+   step's `vx_linear_apply` call it).
 
-Why it exists: a one-row decode step only streams the weights, and the bf16 weight is already
-read at this machine's read rate (`vx_gemv_bf16_avx2`). The compact copy holds the same bf16
-values exactly in 12.25 bits each instead of 16 (SmolLM2's layers: 163 MB against 212), so
-the step reads a quarter less. Decoding costs ~9 vector operations per 32 weights, which hide
-under the memory stream at one and two rows; from three rows on they do not (three rows 1.11x
-and four 1.19x the bf16 kernel's time on a 2-core Zen 3), hence VX_COMPACT_MAX_ROWS.
+   Why it exists: a one-row decode step only streams the weights, and the bf16 weight is already
+   read at this machine's read rate (`vx_gemv_bf16_avx2`). The compact copy holds the same bf16
+   values exactly in 12.25 bits each instead of 16 (SmolLM2's layers: 163 MB against 212), so
+   the step reads a quarter less. Decoding costs ~9 vector operations per 32 weights, which hide
+   under the memory stream at one and two rows; from three rows on they do not (three rows 1.11x
+   and four 1.19x the bf16 kernel's time on a 2-core Zen 3), hence VX_COMPACT_MAX_ROWS.
 
-Layout (`vx.gpu.cpu_compact.pack_compact`): per weight row, blocks of 32 columns, 48 bytes a
-block, rows contiguous ([N, K / 32, 48]), and one byte per block in Hb ([N, K / 32]). A bf16
-value is s:1 e:8 m:7. Its low byte, (e & 1) << 7 | m, is stored as is (bytes 0-31 of the
-block, in the order below); its high byte, s << 7 | e >> 1, as a 4-bit code s << 3 | d, where
-d = hb - (e >> 1) and hb, the block's largest e >> 1, is its Hb byte (the codes of bytes j and
-j + 16 share byte 32 + j, low nibble first). A block whose d would pass 7 (0.3% of SmolLM2's
-blocks: a zero or a far smaller value beside large ones) is stored raw instead: Hb 0xFF, its
-32 bf16 values in natural order in `raw`, their index there an int32 at byte 32.
+   Layout (`vx.gpu.cpu_compact.pack_compact`): per weight row, blocks of 32 columns, 48 bytes a
+   block, rows contiguous ([N, K / 32, 48]), and one byte per block in Hb ([N, K / 32]). A bf16
+   value is s:1 e:8 m:7. Its low byte, (e & 1) << 7 | m, is stored as is (bytes 0-31 of the
+   block, in the order below); its high byte, s << 7 | e >> 1, as a 4-bit code s << 3 | d, where
+   d = hb - (e >> 1) and hb, the block's largest e >> 1, is its Hb byte (the codes of bytes j and
+   j + 16 share byte 32 + j, low nibble first). A block whose d would pass 7 (0.3% of SmolLM2's
+   blocks: a zero or a far smaller value beside large ones) is stored raw instead: Hb 0xFF, its
+   32 bf16 values in natural order in `raw`, their index there an int32 at byte 32.
 
-Decoding a block: one 16-entry byte table per hb (vx_compact_tab, 4 KiB) turns the codes into
-high bytes with one vpshufb; byte unpacks pair them with the low bytes into bf16 words and
-widen those into fp32. The unpacks work within 128-bit lanes, so byte j holds column
-8 ((j & 15) >> 2) + (j & 3) + 4 (j >> 4): the four vectors come out in column order, each lane
-then takes the columns the bf16 kernel's lane takes, in the same order, and the sums are
-`vx_gemv_bf16_avx2`'s, bit for bit.
-"""
-
-from __future__ import annotations
-
-COMPACT_AVX2_SOURCE = r"""
+   Decoding a block: one 16-entry byte table per hb (vx_compact_tab, 4 KiB) turns the codes into
+   high bytes with one vpshufb; byte unpacks pair them with the low bytes into bf16 words and
+   widen those into fp32. The unpacks work within 128-bit lanes, so byte j holds column
+   8 ((j & 15) >> 2) + (j & 3) + 4 (j >> 4): the four vectors come out in column order, each lane
+   then takes the columns the bf16 kernel's lane takes, in the same order, and the sums are
+   `vx_gemv_bf16_avx2`'s, bit for bit. */
+#include "vx_kernels.h"
 #define VX_COMPACT_MAX_ROWS 2
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* vx_compact_tab[32 h + q] (both 16-byte halves alike): the high byte of code q & 15 in a
@@ -132,4 +128,3 @@ int vx_gemv_compact_avx2(const vx_bf16* x, int64_t x_st, int M, const uint8_t* W
 }
 int vx_compact_max_rows(void) { return 0; }
 #endif
-"""

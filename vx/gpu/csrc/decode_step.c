@@ -1,35 +1,31 @@
-"""The C source of the fused CPU step: every decoder layer of a Llama-family model in one call,
-for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
-attention takes them).
+/* The fused CPU step: every decoder layer of a Llama-family model in one call,
+   for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
+   attention takes them).
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
-attention and the skinny GEMM; `vx.gpu.cpu_decode` fills its structs and calls it).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+   attention and the skinny GEMM; `vx.gpu.cpu_decode` fills its structs and calls it).
 
-Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the same step took
-~21 ms: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
-the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
-kernels the module path calls (so the results are bit-identical), chained without Python:
-RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
-paged attention (decode rows: the decode kernel; prefill chunks: `vx.gpu.cpu_prefill_source`'s
-kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+   Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the same step took
+   ~21 ms: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
+   the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
+   kernels the module path calls (so the results are bit-identical), chained without Python:
+   RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
+   paged attention (decode rows: the decode kernel; prefill chunks: prefill_amx.c's
+   kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
 
-GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
-`quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
-VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
-VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), any number of rows, as
-`vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
-path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
-weights (1-2 rows on their compact copy, `vx.gpu.cpu_compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
-roundings per output), as `vx.gpu.rotary.apply_rotary`.
+   GEMM routing is `vx.gpu.cpu_ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
+   `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
+   VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
+   VNNI-layout GEMM (`vx.gpu.cpu_vnni`, the linears' packed copies), any number of rows, as
+   `vx.gpu.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+   path of `vx.gpu.cpu_widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
+   weights (1-2 rows on their compact copy, `vx.gpu.cpu_compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+   roundings per output), as `vx.gpu.rotary.apply_rotary`.
 
-Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
-`vx_layer` per decoder layer (fixed at load, plus its K/V cache), a `vx_step` per call (batch
-size, per-step metadata and scratch buffers).
-"""
-
-from __future__ import annotations
-
-DECODE_STEP_SOURCE = r"""
+   Structs (mirrored by ctypes in `vx.gpu.cpu_decode`): a `vx_linear` per projection, a
+   `vx_layer` per decoder layer (fixed at load, plus its K/V cache), a `vx_step` per call (batch
+   size, per-step metadata and scratch buffers). */
+#include "vx_kernels.h"
 /* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
    x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
    ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu_ops`). */
@@ -83,14 +79,14 @@ typedef struct {
     const uint32_t* vs;     /* a gate-up w packed for vx_gemm_amx_vnni_silu (gate and up rows
                                interleaved by 16; then vn is NULL), or NULL */
 } vx_linear;
-typedef struct {
+typedef struct vx_layer {
     const vx_bf16* in_norm;
     const vx_bf16* post_norm;
     vx_linear qkv, o, gate_up, down;
     vx_bf16* k_cache;       /* [Hkv, NB, BS, D], strides c_sh, c_sb, D (vx_step's) */
     vx_bf16* v_cache;
 } vx_layer;
-typedef struct {
+typedef struct vx_step {
     int64_t T, H, Hq, Hkv, D, I, NB, BS;
     int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
     float eps, scale;
@@ -274,4 +270,3 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
     return vx_llama_layers(layers, 0, n_layers, n_layers, s);
 }
 #endif
-"""

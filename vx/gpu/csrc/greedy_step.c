@@ -1,30 +1,26 @@
-"""The C source of the whole greedy decode step: a decode-only step too small to split, in one
-call on the pool: the embeddings, every layer, the final RMSNorm and the LM head's argmax.
+/* The whole greedy decode step: a decode-only step too small to split, in one
+   call on the pool: the embeddings, every layer, the final RMSNorm and the LM head's argmax.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
-split step's source, whose `vx_greedy_tail` and `vx_greedy_inputs` it takes; `vx.gpu.cpu_decode.FusedDecode` calls
-`vx_llama_greedy_whole`).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   split step's source, whose `vx_greedy_tail` and `vx_greedy_inputs` it takes; `vx.gpu.cpu_decode.FusedDecode` calls
+   `vx_llama_greedy_whole`).
 
-Why: at one row a SmolLM2 step streams ~240 MB in ~6.5 ms of C, yet the step took ~7.7 ms:
-about 1 ms was Python around the C calls while the second core waited (2-core Zen 5, one
-process: the model's forward around the fused layers 0.28 ms, the embedding, the final norm
-and the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue
-~0.25 ms). Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2
-pair: `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the
-one-row step was 12.97 ms against 14.20 through the model's forward and `greedy_ids` (medians
-of 8 alternated rounds of 127 steps, every round shorter, by 0.1-19%).
+   Why: at one row a SmolLM2 step streams ~240 MB in ~6.5 ms of C, yet the step took ~7.7 ms:
+   about 1 ms was Python around the C calls while the second core waited (2-core Zen 5, one
+   process: the model's forward around the fused layers 0.28 ms, the embedding, the final norm
+   and the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue
+   ~0.25 ms). Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2
+   pair: `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the
+   one-row step was 12.97 ms against 14.20 through the model's forward and `greedy_ids` (medians
+   of 8 alternated rounds of 127 steps, every round shorter, by 0.1-19%).
 
-Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy_ids` (the
-embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on
-the VNNI copy, or for one row the int8 screen, `vx_screen_i8` (`vx_screen_i8_avx2`) and
-`vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`) on
-its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
-on the rows computed beside it), so the same tokens.
-"""
-
-from __future__ import annotations
-
-GREEDY_STEP_SOURCE = r"""
+   Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy_ids` (the
+   embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on
+   the VNNI copy, or for one row the int8 screen, `vx_screen_i8` (`vx_screen_i8_avx2`) and
+   `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`) on
+   its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
+   on the rows computed beside it), so the same tokens. */
+#include "vx_kernels.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
 /* one row's int8 screen, and one candidate's logit by the bf16 GEMM the logits path takes */
@@ -38,7 +34,7 @@ GREEDY_STEP_SOURCE = r"""
 #endif
 /* The LM head's int8 screen for one row (`vx.gpu.cpu_screen.ScreenedHead`): its copy, bounds
    and scratch, and the bf16 head the candidates are computed again on. */
-typedef struct {
+typedef struct vx_screen_head {
     const int8_t* q;            /* [vocab, H] */
     const float* s;             /* [vocab] per-row scales */
     const double* bound;        /* [vocab] */
@@ -98,10 +94,9 @@ int vx_llama_greedy_whole(const vx_layer* layers, int n_layers, const vx_step* s
 #endif
 }
 #else
-int vx_llama_greedy_whole(const void* layers, int n_layers, const void* s, const void* g,
-                          const void* sh) {
+int vx_llama_greedy_whole(const vx_layer* layers, int n_layers, const vx_step* s,
+                          const vx_greedy_tail* g, const vx_screen_head* sh) {
     (void)layers; (void)n_layers; (void)s; (void)g; (void)sh;
     return -2;
 }
 #endif
-"""

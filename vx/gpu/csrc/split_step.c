@@ -1,23 +1,19 @@
-"""The C source of the split decode step: a decode-only step as independent sub-steps, one per
-thread, each running every layer (`vx.gpu.cpu_decode_source`'s `vx_llama_layers`) for its own
-rows, with the rows a slower thread has not reached handed to a thread that is done.
+/* The split decode step: a decode-only step as independent sub-steps, one per
+   thread, each running every layer (decode_step.c's `vx_llama_layers`) for its own
+   rows, with the rows a slower thread has not reached handed to a thread that is done.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
-fused step's source; `vx.gpu.cpu_decode.FusedDecode` calls `vx_llama_decode_split`).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   fused step's source; `vx.gpu.cpu_decode.FusedDecode` calls `vx_llama_decode_split`).
 
-Why: two cores meet once a step instead of at each of ~300 parallel regions. The rows are cut
-by each thread's measured speed, but a host process that wakes on a Worker thread's core
-(each step's tokens: the front, the EngineCore, a local load generator) slows that thread's
-part by a few ms at random: served at c = 64 on two Zen 5 cores, the parts ended on average
-~4 ms apart in ~45 ms steps. So a thread done with its rows asks the other for work, and the
-other, at its next layer boundary, hands over half of its rows for the rest of the layers
-(rows do not interact in a decode step: each row's state between layers is its x and
-residual rows, and the attention reads only its own request's K/V).
-"""
-
-from __future__ import annotations
-
-SPLIT_STEP_SOURCE = r"""
+   Why: two cores meet once a step instead of at each of ~300 parallel regions. The rows are cut
+   by each thread's measured speed, but a host process that wakes on a Worker thread's core
+   (each step's tokens: the front, the EngineCore, a local load generator) slows that thread's
+   part by a few ms at random: served at c = 64 on two Zen 5 cores, the parts ended on average
+   ~4 ms apart in ~45 ms steps. So a thread done with its rows asks the other for work, and the
+   other, at its next layer boundary, hands over half of its rows for the rest of the layers
+   (rows do not interact in a decode step: each row's state between layers is its x and
+   residual rows, and the attention reads only its own request's K/V). */
+#include "vx_kernels.h"
 /* 1 (the default): a thread done with its part takes rows from the other (two parts); 0: each
    part runs its own rows only (A/B, tests); 2 (tests): as 1, and the thread with more rows
    waits after its first stage until the other asks, so that a hand-over comes whatever the
@@ -91,7 +87,7 @@ void vx_split_cut(const int32_t* lens, int64_t T, int parts, int64_t* cut) {
    lookup, `RMSNorm` and `VnniWeight.argmax`, so the same tokens; one parallel region a step
    instead of four (a host process that wakes at a step's start held the second thread out of
    the embedding's, the norm's and the head's regions in turn). */
-typedef struct {
+typedef struct vx_greedy_tail {
     const int64_t* ids;         /* [T] input tokens */
     const int64_t* positions;   /* [T] */
     const vx_bf16* embed;       /* [vocab rows, H] */
@@ -290,4 +286,3 @@ int vx_has_decode_step(void) { return 2; }  /* AVX2: up to vx_gemv_avx2_max_rows
 #else
 int vx_has_decode_step(void) { return 0; }
 #endif
-"""

@@ -1,34 +1,30 @@
-"""The C source of the bf16 decode attention for CPUs with AVX2 and no AVX-512.
+/* The bf16 decode attention for CPUs with AVX2 and no AVX-512.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library and hands it
-out as the "fast" bf16 decode kernel where it was built).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library and hands it
+   out as the "fast" bf16 decode kernel where it was built).
 
-Why it exists: the portable kernel (`vx.gpu.cpu_kernel_source`) widens every K and V row to
-fp32 in a scratch row and reduces one dot product per (key, head) to a scalar, which the
-compiler vectorises poorly: a SmolLM2 decode step at 64 requests x 256 keys spent ~80 of its
-~290 ms there on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
-up to 3 query heads (each K row widened from bf16 as it is loaded, once for the tile's heads),
-reduced with horizontal adds; the softmax uses an 8-lane exp; P V runs in tiles of up to 3
-heads x 32 dims whose sums stay in registers over a block's keys; and the next block is
-prefetched while the current one is computed. The tiles replaced a scratch copy of each K
-block in fp32 and P V sums kept in memory (a load and a store per product): the same bits,
-0.54-0.67 of the time (`bench/attention.py`, 2-core Zen 3: 1 x 192 keys 1.09 -> 0.58 ms a
-30-layer step, 64 x 192 37.0 -> 24.1, 64 x 1,024 176 -> 118).
+   Why it exists: the portable kernel (decode_attention.c) widens every K and V row to
+   fp32 in a scratch row and reduces one dot product per (key, head) to a scalar, which the
+   compiler vectorises poorly: a SmolLM2 decode step at 64 requests x 256 keys spent ~80 of its
+   ~290 ms there on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
+   up to 3 query heads (each K row widened from bf16 as it is loaded, once for the tile's heads),
+   reduced with horizontal adds; the softmax uses an 8-lane exp; P V runs in tiles of up to 3
+   heads x 32 dims whose sums stay in registers over a block's keys; and the next block is
+   prefetched while the current one is computed. The tiles replaced a scratch copy of each K
+   block in fp32 and P V sums kept in memory (a load and a store per product): the same bits,
+   0.54-0.67 of the time (`bench/attention.py`, 2-core Zen 3: 1 x 192 keys 1.09 -> 0.58 ms a
+   30-layer step, 64 x 192 37.0 -> 24.1, 64 x 1,024 176 -> 118).
 
-Same arguments and layout as the portable kernel: one item per (request, kv head), scores for
-the item's G query heads over the whole context, then P V. fp32 throughout, one bf16 rounding
-per output; normalisation by the sum at the end (the portable kernel normalises P first).
-"""
-
-from __future__ import annotations
-
-ATTENTION_AVX2_SOURCE = r"""
+   Same arguments and layout as the portable kernel: one item per (request, kv head), scores for
+   the item's G query heads over the whole context, then P V. fp32 throughout, one bf16 rounding
+   per output; normalisation by the sum at the end (the portable kernel normalises P first). */
+#include "vx_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_AVX2_ATT_MAX_D 256
 #define VX_AVX2_ATT_MAX_BS 64
 /* the least (rows x query heads x keys) of a call worth a parallel region */
 #define VX_AVX2_ATT_PAR 1024
-/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (`vx.gpu.cpu_eltwise_source`). */
+/* vx_ld8_bf16 and vx_exp8 come with the AVX2 SiLU (eltwise.c). */
 /* The 4 horizontal sums of a[0..3], each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of
    its lanes l (the order of the kernel's earlier 8-key reduction: the same bits). */
 static inline __m128 vx_hsum4x4(const __m256* a) {
@@ -202,4 +198,3 @@ int vx_decode_attention_bf16_avx2(
 }
 int vx_has_avx2_attention(void) { return 0; }
 #endif
-"""

@@ -1,37 +1,34 @@
-"""The C source of the fp32 GEMM for CPUs with AVX2 and no AVX-512, past the skinny GEMM's rows:
-y = x @ W.T + bias for bf16 rows x and bf16 W laid out in panels of 16 output columns, widened
-to fp32 in registers.
+/* The fp32 GEMM for CPUs with AVX2 and no AVX-512, past the skinny GEMM's rows:
+   y = x @ W.T + bias for bf16 rows x and bf16 W laid out in panels of 16 output columns, widened
+   to fp32 in registers.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
-`vx.gpu.cpu_widen.WideWeight` calls it for more rows than `vx_gemv_bf16_avx2` takes: decode
-batches from 5 rows, prompts, the LM head's logits).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
+   `vx.gpu.cpu_widen.WideWeight` calls it for more rows than `vx_gemv_bf16_avx2` takes: decode
+   batches from 5 rows, prompts, the LM head's logits).
 
-Why it exists: on AVX2 machines the bf16 model's GEMMs run in fp32 (bf16 x bf16 products are
-exact there; `vx.gpu.cpu_widen`). oneDNN's packed fp32 GEMM ran at 74-134 GFLOP/s from 25 to
-2,048 rows on a 2-core Zen 3; this kernel with fp32 panels and 6-row tiles at 84-171. The panel
-layout makes the inner loop the classic outer product: per k, 16 weights and 5 broadcasts of x
-feed 10 FMAs, with the 5 x 16 sums in registers, so the FMA units, not the loads, bound it. The
-weights stay bf16, in pairs of k in one 32-bit word: a bf16 value is the top half of its fp32
-value, so k even is the word shifted left by 16 and k odd the word masked, two integer
-operations per 10 FMAs. The sums are those of an fp32 copy (bit for bit) from half its bytes.
-Five rows, not six: with the mask, six rows' 12 sums left no register free and GCC spilled one
-sum to the stack, a store-to-load chain that halved the speed. Against the fp32 panels with
-6-row tiles (SmolLM2's 120 layer matrices, alternated in one process, medians of 5): 0.69 of
-the time at 10 rows, 0.86 at 16, 0.89 at 32, 0.94 at 64 and 1.00-1.02 from 256 to 2,048.
+   Why it exists: on AVX2 machines the bf16 model's GEMMs run in fp32 (bf16 x bf16 products are
+   exact there; `vx.gpu.cpu_widen`). oneDNN's packed fp32 GEMM ran at 74-134 GFLOP/s from 25 to
+   2,048 rows on a 2-core Zen 3; this kernel with fp32 panels and 6-row tiles at 84-171. The panel
+   layout makes the inner loop the classic outer product: per k, 16 weights and 5 broadcasts of x
+   feed 10 FMAs, with the 5 x 16 sums in registers, so the FMA units, not the loads, bound it. The
+   weights stay bf16, in pairs of k in one 32-bit word: a bf16 value is the top half of its fp32
+   value, so k even is the word shifted left by 16 and k odd the word masked, two integer
+   operations per 10 FMAs. The sums are those of an fp32 copy (bit for bit) from half its bytes.
+   Five rows, not six: with the mask, six rows' 12 sums left no register free and GCC spilled one
+   sum to the stack, a store-to-load chain that halved the speed. Against the fp32 panels with
+   6-row tiles (SmolLM2's 120 layer matrices, alternated in one process, medians of 5): 0.69 of
+   the time at 10 rows, 0.86 at 16, 0.89 at 32, 0.94 at 64 and 1.00-1.02 from 256 to 2,048.
 
-Layout: x [M, K] bf16 (row stride x_st); P the panels, 32-bit words [N / 16, K / 2, 16]: word
-P[p][i][j] holds W[16 p + j][2 i] in its low half and W[16 p + j][2 i + 1] in its high half
-(`vx.gpu.cpu_widen.pack_panels`); bias [N] bf16 or NULL; y [M, N] bf16 (row stride y_st).
-N % 16 == 0, K even, M >= 1. Each output is its row's fp32 sum over k in order (one FMA chain
-per output), plus the bias, rounded to bf16 once: a row's outputs do not depend on the other
-rows. Parallel over (panel, block of rows) items with stealing (`vx_ws`), panel first, so a
-thread's consecutive items reuse one panel from L2 (its K x 16 bf16 values) while x's rows
-stream by; a block is as many rows (a multiple of 5) as fit ~192 KB of x.
-"""
-
-from __future__ import annotations
-
-GEMM_AVX2_SOURCE = r"""#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+   Layout: x [M, K] bf16 (row stride x_st); P the panels, 32-bit words [N / 16, K / 2, 16]: word
+   P[p][i][j] holds W[16 p + j][2 i] in its low half and W[16 p + j][2 i + 1] in its high half
+   (`vx.gpu.cpu_widen.pack_panels`); bias [N] bf16 or NULL; y [M, N] bf16 (row stride y_st).
+   N % 16 == 0, K even, M >= 1. Each output is its row's fp32 sum over k in order (one FMA chain
+   per output), plus the bias, rounded to bf16 once: a row's outputs do not depend on the other
+   rows. Parallel over (panel, block of rows) items with stealing (`vx_ws`), panel first, so a
+   thread's consecutive items reuse one panel from L2 (its K x 16 bf16 values) while x's rows
+   stream by; a block is as many rows (a multiple of 5) as fit ~192 KB of x. */
+#include "vx_kernels.h"
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 /* st_bf16 on 8 lanes: vx_round8_bf16's rounding, NaNs quieted as st_bf16 quiets them. */
 static inline void vx_avx2_st8_bf16(vx_bf16* p, __m256 v) {
@@ -128,4 +125,3 @@ int vx_gemm_panels_avx2(const vx_bf16* x, int64_t x_st, int M, const uint32_t* P
 }
 int vx_has_gemm_panels_avx2(void) { return 0; }
 #endif
-"""

@@ -1,27 +1,24 @@
-"""The C source of the bf16 GEMM on AVX512-BF16 CPUs without AMX (Zen 4 and 5, Cooper Lake),
-over weights packed once at load time into `vdpbf16ps`'s pair-interleaved ("VNNI") layout.
-Built into the kernel library (`vx.gpu.kv_cache` appends it after the skinny GEMMs' source,
-whose helpers it uses: `vx_ld16_bf16`, `vx_ws`).
+/* The bf16 GEMM on AVX512-BF16 CPUs without AMX (Zen 4 and 5, Cooper Lake),
+   over weights packed once at load time into `vdpbf16ps`'s pair-interleaved ("VNNI") layout.
+   Built into the kernel library (vx_kernels.c includes it after the skinny GEMMs' source,
+   whose helpers it uses: `vx_ld16_bf16`, `vx_ws`).
 
-Runs in: the Worker process.
+   Runs in: the Worker process.
 
-Why: without AMX, oneDNN's bf16 GEMM reached 350-700 GFLOP/s on two Zen 5 cores at 16-128
-rows (`vdpbf16ps` peaks at ~960 there) and the skinny GEMM (plain weights, a reduction per
-output) stops paying past 12 rows; this kernel needs no reduction and no repacking per call
-(figures in `vx.gpu.cpu_vnni`).
-"""
+   Why: without AMX, oneDNN's bf16 GEMM reached 350-700 GFLOP/s on two Zen 5 cores at 16-128
+   rows (`vdpbf16ps` peaks at ~960 there) and the skinny GEMM (plain weights, a reduction per
+   output) stops paying past 12 rows; this kernel needs no reduction and no repacking per call
+   (figures in `vx.gpu.cpu_vnni`). */
 
-from __future__ import annotations
-
-#: Layout: wp [N / 16][K / 2][16] dwords; dword (b, p, c) holds W[16 b + c][2 p], W[16 b + c]
-#: [2 p + 1] (two bf16, the lower index in the low half), so one aligned 64-byte load is the
-#: B operand of `vdpbf16ps` for 16 outputs and two k, and a row of x's k-pair, broadcast, is
-#: its A operand. Each item of the parallel loop is a panel of 48 outputs (the last one 16 or
-#: 32), for every row of x in blocks of 8: 8 rows by 3 vectors, 24 accumulators, 11 loads per
-#: 24 products, and the panel's weights (48 K bf16: 54 KB at K = 576) stay in L2 across the
-#: row blocks, so the weights stream from memory once a call. fp32 accumulation over k in
-#: order, the bias added in fp32, one rounding to bf16 (nearest even).
-GEMM_VNNI_SOURCE = r"""
+/* Layout: wp [N / 16][K / 2][16] dwords; dword (b, p, c) holds W[16 b + c][2 p], W[16 b + c]
+   [2 p + 1] (two bf16, the lower index in the low half), so one aligned 64-byte load is the
+   B operand of `vdpbf16ps` for 16 outputs and two k, and a row of x's k-pair, broadcast, is
+   its A operand. Each item of the parallel loop is a panel of 48 outputs (the last one 16 or
+   32), for every row of x in blocks of 8: 8 rows by 3 vectors, 24 accumulators, 11 loads per
+   24 products, and the panel's weights (48 K bf16: 54 KB at K = 576) stay in L2 across the
+   row blocks, so the weights stream from memory once a call. fp32 accumulation over k in
+   order, the bias added in fp32, one rounding to bf16 (nearest even). */
+#include "vx_kernels.h"
 #if defined(VX_HAS_FAST_BF16)
 #define VX_VN_MR 8   /* rows of x per micro-tile */
 #define VX_VN_NR 3   /* 16-output vectors per panel */
@@ -191,4 +188,3 @@ int vx_argmax_vnni_bf16(const vx_bf16* x, int64_t x_st, int M, const uint32_t* w
 }
 int vx_has_gemm_vnni(void) { return 0; }
 #endif
-"""

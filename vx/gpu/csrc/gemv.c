@@ -1,23 +1,19 @@
-"""The C source of the CPU skinny GEMM (decode at small batch): y = x @ W.T * scale + bias.
+/* The CPU skinny GEMM (decode at small batch): y = x @ W.T * scale + bias.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
-attention kernel; `vx.gpu.quantization` calls it).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+   attention kernel; `vx.gpu.quantization` calls it).
 
-Why it exists: at 1-8 rows a decode step only streams the weights, and both oneDNN's packed bf16
-GEMM and torch's `_weight_int8pack_mm` reach 7-9 GB/s on SmolLM2's 121 small matrices, about
-half of what two cores read. The loads are not the limit, the misses are: each matrix is a
-fresh stream too short for the hardware prefetcher to ramp up. Software prefetch `VX_GEMV_PD`
-weights ahead of every row doubles the rate (int8: 8 ms instead of 16 ms per SmolLM2 step).
+   Why it exists: at 1-8 rows a decode step only streams the weights, and both oneDNN's packed bf16
+   GEMM and torch's `_weight_int8pack_mm` reach 7-9 GB/s on SmolLM2's 121 small matrices, about
+   half of what two cores read. The loads are not the limit, the misses are: each matrix is a
+   fresh stream too short for the hardware prefetcher to ramp up. Software prefetch `VX_GEMV_PD`
+   weights ahead of every row doubles the rate (int8: 8 ms instead of 16 ms per SmolLM2 step).
 
-Layout: x [M, K] bf16 (row stride x_st), W [N, K] row-major int8 or bf16, scale [N] bf16 (int8
-only: per output channel), bias [N] bf16 or NULL, y [M, N] bf16 (row stride y_st). M <= 8,
-K % 16 == 0, K <= 16384. fp32 products and sums, one bf16 rounding at the end.
-Parallel over groups of output rows on torch's OpenMP pool (small matrices on the caller).
-"""
-
-from __future__ import annotations
-
-GEMV_KERNEL_SOURCE = r"""
+   Layout: x [M, K] bf16 (row stride x_st), W [N, K] row-major int8 or bf16, scale [N] bf16 (int8
+   only: per output channel), bias [N] bf16 or NULL, y [M, N] bf16 (row stride y_st). M <= 8,
+   K % 16 == 0, K <= 16384. fp32 products and sums, one bf16 rounding at the end.
+   Parallel over groups of output rows on torch's OpenMP pool (small matrices on the caller). */
+#include "vx_kernels.h"
 #include <immintrin.h>
 #define VX_GEMV_MAX_ROWS 8
 #define VX_GEMV_MAX_K 16384
@@ -99,7 +95,7 @@ VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
    the 32 weights at p as bf16 (bf16 products are exact in fp32; pairs are summed before the
    accumulate), PD the prefetch distance in weights, into L2 (one and two rows of SmolLM2's
    120 cold matrices: 0.93-0.98 of the time L1 prefetches took). The bf16 GEMV's tile below
-   and the LM head's int8 screen (`vx.gpu.cpu_screen_source`) are the two. */
+   and the LM head's int8 screen (screen.c) are the two. */
 #define VX_DP_TILE(NAME, WT, WIDEN, PD, MAXM) \
 static inline __attribute__((always_inline)) void NAME(const WT* W, int64_t K, int64_t n0, \
         int R, int M, const vx_bf16* x, int64_t x_st, float* out) { \
@@ -415,4 +411,3 @@ int vx_has_gemv(void) { return 1; }
 int vx_has_gemv(void) { return 0; }
 int vx_gemv_bf16_max_rows(void) { return 0; }
 #endif
-"""

@@ -1,28 +1,25 @@
-"""The C source of the CPU prefill attention's items on AVX512-BF16 without AMX (Zen 4 and 5,
-Cooper Lake, Sapphire Rapids with its tiles off), built into the same library as the other
-kernels: `vx.gpu.kv_cache` puts it between `vx.gpu.cpu_prefill_source`'s helpers and its
-entry point `vx_prefill_attention_bf16`, which packs K and V and hands out the items.
+/* The CPU prefill attention's items on AVX512-BF16 without AMX (Zen 4 and 5,
+   Cooper Lake, Sapphire Rapids with its tiles off), built into the same library as the other
+   kernels: vx_kernels.c includes it between prefill_amx.c's helpers and its
+   entry point `vx_prefill_attention_bf16`, which packs K and V and hands out the items.
 
-Runs in: the Worker process.
-"""
+   Runs in: the Worker process. */
 
-from __future__ import annotations
-
-#: `vx_pf_item_dp`: one item (32 queries of up to 4 query heads that share a kv head, rows
-#: [t0, t0 + m) of a chunk), flash style over the item's keys 256 at a time, as the AMX items
-#: do, with the products on `vdpbf16ps` register tiles over the same packed layouts
-#: (`vx_pf_pack`): a K^T tile's row j holds 16 keys' dims (2j, 2j + 1), so one query's dim
-#: pair broadcast against it adds two products to 16 scores; a V tile's row j holds keys
-#: (2j, 2j + 1) of 16 dims, so one query's probability pair broadcast against it adds two
-#: terms to 16 outputs.
-#: - S = Q K^T: 8 query rows by 32 keys (16 accumulators), 10 loads per 16 products;
-#: - softmax: `vx_pf_softmax16` (running max, exp, bf16 probabilities, sums), 16 rows a call;
-#: - O = O * corr + P V in one pass: 4 rows by 4 16-dim slices (16 accumulators, 8 loads per
-#:   16 products) start from the rescaled running output, so no chunk product is stored apart.
-#: Rows past the item's queries are computed only up to the next 16 (their queries are zero,
-#: their scores finite) and never stored. The arithmetic is the AMX items' up to fp32
-#: summation order: probabilities rounded to bf16, fp32 accumulation, output rounded once.
-PREFILL_AVX512_SOURCE = r"""
+/* `vx_pf_item_dp`: one item (32 queries of up to 4 query heads that share a kv head, rows
+   [t0, t0 + m) of a chunk), flash style over the item's keys 256 at a time, as the AMX items
+   do, with the products on `vdpbf16ps` register tiles over the same packed layouts
+   (`vx_pf_pack`): a K^T tile's row j holds 16 keys' dims (2j, 2j + 1), so one query's dim
+   pair broadcast against it adds two products to 16 scores; a V tile's row j holds keys
+   (2j, 2j + 1) of 16 dims, so one query's probability pair broadcast against it adds two
+   terms to 16 outputs.
+   - S = Q K^T: 8 query rows by 32 keys (16 accumulators), 10 loads per 16 products;
+   - softmax: `vx_pf_softmax16` (running max, exp, bf16 probabilities, sums), 16 rows a call;
+   - O = O * corr + P V in one pass: 4 rows by 4 16-dim slices (16 accumulators, 8 loads per
+     16 products) start from the rescaled running output, so no chunk product is stored apart.
+   Rows past the item's queries are computed only up to the next 16 (their queries are zero,
+   their scores finite) and never stored. The arithmetic is the AMX items' up to fp32
+   summation order: probabilities rounded to bf16, fp32 accumulation, output rounded once. */
+#include "vx_kernels.h"
 #if defined(VX_PF_512)
 #define VX_PF_DP_ROWS 8192  /* an item's Q and output scratch in elements: heads x 32 x D */
 /* S rows [0, 8) (qb: row stride ldq bf16) against the 32 keys of one packed pair (kp: its
@@ -124,4 +121,3 @@ static void vx_pf_item_dp(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16*
         vx_pf_store(acc + g * 32 * D, D, sum[g], out + g * o_sh, o_st, t0, m, D);
 }
 #endif
-"""

@@ -1,65 +1,62 @@
-"""The C source of vx's AMX GEMM over VNNI-packed weights (`vx.gpu.cpu_vnni`'s layout), built
-into the same library as the other CPU kernels (`vx.gpu.kv_cache` appends it after
-`vx.gpu.cpu_gemm_vnni_source`, whose packer lays the weights out; it uses `vx_ws`,
-`vx_amx_load_tiles`, `vx_ld16_bf16`, `vx_silu_mul16`, `vx_rope16` and `VX_GEMV_MAX_K` from
-the sources before it).
+/* vx's AMX GEMM over VNNI-packed weights (`vx.gpu.cpu_vnni`'s layout), built
+   into the same library as the other CPU kernels (vx_kernels.c includes it after
+   gemm_vnni.c, whose packer lays the weights out; it uses `vx_ws`,
+   `vx_amx_load_tiles`, `vx_ld16_bf16`, `vx_silu_mul16`, `vx_rope16` and `VX_GEMV_MAX_K` from
+   the sources before it).
 
-Runs in: the Worker process.
-"""
+   Runs in: the Worker process. */
 
-from __future__ import annotations
+/* y [M, N] = x [M, K] @ W.T (+ bias), bf16, for M from 1 row, on AMX tiles, computed
+   straight (C = X W^T, no transposes): each A tile is 16 rows of x read in place (row stride
+   x_st), each B tile 32 k x 16 n of the packed weight, which `vx_pack_vnni_bf16` lays out as
+   exactly that tile, 1 KB contiguous ([N / 16][K / 2][16] dwords: tile (nb, kc) at
+   (nb * K / 2 + kc * 16) * 16). Blocking 2 x 2: two A tiles (32 rows) by two B tiles (32
+   columns) into four C tiles, so every tile loaded feeds two products. C tiles go straight to
+   rows of y (two 16-column tiles side by side are one 64-byte row), no transpose.
 
-#: y [M, N] = x [M, K] @ W.T (+ bias), bf16, for M from 1 row, on AMX tiles, computed
-#: straight (C = X W^T, no transposes): each A tile is 16 rows of x read in place (row stride
-#: x_st), each B tile 32 k x 16 n of the packed weight, which `vx_pack_vnni_bf16` lays out as
-#: exactly that tile, 1 KB contiguous ([N / 16][K / 2][16] dwords: tile (nb, kc) at
-#: (nb * K / 2 + kc * 16) * 16). Blocking 2 x 2: two A tiles (32 rows) by two B tiles (32
-#: columns) into four C tiles, so every tile loaded feeds two products. C tiles go straight to
-#: rows of y (two 16-column tiles side by side are one 64-byte row), no transpose.
-#:
-#: Against `vx_gemm_amx_bf16` (plain weights as the A operand, x packed as B, C^T transposed
-#: back), SmolLM2's 120 matrices with cold weights on a 2-core Sapphire Rapids take 0.91-0.97
-#: of the time at 8-16 rows, 0.80-0.87 at 32-64 and 0.77-0.82 at 128-192 (a tie at 4 rows):
-#: the weights stream from memory as 1 KB sequential tiles, not 16 strided rows, and the
-#: epilogue has no transposes. The fp32 sums are the same products in the same order:
-#: bit-identical results (tested).
-#:
-#: Where the time went, and what the loops do about it (one hot SmolLM2 weight, 2 threads):
-#: the tile products alone peak at ~5.8 TFLOP/s with every operand in L1, but ran at 3.1-3.7
-#: with x and the weight both streaming, and 2.5-2.9 with the epilogue. So:
-#: - Row blocks outer within an item: a block's 32 rows of x (K / 16 KB: 36 KB at K = 576)
-#:   stay in L1 while the item's column pairs pass, and the B tiles come with `tileloaddt1`,
-#:   which keeps them from pushing those rows out of L1 (+15-25% at K = 576 from 256 rows).
-#:   Up to 64 rows (one or two row blocks) plain loads and chunks of 4 column pairs, as
-#:   before: cold weights there ran 2-5% slower otherwise.
-#: - The epilogue of a block (fp32 C to bf16 rows, + bias) runs 4 rows at a time between the
-#:   next block's tile products, from a second C buffer: the vector ports convert while the
-#:   tile unit multiplies (+3-5%).
-#: - Items: a panel of up to 16 row blocks x up to 8 column pairs, as many as a multiple of
-#:   the threads where the columns allow, shared with stealing (`vx_ws`).
-#: SmolLM2's 120 matrices (cold, median of 7): 576 rows 0.82x the time of the layout before,
-#: 2,048 rows 0.75x; the same at 8-192 rows (0.96-1.04). Software prefetch did worse (the
-#: next 32 columns' tiles into L2 over a block's passes: 1.08 / 1.00 / 0.97 of the skinny
-#: GEMM's time at 8 / 32 / 64 rows, against 0.91 / 0.80 / 0.84), and so did K cut into
-#: L1-sized parts with C kept in fp32 scratch between them (down, K = 1,536: no change).
-#:
-#: `vx_gemm_amx_vnni_silu` is the same loop over a gate-up weight packed with its gate and up
-#: rows interleaved by 16, so each 32-column block is 16 gate | 16 up columns of the same
-#: outputs, and the epilogue writes silu(bf16(gate)) * bf16(up) ([M, I], the bits of the GEMM
-#: then `vx_silu_and_mul_bf16`). SmolLM2's gate-up at 2,048 rows: 2.6 ms against 4.2-4.5 for
-#: oneDNN's GEMM then the SiLU pass; at 576 rows 0.75 against 1.09; at 64 rows 0.09 against
-#: 0.17-0.2 (hot weights).
-#:
-#: `vx_gemm_amx_vnni_rope` is the same loop over the fused qkv projection with rotate-half
-#: rotary in its epilogue on the q and k heads: a head's D / 32 blocks are one unit (an item's
-#: column chunk holds whole heads), its rows go out once its last block is done, rounded as
-#: the GEMM's output and then as `vx_rotary_bf16` (the same bits), so no pass reads q and k
-#: back.
-#:
-#: A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`), a last single
-#: 16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
-#: N % 16, K too big; with the SiLU, I % 16).
-GEMM_AMX_VNNI_SOURCE = r"""
+   Against `vx_gemm_amx_bf16` (plain weights as the A operand, x packed as B, C^T transposed
+   back), SmolLM2's 120 matrices with cold weights on a 2-core Sapphire Rapids take 0.91-0.97
+   of the time at 8-16 rows, 0.80-0.87 at 32-64 and 0.77-0.82 at 128-192 (a tie at 4 rows):
+   the weights stream from memory as 1 KB sequential tiles, not 16 strided rows, and the
+   epilogue has no transposes. The fp32 sums are the same products in the same order:
+   bit-identical results (tested).
+
+   Where the time went, and what the loops do about it (one hot SmolLM2 weight, 2 threads):
+   the tile products alone peak at ~5.8 TFLOP/s with every operand in L1, but ran at 3.1-3.7
+   with x and the weight both streaming, and 2.5-2.9 with the epilogue. So:
+   - Row blocks outer within an item: a block's 32 rows of x (K / 16 KB: 36 KB at K = 576)
+     stay in L1 while the item's column pairs pass, and the B tiles come with `tileloaddt1`,
+     which keeps them from pushing those rows out of L1 (+15-25% at K = 576 from 256 rows).
+     Up to 64 rows (one or two row blocks) plain loads and chunks of 4 column pairs, as
+     before: cold weights there ran 2-5% slower otherwise.
+   - The epilogue of a block (fp32 C to bf16 rows, + bias) runs 4 rows at a time between the
+     next block's tile products, from a second C buffer: the vector ports convert while the
+     tile unit multiplies (+3-5%).
+   - Items: a panel of up to 16 row blocks x up to 8 column pairs, as many as a multiple of
+     the threads where the columns allow, shared with stealing (`vx_ws`).
+   SmolLM2's 120 matrices (cold, median of 7): 576 rows 0.82x the time of the layout before,
+   2,048 rows 0.75x; the same at 8-192 rows (0.96-1.04). Software prefetch did worse (the
+   next 32 columns' tiles into L2 over a block's passes: 1.08 / 1.00 / 0.97 of the skinny
+   GEMM's time at 8 / 32 / 64 rows, against 0.91 / 0.80 / 0.84), and so did K cut into
+   L1-sized parts with C kept in fp32 scratch between them (down, K = 1,536: no change).
+
+   `vx_gemm_amx_vnni_silu` is the same loop over a gate-up weight packed with its gate and up
+   rows interleaved by 16, so each 32-column block is 16 gate | 16 up columns of the same
+   outputs, and the epilogue writes silu(bf16(gate)) * bf16(up) ([M, I], the bits of the GEMM
+   then `vx_silu_and_mul_bf16`). SmolLM2's gate-up at 2,048 rows: 2.6 ms against 4.2-4.5 for
+   oneDNN's GEMM then the SiLU pass; at 576 rows 0.75 against 1.09; at 64 rows 0.09 against
+   0.17-0.2 (hot weights).
+
+   `vx_gemm_amx_vnni_rope` is the same loop over the fused qkv projection with rotate-half
+   rotary in its epilogue on the q and k heads: a head's D / 32 blocks are one unit (an item's
+   column chunk holds whole heads), its rows go out once its last block is done, rounded as
+   the GEMM's output and then as `vx_rotary_bf16` (the same bits), so no pass reads q and k
+   back.
+
+   A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`), a last single
+   16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
+   N % 16, K too big; with the SiLU, I % 16). */
+#include "vx_kernels.h"
 #ifdef VX_HAS_AMX
 #define VX_AV_PM 16  /* 32-row blocks a panel holds at most */
 #define VX_AV_NC 8   /* 32-column blocks an item takes at most */
@@ -299,4 +296,3 @@ int vx_gemm_amx_vnni_rope(const vx_bf16* x, int64_t x_st, int M, const uint32_t*
 }
 int vx_has_gemm_amx_vnni(void) { return 0; }
 #endif
-"""

@@ -1,35 +1,32 @@
-"""The C source of the CPU prefill attention (bf16, AMX), built into the same library as the
-decode kernels (`vx.gpu.kv_cache` appends it to `vx.gpu.cpu_kernel_source`'s, whose helpers
-it uses: `vx_expf`, `vx_amx_load_tiles`, `vx_amx_on`, `VX_INLINE`, `VX_HAS_AMX`).
+/* The CPU prefill attention (bf16, AMX), built into the same library as the
+   decode kernels (vx_kernels.c includes it after decode_attention.c, whose helpers
+   it uses: `vx_expf`, `vx_amx_load_tiles`, `vx_amx_on`, `VX_INLINE`, `VX_HAS_AMX`).
 
-Runs in: the Worker process. Kept apart from the decode kernels so each stays readable.
-"""
+   Runs in: the Worker process. Kept apart from the decode kernels so each stays readable. */
 
-from __future__ import annotations
+/* Causal attention of every prefill chunk of a step in one call, flash style, on AMX tiles.
+   Layouts: q/out [T, Hq, D] with any row strides (chunk i owns rows [starts[i], starts[i] +
+   lens[i])); caches [Hkv, NB, BS, D] (strides given), the chunk's own K/V already written;
+   bt [nchunks, >= ceil(ctx / BS)] int32 (row i: chunk i's blocks); computed[i] cached tokens
+   before chunk i, so query j of chunk i sits at position computed[i] + j and sees keys
+   [0, computed[i] + j]. Any block size.
 
-#: Causal attention of every prefill chunk of a step in one call, flash style, on AMX tiles.
-#: Layouts: q/out [T, Hq, D] with any row strides (chunk i owns rows [starts[i], starts[i] +
-#: lens[i])); caches [Hkv, NB, BS, D] (strides given), the chunk's own K/V already written;
-#: bt [nchunks, >= ceil(ctx / BS)] int32 (row i: chunk i's blocks); computed[i] cached tokens
-#: before chunk i, so query j of chunk i sits at position computed[i] + j and sees keys
-#: [0, computed[i] + j]. Any block size.
-#:
-#: Two passes, both on torch's OpenMP pool:
-#: 1. each (chunk, kv head, 32 keys) is copied out of the paged cache into the layouts
-#:    tdpbf16ps takes as its B operand: K^T pair-interleaved (row j, column n: key n's dims
-#:    2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
-#:    context are zero;
-#: 2. each (chunk, up to 4 query heads of one kv head, 32 queries; one head of 16 where
-#:    D > 64) runs over its keys 256 at a time, each chunk of keys for its heads in turn:
-#:    S = Q K^T into tiles, then per query row the running max, exp (fp32) and sum, the
-#:    probabilities rounded to bf16 (as torch's flash attention does for bf16), then P V
-#:    into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
-#:    most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
-#:    in list order).
-#: Without AMX, on AVX2 builds, the chunks go to `vx.gpu.cpu_prefill_avx2_source`'s kernel.
-#: Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
-#: writing anything; -1 if scratch could not be allocated; the caller then uses SDPA.
-PREFILL_ATTENTION_SOURCE = r"""
+   Two passes, both on torch's OpenMP pool:
+   1. each (chunk, kv head, 32 keys) is copied out of the paged cache into the layouts
+      tdpbf16ps takes as its B operand: K^T pair-interleaved (row j, column n: key n's dims
+      2j, 2j+1) and V pair-interleaved (row j, column d: keys 2j, 2j+1 of dim d); keys past the
+      context are zero;
+   2. each (chunk, up to 4 query heads of one kv head, 32 queries; one head of 16 where
+      D > 64) runs over its keys 256 at a time, each chunk of keys for its heads in turn:
+      S = Q K^T into tiles, then per query row the running max, exp (fp32) and sum, the
+      probabilities rounded to bf16 (as torch's flash attention does for bf16), then P V
+      into tiles, and the running output rescaled in fp32. Within a chunk, items run from the
+      most keys down (dynamic schedule), so its long causal rows do not end up last (chunks
+      in list order).
+   Without AMX, on AVX2 builds, the chunks go to prefill_avx2.c's kernel.
+   Returns -2 where it does not apply (no AMX, D % 32, D > 256, Hq % Hkv, no chunks), before
+   writing anything; -1 if scratch could not be allocated; the caller then uses SDPA. */
+#include "vx_kernels.h"
 #ifdef VX_HAS_FAST_BF16  /* AVX512-BF16: the helpers both products' kernels share */
 #define VX_PF_512 1
 #define VX_PCH 256  /* keys per softmax chunk */
@@ -339,122 +336,3 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf1
         vx_pf_store(&acc[g][0][0], 64, sum[g], out + g * o_sh, o_st, t0, m, D);
 }
 #endif
-"""
-
-#: The entry point, after `vx.gpu.cpu_prefill_avx512_source` (the items without AMX).
-PREFILL_DISPATCH_SOURCE = r"""
-int vx_prefill_attention_bf16(
-        const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
-        const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
-        const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens,
-        const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale) {
-#ifdef VX_PF_512
-    if (D % 32 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
-#ifdef VX_HAS_AMX
-    const int amx = vx_amx_on;
-#else
-    const int amx = 0;
-#endif
-    const int G = Hq / Hkv, DV = D / 32;
-    /* query rows per item: 32 (vx_pf_item32, vx_pf_item_dp) where it applies, else 16 */
-    const int QR = !amx || DV <= 2 ? 32 : 16;
-    /* each kv head's G query heads in NGR groups of at most GH heads an item (vx_pf_item32
-       up to VX_PF_GH; vx_pf_item_dp as many as its scratch holds; vx_pf_item one) */
-    const int GHM = !amx ? (VX_PF_DP_ROWS / (32 * D) < VX_PF_GH ? VX_PF_DP_ROWS / (32 * D) : VX_PF_GH)
-                         : QR == 32 ? VX_PF_GH : 1;
-    const int NGR = (G + GHM - 1) / GHM, GH = (G + NGR - 1) / NGR;
-    const int HI = Hkv * NGR;  /* (kv head, head group) pairs */
-    const int64_t pair_dw = (int64_t)4 * DV * 256;
-    /* per chunk: first packed pair group, first work item */
-    int64_t* pg0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
-    if (!pg0) return -1;
-    int64_t* it0 = pg0 + nchunks + 1;
-    pg0[0] = it0[0] = 0;
-    for (int i = 0; i < nchunks; i++) {
-        pg0[i + 1] = pg0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 31) / 32);
-        it0[i + 1] = it0[i] + (int64_t)HI * ((lens[i] + QR - 1) / QR);
-    }
-    uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)pg0[nchunks] * pair_dw * 4 + 64);
-    if (!packed) { free(pg0); return -1; }
-    const int64_t npg = pg0[nchunks], nit = it0[nchunks];
-    _Pragma("omp parallel") {
-    _Pragma("omp for schedule(static)")
-    for (int64_t w = 0; w < npg; w++) {
-        int i = 0;
-        while (pg0[i + 1] <= w) i++;
-        const int ctx = computed[i] + lens[i], per = (ctx + 31) / 32;
-        const int h = (int)((w - pg0[i]) / per), pg = (int)((w - pg0[i]) % per);
-        vx_pf_pack(packed + w * pair_dw, kc + h * c_sh, vc + h * c_sh, bt + i * bt_s, c_sb,
-                   c_ss, BS, ctx, pg, DV);
-    }
-#ifdef VX_HAS_AMX
-    if (amx) vx_amx_load_tiles(8);
-#endif
-    _Pragma("omp for schedule(dynamic, 1)")
-    for (int64_t w = 0; w < nit; w++) {
-        int i = 0;
-        while (it0[i + 1] <= w) i++;
-        const int nq = (lens[i] + QR - 1) / QR;
-        /* the last query tile (most keys) of each head first */
-        const int qt = nq - 1 - (int)((w - it0[i]) / HI), hi = (int)((w - it0[i]) % HI);
-        const int h = hi / NGR, hq = h * G + (hi % NGR) * GH;
-        const int gh = G - (hi % NGR) * GH < GH ? G - (hi % NGR) * GH : GH, t0 = QR * qt;
-        const int m = lens[i] - t0 < QR ? lens[i] - t0 : QR;
-        const int ctx = computed[i] + lens[i];
-        const uint32_t* pk = packed + (pg0[i] + (int64_t)h * ((ctx + 31) / 32)) * pair_dw;
-        const vx_bf16* qr = q + (int64_t)starts[i] * q_st + (int64_t)hq * q_sh;
-        vx_bf16* orow = out + (int64_t)starts[i] * o_st + (int64_t)hq * o_sh;
-        if (!amx) {
-            vx_pf_item_dp(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
-                          scale, DV);
-            continue;
-        }
-#ifdef VX_HAS_AMX
-#define VX_PF_ITEM(N) vx_pf_item(qr, q_st, orow, o_st, pk, computed[i], t0, m, scale, N)
-        if (QR == 32) {
-            if (DV == 1)
-                vx_pf_item32(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
-                             scale, 1);
-            else
-                vx_pf_item32(qr, q_st, q_sh, orow, o_st, o_sh, gh, pk, computed[i], t0, m,
-                             scale, 2);
-        } else
-        switch (DV) {  /* one specialisation per D, so loops over D unroll */
-        case 3: VX_PF_ITEM(3); break; case 4: VX_PF_ITEM(4); break;
-        default: VX_PF_ITEM(DV); break;
-        }
-#undef VX_PF_ITEM
-#endif
-    }
-#ifdef VX_HAS_AMX
-    if (amx) _tile_release();
-#endif
-    }
-    free(packed);
-    free(pg0);
-    return 0;
-#elif defined(VX_PFA_AVX2)  /* `vx.gpu.cpu_prefill_avx2_source` */
-    return vx_prefill_attention_bf16_avx2(q, q_st, q_sh, out, o_st, o_sh, kc, vc, c_sh, c_sb,
-                                          c_ss, bt, bt_s, starts, lens, computed, nchunks, Hq,
-                                          Hkv, D, BS, scale);
-#else
-    (void)q; (void)q_st; (void)q_sh; (void)out; (void)o_st; (void)o_sh; (void)kc; (void)vc;
-    (void)c_sh; (void)c_sb; (void)c_ss; (void)bt; (void)bt_s; (void)starts; (void)lens;
-    (void)computed; (void)nchunks; (void)Hq; (void)Hkv; (void)D; (void)BS; (void)scale;
-    return -2;
-#endif
-}
-/* Which prefill kernel `vx_prefill_attention_bf16` runs now: 1 AMX, 2 AVX2, 3 AVX512-BF16
-   without AMX (`vx.gpu.cpu_prefill_avx512_source`), 0 none. */
-int vx_has_prefill_attention(void) {
-#if defined(VX_HAS_AMX)
-    return vx_amx_on ? 1 : 3;
-#elif defined(VX_PF_512)
-    return 3;
-#elif defined(VX_PFA_AVX2)
-    return 2;
-#else
-    return 0;
-#endif
-}
-"""

@@ -1,43 +1,39 @@
-"""The C source of the bf16 prefill attention for CPUs with AVX2 and no AVX-512.
+/* The bf16 prefill attention for CPUs with AVX2 and no AVX-512.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before
-`vx.gpu.cpu_prefill_source`, whose `vx_prefill_attention_bf16` hands chunks to it where AMX is
-absent). It uses the AVX2 helpers of `vx.gpu.cpu_eltwise_source` (`vx_ld8_bf16`).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before
+   prefill_amx.c, whose `vx_prefill_attention_bf16` hands chunks to it where AMX is
+   absent). It uses the AVX2 helpers of eltwise.c (`vx_ld8_bf16`).
 
-Why it exists: without AMX the prefill chunks went to torch's SDPA, ~20 GFLOP/s for a
-128-token prompt on a 2-core AVX2 EPYC (~28 ms of a ~360 ms step) and ~70 GFLOP/s at 2,048
-tokens (~2.1 s of a ~5.6 s step), plus one SDPA (and a gather of the cached blocks) per chunk
-per layer. Here every chunk of a step is one call per layer, the products run on an FMA
-register tile (6 rows by 16 columns) like a GEMM's, and the cached prefix is read in place
-through the block table.
+   Why it exists: without AMX the prefill chunks went to torch's SDPA, ~20 GFLOP/s for a
+   128-token prompt on a 2-core AVX2 EPYC (~28 ms of a ~360 ms step) and ~70 GFLOP/s at 2,048
+   tokens (~2.1 s of a ~5.6 s step), plus one SDPA (and a gather of the cached blocks) per chunk
+   per layer. Here every chunk of a step is one call per layer, the products run on an FMA
+   register tile (6 rows by 16 columns) like a GEMM's, and the cached prefix is read in place
+   through the block table.
 
-Arguments and layouts: those of `vx_prefill_attention_bf16` (`vx.gpu.cpu_prefill_source`):
-q/out [T, Hq, D] with any row strides, chunk i owning rows [starts[i], starts[i] + lens[i]);
-caches [Hkv, NB, BS, D] by strides, the chunk's own K/V already written; bt [nchunks, >=
-ceil(ctx / BS)]; query j of chunk i at position computed[i] + j sees keys [0, computed[i] + j].
+   Arguments and layouts: those of `vx_prefill_attention_bf16` (prefill_amx.c):
+   q/out [T, Hq, D] with any row strides, chunk i owning rows [starts[i], starts[i] + lens[i]);
+   caches [Hkv, NB, BS, D] by strides, the chunk's own K/V already written; bt [nchunks, >=
+   ceil(ctx / BS)]; query j of chunk i at position computed[i] + j sees keys [0, computed[i] + j].
 
-Two passes on torch's OpenMP pool:
-1. every (chunk, kv head, 16 keys) is widened to fp32 out of the paged cache: K transposed
-   into panels [D][16] (the S tile's B operand), V as rows [16][D]; keys past the context zero;
-2. every (chunk, kv head, up to 16 queries) item takes the kv head's G query heads together
-   (rows query-major, G per query), its keys VX_PFA_KC at a time: S = Q K^T (Q pre-scaled by
-   scale * log2 e), per row the running max, 2^(s - max) (only for the keys the row sees; the
-   rest are exactly 0) and sum, then O = O * 2^(old max - new max) + P V; at the end O / sum,
-   rounded once to bf16. fp32 throughout (P is not rounded to bf16, unlike SDPA's and the AMX
-   kernel's). Items with the most keys go first (dynamic schedule).
-Returns -2 where it does not apply (D % 8, D > 256, Hq % Hkv, no chunks) before writing
-anything; -1 if scratch could not be allocated (the caller then uses SDPA).
-"""
-
-from __future__ import annotations
-
-PREFILL_AVX2_SOURCE = r"""
+   Two passes on torch's OpenMP pool:
+   1. every (chunk, kv head, 16 keys) is widened to fp32 out of the paged cache: K transposed
+      into panels [D][16] (the S tile's B operand), V as rows [16][D]; keys past the context zero;
+   2. every (chunk, kv head, up to 16 queries) item takes the kv head's G query heads together
+      (rows query-major, G per query), its keys VX_PFA_KC at a time: S = Q K^T (Q pre-scaled by
+      scale * log2 e), per row the running max, 2^(s - max) (only for the keys the row sees; the
+      rest are exactly 0) and sum, then O = O * 2^(old max - new max) + P V; at the end O / sum,
+      rounded once to bf16. fp32 throughout (P is not rounded to bf16, unlike SDPA's and the AMX
+      kernel's). Items with the most keys go first (dynamic schedule).
+   Returns -2 where it does not apply (D % 8, D > 256, Hq % Hkv, no chunks) before writing
+   anything; -1 if scratch could not be allocated (the caller then uses SDPA). */
+#include "vx_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_PFA_AVX2 1
 #define VX_PFA_KC 128  /* keys per softmax chunk: the S rows of an item stay in L1/L2 */
 #define VX_PFA_QT 16   /* queries per item */
 /* 2^x on 8 lanes, x >= -125 after the clamp (so 2^n stays normal): n = round(x), r = x - n in
-   [-1/2, 1/2], 2^r by VX_EXP2_POLY (`vx.gpu.cpu_kernel_source`), 2^n by the exponent. */
+   [-1/2, 1/2], 2^r by VX_EXP2_POLY (decode_attention.c), 2^n by the exponent. */
 static inline __m256 vx_exp2_8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -266,4 +262,3 @@ int vx_prefill_attention_bf16_avx2(
     return failed ? -1 : 0;
 }
 #endif
-"""

@@ -1,33 +1,29 @@
-"""The C source of the skinny bf16 GEMM for CPUs with AVX2 and no AVX-512 (most laptops,
-AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x, W bf16 or (`--quantization int8`)
-int8 with per-row scales; and the LM head's int8 screen.
+/* The skinny bf16 GEMM for CPUs with AVX2 and no AVX-512 (most laptops,
+   AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x, W bf16 or (`--quantization int8`)
+   int8 with per-row scales; and the LM head's int8 screen.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
-`vx.gpu.cpu_widen.WideWeight` calls it for the rows its wide copy is not worth).
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
+   `vx.gpu.cpu_widen.WideWeight` calls it for the rows its wide copy is not worth).
 
-Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV
-reads them at ~13 GB/s on two AVX2 cores and the fp32 copy doubles the bytes; this kernel
-reads the bf16 weight once, widening each 8 values with a shift, with the next rows
-prefetched (the matrices are too short for the hardware prefetcher to ramp up). Past 3 rows
-each group of 4 weight rows is read from memory once and from L1 for the other rows of x, so
-it stays ahead of the fp32 copy (oneDNN's packed fp32 GEMM) up to ~24 rows. SmolLM2's 120
-linears, weights cold, 2-core AMD EPYC: 8 rows 22-25 ms against 36 ms for the fp32 copy, 16
-rows 34-50 against 62, 24 rows ~52 against ~63; at 32 rows the fp32 copy is ahead (76 against
-83), hence VX_AVX2_MAX_ROWS.
+   Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV
+   reads them at ~13 GB/s on two AVX2 cores and the fp32 copy doubles the bytes; this kernel
+   reads the bf16 weight once, widening each 8 values with a shift, with the next rows
+   prefetched (the matrices are too short for the hardware prefetcher to ramp up). Past 3 rows
+   each group of 4 weight rows is read from memory once and from L1 for the other rows of x, so
+   it stays ahead of the fp32 copy (oneDNN's packed fp32 GEMM) up to ~24 rows. SmolLM2's 120
+   linears, weights cold, 2-core AMD EPYC: 8 rows 22-25 ms against 36 ms for the fp32 copy, 16
+   rows 34-50 against 62, 24 rows ~52 against ~63; at 32 rows the fp32 copy is ahead (76 against
+   83), hence VX_AVX2_MAX_ROWS.
 
-Layout: x [M, K] bf16 (row stride x_st), W [N, K] bf16 row-major, bias [N] bf16 or NULL, y
-[M, N] bf16 (row stride y_st); 1 <= M <= VX_AVX2_MAX_ROWS, K % 8 == 0, K <= VX_AVX2_MAX_K.
-fp32 products and sums, one bf16 rounding at the end (the sums' order differs from torch's).
-Parallel over blocks of 4 output rows, shared with stealing (`vx_ws`).
+   Layout: x [M, K] bf16 (row stride x_st), W [N, K] bf16 row-major, bias [N] bf16 or NULL, y
+   [M, N] bf16 (row stride y_st); 1 <= M <= VX_AVX2_MAX_ROWS, K % 8 == 0, K <= VX_AVX2_MAX_K.
+   fp32 products and sums, one bf16 rounding at the end (the sums' order differs from torch's).
+   Parallel over blocks of 4 output rows, shared with stealing (`vx_ws`).
 
-Beside it, for the LM head's exact greedy search (`vx.gpu.cpu_screen`): `vx_screen_i8_avx2`,
-the same tiles over an int8 copy of W with per-row scales (fp32 out); `vx_screen_select`
-(`vx.gpu.cpu_screen_source`) picks the rows it cannot rule out.
-"""
-
-from __future__ import annotations
-
-GEMV_AVX2_SOURCE = r"""
+   Beside it, for the LM head's exact greedy search (`vx.gpu.cpu_screen`): `vx_screen_i8_avx2`,
+   the same tiles over an int8 copy of W with per-row scales (fp32 out); `vx_screen_select`
+   (screen.c) picks the rows it cannot rule out. */
+#include "vx_kernels.h"
 #define VX_AVX2_MAX_ROWS 24
 #define VX_AVX2_MT 3  /* rows of x per tile: 3 x 4 accumulators, 4 weight vectors, x */
 #define VX_AVX2_MAX_K 16384
@@ -361,4 +357,3 @@ int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
 }
 int vx_gemv_avx2_max_rows(void) { return 0; }
 #endif
-"""

@@ -1,63 +1,16 @@
-"""The C source of the CPU kernels over the paged KV cache, and the flags it is built with.
+/* The decode attention over the paged KV cache (the portable kernel for fp32 and bf16, the
+   AVX512-BF16 one with AMX for q.k where the CPU has it), and the KV write through a slot
+   mapping; with the AMX switches (`vx_amx_on`) the later files share.
 
-Runs in: the Worker process (`vx.gpu.kv_cache` compiles it with cc once per machine and loads
-it with ctypes). Kept apart from the Python that builds and calls it so each stays readable.
-"""
-
-from __future__ import annotations
-
-#: One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
-#: Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
-#: bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
-#: pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
-#: batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
-#: more than it saves there.
-DECODE_KERNEL_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#include <stdlib.h>
-typedef uint16_t vx_bf16;
-static inline float ld_f32(float x) { return x; }
-static inline float st_f32(float x) { return x; }
-static inline float ld_bf16(vx_bf16 x) {
-    union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f;
-}
-static inline vx_bf16 st_bf16(float f) {
-    union { uint32_t u; float f; } c; c.f = f;
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (vx_bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even, as torch */
-    return (vx_bf16)(u >> 16);
-}
-/* exp(x) for x <= 0 without a libm call, so the softmax loop vectorises: x = n ln2 + r with
-   |r| <= ln2/2 (ln2 split in two for an exact n ln2), exp(r) by its degree-7 Taylor polynomial
-   (truncation < 1e-8 relative), 2^n by building the exponent bits. Within 2 ulp of expf. */
-#define VX_LN2_HI 0.693145751953125f  /* ln2 in two parts: n * VX_LN2_HI is exact */
-#define VX_LN2_LO 1.428606765330187e-06f
-static inline float vx_expf(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f;
-    const int ni = (int)(t - 0.5f);  /* t <= 0: truncation of t - 0.5 rounds to nearest */
-    const float n = (float)ni;
-    const float r = (x - n * VX_LN2_HI) - n * VX_LN2_LO;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f; p = p * r + 1.f / 120.f; p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f; p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-    union { uint32_t u; float f; } c; c.u = (uint32_t)(ni + 127) << 23;
-    return p * c.f;
-}
-/* vx_expf's polynomial for its vector forms (vx_exp16 here, vx_exp8 with the AVX2 SiLU), the
-   same Horner steps: FMA(a, b, c) = a * b + c, SET(c) the constant c in every lane. */
-#define VX_EXP_POLY(FMA, SET, r) \
-    FMA(FMA(FMA(FMA(FMA(FMA(FMA(SET(1.f / 5040.f), r, SET(1.f / 720.f)), r, SET(1.f / 120.f)), \
-        r, SET(1.f / 24.f)), r, SET(1.f / 6.f)), r, SET(0.5f)), r, SET(1.f)), r, SET(1.f))
-/* 2^r for r in [-1/2, 1/2]: degree 6, fitted for relative error (~1e-7 in fp32). Shared by the
-   prefill kernels' 2^x (AMX: 16 lanes; AVX2: 8). */
-#define VX_EXP2_POLY(FMA, SET, r) \
-    FMA(FMA(FMA(FMA(FMA(FMA(SET(1.534581242594868e-04f), r, SET(1.3399930903688073e-03f)), r, \
-        SET(9.618489071726799e-03f)), r, SET(5.550328642129898e-02f)), r, \
-        SET(2.4022646248340607e-01f)), r, SET(6.931471824645996e-01f)), r, SET(1.0f))
+   Runs in: the Worker process (`vx.gpu.kv_cache` compiles the library once per machine and
+   loads it with ctypes). */
+/* One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
+   Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
+   bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
+   pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
+   batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
+   more than it saves there. */
+#include "vx_kernels.h"
 #define DECODE_KERNEL(NAME, T, LD, ST, EXP) \
 int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
          const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
@@ -492,9 +445,3 @@ int vx_has_fast_bf16(void) {
     return 0;
 #endif
 }
-"""
-# -fassociative-math (and what it needs) lets the dot products and sums vectorise.
-CFLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-    "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-]  # fmt: skip
