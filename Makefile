@@ -19,7 +19,7 @@ $(BIN)/.vx-setup: pyproject.toml
 
 test: setup
 	$(BIN)/python -m ruff check vx tests bench
-	$(BIN)/python -m pytest -q -m "not stress and not gpu"; rc=$$?; \
+	$(BIN)/python -m pytest -q -rs -m "not stress and not gpu"; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 serve: setup
