@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import os
 
+from vx import envs
+
 logger = logging.getLogger(__name__)
 
 
 def host_cpus(device: str, spec: str | None = None) -> set[int] | None:
     """The cores the host processes should run on, or None to leave them where they are."""
-    spec = (os.environ.get("VX_HOST_CPUS", "auto") if spec is None else spec).strip().lower()
+    spec = (envs.VX_HOST_CPUS if spec is None else spec).strip().lower()
     if spec in ("", "off", "none"):
         return None
     try:

@@ -16,7 +16,7 @@ variable set still serves its other requests on the default path.
 
 from __future__ import annotations
 
-import os
+from vx import envs
 
 __all__ = ["ENV", "PoisonError", "PoisonedStopSet", "poison_seed"]
 
@@ -29,7 +29,7 @@ class PoisonError(RuntimeError):
 
 def poison_seed(site: str) -> int | None:
     """The seed that poisons requests at `site` ("engine" or "worker"), or None (the default)."""
-    spec = os.environ.get(ENV, "")
+    spec = envs.VX_TEST_POISON
     for item in spec.split(","):
         name, _, value = item.strip().partition(":")
         if name == site and value.strip().lstrip("-").isdigit():

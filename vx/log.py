@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 import os
 
+from vx import envs
+
 _FORMAT = "%(asctime)s %(levelname)s [{role} {pid}] %(name)s: %(message)s"
 
 
 def setup_logging(role: str, level: str | int | None = None) -> None:
     """Configure the root logger for this process; `level` defaults to $VX_LOG_LEVEL or INFO."""
     if level is None:
-        level = os.environ.get("VX_LOG_LEVEL", "INFO")
+        level = envs.VX_LOG_LEVEL
     if isinstance(level, str):
         level = level.upper()
     root = logging.getLogger()

@@ -22,7 +22,7 @@ CPU path (no per-request Python loop for decodes):
 - prefill chunks (bf16): every chunk of the step in one C call per layer, reading the cached
   prefix through the block table (`vx/gpu/csrc/prefill_amx.c` on AMX,
   `vx/gpu/csrc/prefill_avx2.c` on AVX2 CPUs without AVX-512). Elsewhere (fp32, other CPUs,
-  ``VX_CPU_PREFILL_ATTENTION=sdpa``) per chunk one SDPA; a chunk with no cached prefix attends
+  ``VX_CPU_ATTENTION_KERNEL=portable``) per chunk one SDPA; a chunk with no cached prefix attends
   to its own new K/V with ``is_causal``, one with a prefix gathers its context from the cache
   and uses a precomputed offset-causal mask.
 

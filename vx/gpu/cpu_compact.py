@@ -19,9 +19,9 @@ copy the rest). `VX_CPU_COMPACT=0` leaves it out (A/B runs).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from vx import envs
 
 __all__ = ["CompactWeight", "pack_compact"]
 
@@ -94,7 +94,7 @@ class CompactWeight:
 
     @staticmethod
     def _takes(lib, weight: torch.Tensor) -> bool:
-        if lib is None or os.environ.get("VX_CPU_COMPACT", "1") == "0":
+        if lib is None or not envs.VX_CPU_COMPACT:
             return False
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
             return False

@@ -35,12 +35,12 @@ by its int8 screen (`vx.gpu.cpu_screen`); on AVX2 builds one-row steps only, by 
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from vx import envs
 from vx.gpu.cpu_ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
 from vx.gpu.cpu_row_plan import vnni_wins
 from vx.gpu.cpu_vnni import VNNI_MIN_ROWS
@@ -98,15 +98,13 @@ def _split_policy(vnni: bool) -> tuple[int, int]:
     steps, bound by that stream, lose (2-core Zen 5, SmolLM2, alternated rounds of 127 steps:
     16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7 against 37.9
     in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
-    thread's measured speed (`vx_split_cut`); `VX_CPU_SPLIT_ADAPT=0` cuts them evenly. A thread
-    done with its rows takes half of those the other has left, from its next layer on
-    (`vx/gpu/csrc/split_step.c`); `VX_CPU_SPLIT_STEAL=0` turns that off."""
-    env = os.environ.get("VX_CPU_SPLIT_STEP")
-    if env is not None:
-        parts = int(env)
-    else:
+    thread's measured speed (`vx_split_cut`; `vx_set_split_adapt(0)`, for tests: evenly). A
+    thread done with its rows takes half of those the other has left, from its next layer on
+    (`vx/gpu/csrc/split_step.c`; `vx_set_split_steal(0)`, for tests: never)."""
+    parts = envs.VX_CPU_SPLIT_STEP
+    if parts is None:
         parts = 2 if vnni and torch.get_num_threads() == 2 else 0
-    return (parts if parts >= 2 else 0), int(os.environ.get("VX_CPU_SPLIT_MIN_ROWS", "16"))
+    return (parts if parts >= 2 else 0), envs.VX_CPU_SPLIT_MIN_ROWS
 
 
 class _Step(ctypes.Structure):
@@ -217,9 +215,12 @@ class FusedDecode:
         self.split_parts, self.split_min_rows = _split_policy(
             bool(self._vnni_rows) and not self._amx
         )
-        if lib.vx_has_decode_step() == 1:  # the parts' cuts follow the threads' speeds
-            lib.vx_set_split_adapt(int(os.environ.get("VX_CPU_SPLIT_ADAPT", "1") != "0"))
-            lib.vx_set_split_steal(int(os.environ.get("VX_CPU_SPLIT_STEAL", "1") != "0"))
+        if lib.vx_has_decode_step() == 1:
+            # The split's defaults, set again for each model (tests change them): the parts'
+            # cuts follow the threads' speeds, measured afresh, and a thread done with its rows
+            # takes some of the other's.
+            lib.vx_set_split_adapt(1)
+            lib.vx_set_split_steal(1)
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]
@@ -233,7 +234,7 @@ class FusedDecode:
         """For a `LlamaModel` after its weights were processed; None where it does not apply."""
         from vx.gpu.attention import paged_attention
 
-        if os.environ.get("VX_CPU_DECODE_STEP", "1") == "0":
+        if not envs.VX_CPU_DECODE_STEP:
             return None
         lib = load_cpu_kernels()
         kind = 0 if lib is None else lib.vx_has_decode_step()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+from vx import envs
+
 #: The target macros an AMX CPU's -march=native defines, which select the kernels' paths.
 EMULATED_DEFINES = [
     "-DSIMDE_NO_NATIVE", "-D__AVX512F__", "-D__AVX512BW__", "-D__AVX512VL__", "-D__AVX512DQ__",
@@ -37,7 +39,7 @@ def emulating() -> bool:
     its bf16 arithmetic as given (no fp32 copies, `vx.gpu.cpu_widen`) and make no oneDNN copies
     (`vx.gpu.quantization.cpu_prepack_enabled`), which an AVX2 host's oneDNN could not run.
     So the emulated tests take the same paths on every host."""
-    return os.environ.get("VX_CPU_EMULATE", "0") == "1"
+    return envs.VX_CPU_EMULATE
 
 
 def emulation_flags(csrc: str) -> list[str]:

@@ -4,12 +4,11 @@ small batch, bf16 or int8 weights) and the fused RMSNorm and SiLU-mul (bf16).
 Runs in: each Worker process. The C sources are `vx/gpu/csrc/gemv.c` and `vx/gpu/csrc/eltwise.c`, built into the same
 library as the decode attention (`vx.gpu.kv_cache.load_cpu_kernels`). Every entry point
 answers "not here" (False / None) where the library, the CPU or the tensor does not fit, and
-the caller keeps its torch path; `VX_CPU_GEMV=0` turns all of them off.
+the caller keeps its torch path (as everywhere with `VX_CPU_ATTENTION_KERNEL=0`, which
+turns the library off).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -47,18 +46,14 @@ _gemv_state: dict[str, object] = {}
 
 
 def gemv_kernels():
-    """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None.
-
-    `VX_CPU_GEMV=0` turns it off (oneDNN / torch's int8 kernel at every size).
-    """
+    """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None (then
+    oneDNN / torch's int8 kernel take every size)."""
     if "lib" not in _gemv_state:
-        lib = None
-        if os.environ.get("VX_CPU_GEMV", "1") != "0":
-            from vx.gpu.kv_cache import load_cpu_kernels
+        from vx.gpu.kv_cache import load_cpu_kernels
 
-            lib = load_cpu_kernels()
-            if lib is not None and not lib.vx_has_gemv():
-                lib = None
+        lib = load_cpu_kernels()
+        if lib is not None and not lib.vx_has_gemv():
+            lib = None
         amx = lib is not None and bool(lib.vx_fast_amx(-1))
         dp = lib is not None and lib.vx_gemv_bf16_max_rows() >= 16  # the VDPBF16PS kernel
         _gemv_state["amx"] = amx
@@ -157,14 +152,11 @@ def skinny_argmax(x: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
 
 def eltwise_kernels():
     """The loaded C library for the element-wise kernels (RMSNorm, SiLU-mul, rotary: portable
-    C, on every CPU the library builds on), else None. `VX_CPU_ELTWISE=0`: the torch ops."""
+    C, on every CPU the library builds on), else None (then the torch ops)."""
     if "eltwise" not in _gemv_state:
-        lib = None
-        if os.environ.get("VX_CPU_ELTWISE", "1") != "0":
-            from vx.gpu.kv_cache import load_cpu_kernels
+        from vx.gpu.kv_cache import load_cpu_kernels
 
-            lib = load_cpu_kernels()
-        _gemv_state["eltwise"] = lib
+        _gemv_state["eltwise"] = load_cpu_kernels()
     return _gemv_state["eltwise"]
 
 

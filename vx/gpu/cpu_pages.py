@@ -21,9 +21,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 import torch
+
+from vx import envs
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def advise_huge(t: torch.Tensor) -> int:
     """Asks for 2 MiB pages under a CPU tensor not yet touched (the KV cache, before it is
     zeroed): later faults in its 2 MiB-aligned interior take huge pages. Returns the bytes
     advised (0: off, refused, or too small). `VX_CPU_HUGE_PAGES=0` turns it off."""
-    if os.environ.get("VX_CPU_HUGE_PAGES", "1") == "0" or t.device.type != "cpu":
+    if not envs.VX_CPU_HUGE_PAGES or t.device.type != "cpu":
         return 0
     madvise = _madvise()
     start = t.untyped_storage().data_ptr()
@@ -88,7 +89,7 @@ def advise_huge(t: torch.Tensor) -> int:
 
 def collapse_weights(model: torch.nn.Module) -> int:
     """Moves the CPU model's weights (parameters, buffers, fp32 copies) into huge pages."""
-    if os.environ.get("VX_CPU_HUGE_PAGES", "1") == "0":
+    if not envs.VX_CPU_HUGE_PAGES:
         return 0
     seen: dict[int, int] = {}
     for module in model.modules():

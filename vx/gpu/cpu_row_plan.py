@@ -27,10 +27,11 @@ the whole call's by `MIN_GAIN`; shapes never tuned, rows past `GRID_MAX` and
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
+
+from vx import envs
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ VNNI_FROM = 224
 
 
 def enabled() -> bool:
-    return os.environ.get("VX_CPU_ROW_PLAN", "1") != "0"
+    return envs.VX_CPU_ROW_PLAN
 
 
 def clear() -> None:

@@ -29,11 +29,12 @@ bit-identical to the full product's (tested). Memory: the int8 copy, half the bf
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from vx import envs
 
 __all__ = ["MAX_ROWS", "ScreenedHead", "screen_wanted"]
 
@@ -80,7 +81,7 @@ def screen_wanted(weight: torch.Tensor) -> bool:
     """Whether an LM head of this weight gets a screen here: bf16 on CPU where one of the
     kernel pairs of `_kernels` is built (its GEMM is the one the exact rows go through)."""
     return (
-        os.environ.get("VX_CPU_SCREEN_HEAD", "1") != "0"
+        envs.VX_CPU_SCREEN_HEAD
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2

@@ -13,8 +13,8 @@ the VNNI copy needs no oneDNN copy: the memory is what it was (the plain weight,
 row, and one packed copy).
 
 The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
-one rounding to bf16 at the end). `VX_CPU_VNNI=0` keeps oneDNN's prepacked GEMM (A/B timing);
-`VX_CPU_PREPACK=0` leaves both out (plain weights, F.linear).
+one rounding to bf16 at the end). `VX_CPU_PREPACK=0` leaves both out (plain weights,
+F.linear).
 
 On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
 `vx_gemm_amx_vnni` (`vx/gpu/csrc/gemm_amx_vnni.c`) takes the linears' rows from
@@ -35,11 +35,10 @@ epilogue, from 8 rows at any count, the bits of the GEMM then the SiLU pass; no 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from vx import envs
 from vx.gpu.cpu_ops import AMX_MAX_ROWS, gemv_fits, gemv_kernels
 from vx.gpu.cpu_row_plan import vnni_wins
 
@@ -70,7 +69,7 @@ def _kernels(amx: bool):
         lib = gemv_kernels()
         ok = (
             lib is not None
-            and os.environ.get("VX_CPU_AMX_VNNI" if amx else "VX_CPU_VNNI", "1") != "0"
+            and (not amx or envs.VX_CPU_AMX_VNNI)
             and bool(lib.vx_fast_amx(-1)) == amx
             and bool(lib.vx_has_gemm_amx_vnni() if amx else lib.vx_has_gemm_vnni())
         )
@@ -114,7 +113,7 @@ def _packable(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and os.environ.get("VX_CPU_PREPACK", "1") != "0"  # no packed copies at all
+        and envs.VX_CPU_PREPACK  # no packed copies at all
         and weight.dim() == 2
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 32 == 0

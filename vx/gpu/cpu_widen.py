@@ -30,8 +30,8 @@ oneDNN's packed layout and oneDNN takes those rows. `VX_CPU_PANEL_GEMM=0` keeps 
 Memory: the panels are the bf16 weight's size again, oneDNN's fp32 copy twice it. The copies
 made in one process stop at `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical
 memory); the layers past it keep the bf16 path. `VX_CPU_WIDEN=0` turns widening off, `1`
-forces it (tests, A/B runs); `VX_CPU_GEMV=0` keeps the AVX2 skinny GEMM out (the wide copy
-from two rows, as for the AVX-512 skinny GEMM).
+forces it (tests). Without the C library (`VX_CPU_ATTENTION_KERNEL=0`) there is no AVX2
+skinny GEMM, and the wide copy takes rows from two, as for the AVX-512 skinny GEMM.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vx import envs
 from vx.gpu.cpu_compact import CompactWeight
 from vx.gpu.cpu_emulate import emulating
 
@@ -80,7 +81,7 @@ def _skinny_rows() -> int:
 
         lib = load_cpu_kernels()
         rows = 0 if lib is None else int(lib.vx_gemv_avx2_max_rows())
-        _state["skinny"] = rows if os.environ.get("VX_CPU_GEMV", "1") != "0" else 0
+        _state["skinny"] = rows
         _state["lib"] = lib
     return _state["skinny"]  # type: ignore[return-value]
 
@@ -179,9 +180,9 @@ def _native_bf16() -> bool:
 
 def _budget_left() -> int:
     if "left" not in _state:
-        env = os.environ.get("VX_CPU_WIDEN_BUDGET")
-        if env:
-            _state["left"] = int(env)
+        budget = envs.VX_CPU_WIDEN_BUDGET
+        if budget is not None:
+            _state["left"] = budget
         else:
             _state["left"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     return _state["left"]  # type: ignore[return-value]
@@ -192,7 +193,7 @@ def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
     budget, with the compact copy `WideWeight(weight, compact=compact)` will make beside it here)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return False
-    mode = os.environ.get("VX_CPU_WIDEN", "auto")
+    mode = envs.VX_CPU_WIDEN
     if mode == "0" or (mode != "1" and _native_bf16()):
         return False
     need = weight.numel() * (2 if _panels_take(*weight.shape) else 4)
@@ -302,7 +303,7 @@ class WideWeight:
 def _panels_take(n: int, k: int) -> bool:
     """Whether `vx_gemm_panels_avx2` is built here and takes an [n, k] weight (and
     `VX_CPU_PANEL_GEMM=0` does not keep oneDNN's fp32 copy instead, for A/B runs)."""
-    if n % 16 or n == 0 or k % 2 or k == 0 or os.environ.get("VX_CPU_PANEL_GEMM", "1") == "0":
+    if n % 16 or n == 0 or k % 2 or k == 0 or not envs.VX_CPU_PANEL_GEMM:
         return False
     _skinny_rows()  # loads the library
     lib = _state["lib"]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 import sys
 
+from vx import envs
 from vx.config import default_max_num_batched_tokens
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class _NvmlMemory(ctypes.Structure):
 
 def _first_visible_index() -> int:
     """NVML index of the first device CUDA shows (CUDA_VISIBLE_DEVICES given as indices)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    visible = envs.CUDA_VISIBLE_DEVICES.split(",")[0].strip()
     return int(visible) if visible.isdigit() else 0
 
 

@@ -19,7 +19,6 @@ Zen 5).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -30,8 +29,8 @@ from vx.gpu.sampling_metadata import argmax_only, min_tokens_masked
 
 __all__ = ["fused_greedy_step", "greedy_tokens"]
 
-#: Whether `fused_greedy_step` is tried (`VX_CPU_GREEDY_STEP=0`: never, for A/B timing).
-FUSED_STEP = os.environ.get("VX_CPU_GREEDY_STEP", "1") != "0"
+#: Whether `fused_greedy_step` is tried (tests set it False to compare with the sampler's path).
+FUSED_STEP = True
 
 
 def greedy_tokens(

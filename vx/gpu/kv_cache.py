@@ -39,6 +39,7 @@ import tempfile
 
 import torch
 
+from vx import envs
 from vx.config import BLOCK_SIZE
 from vx.gpu.cpu_abi import bind_kernels
 from vx.gpu.cpu_emulate import EMULATED_DEFINES, emulating, emulation_flags
@@ -128,7 +129,7 @@ def allocate_kv_caches(
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    if torch.device(device).type == "cpu" and os.environ.get("VX_KV_LAYOUT", "block") == "block":
+    if torch.device(device).type == "cpu" and envs.VX_KV_LAYOUT == "block":
         # Block-major in memory: a block's K (or V) rows for every head are one run of
         # Hkv * BS * D values, so the decode attention, which takes a request's heads one
         # after another, reads its blocks in runs of 6 KB (SmolLM2) instead of 2 KB
@@ -205,16 +206,14 @@ def set_work_stealing(mode: int) -> None:
 def fast_decode_attention() -> bool:
     fast = _fast_state.get("fast")
     if fast is None:
-        return os.environ.get("VX_CPU_ATTENTION_KERNEL", "fast") != "portable"
+        return envs.VX_CPU_ATTENTION_KERNEL != "portable"
     return fast
 
 
 def prefill_kernel_available() -> bool:
     """Whether bf16 prefill chunks on CPU use the C kernel (with AMX, on AVX512-BF16 without it,
-    or the AVX2 one on AVX2 CPUs without AVX-512); ``VX_CPU_PREFILL_ATTENTION=sdpa`` keeps torch's SDPA for them,
-    as does ``VX_CPU_ATTENTION_KERNEL=portable``."""
-    if os.environ.get("VX_CPU_PREFILL_ATTENTION", "kernel") == "sdpa":
-        return False
+    or the AVX2 one on AVX2 CPUs without AVX-512); ``VX_CPU_ATTENTION_KERNEL=portable`` keeps
+    torch's SDPA for them."""
     lib = load_cpu_kernels()
     return lib is not None and fast_decode_attention() and bool(lib.vx_has_prefill_attention())
 
@@ -242,7 +241,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return _kernel_state["lib"]  # type: ignore[return-value]
     enabled = _kernel_state.get("forced")
     if enabled is None:
-        enabled = os.environ.get("VX_CPU_ATTENTION_KERNEL", "1") != "0"
+        enabled = envs.VX_CPU_ATTENTION_KERNEL != "0"
     lib = None
     if enabled:
         try:
@@ -276,7 +275,7 @@ def first_compiler_error(stderr: str) -> str:
 
 
 def _build_kernels() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = shutil.which(envs.CC) or shutil.which("gcc")
     if cc is None:
         _kernel_state["error"] = "no C compiler found (cc or gcc on PATH, or $CC)"
         logger.warning("no C compiler found; the CPU path uses torch's kernels")
@@ -290,12 +289,12 @@ def _build_kernels() -> ctypes.CDLL | None:
     flags = _build_flags()
     key = hashlib.sha256(_kernel_source_digest() + " ".join(flags).encode() + cpu)
     cache = os.path.join(
-        os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx"),
+        envs.VX_CACHE,
         "kernels",
     )
     name = "decode_attention-emulated" if emulate else "decode_attention"
     if flags != _CFLAGS:
-        name += "-" + os.environ["VX_CPU_SANITIZE"]
+        name += "-" + envs.VX_CPU_SANITIZE
     path = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(cache, exist_ok=True)
@@ -319,9 +318,9 @@ def _build_kernels() -> ctypes.CDLL | None:
     bind_kernels(lib)
     if lib.vx_has_fast_bf16():
         # AMX tiles for q.k in the fast kernel where the CPU has them (VX_CPU_ATTENTION_AMX=0: off)
-        if os.environ.get("VX_CPU_ATTENTION_AMX", "1") != "0" and lib.vx_fast_amx(1):
+        if envs.VX_CPU_ATTENTION_AMX and lib.vx_fast_amx(1):
             logger.info("the fast CPU decode attention kernel uses AMX for q.k")
-    if os.environ.get("VX_CPU_WORK_STEALING", "1") == "0":  # served A/B timing
+    if not envs.VX_CPU_WORK_STEALING:  # served A/B timing
         lib.vx_set_work_stealing(0)
     return lib
 
@@ -331,7 +330,7 @@ def _build_flags() -> list[str]:
     ``-fsanitize=`` values; `make check-c`) a sanitized build of the same code: -O1 for the
     sanitizer's speed, frame pointers and debug lines for its reports. A process that loads
     it needs the sanitizer's runtime first (``LD_PRELOAD``, as `make check-c` sets it)."""
-    sanitize = os.environ.get("VX_CPU_SANITIZE", "")
+    sanitize = envs.VX_CPU_SANITIZE
     if not sanitize:
         return _CFLAGS
     return [f for f in _CFLAGS if not f.startswith("-O")] + [

@@ -22,11 +22,11 @@ e.g. to measure the accuracy of the pure quantized model).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from vx import envs
 from vx.gpu.cpu_emulate import emulating
 from vx.gpu.cpu_ops import (
     AMX_MAX_ROWS,
@@ -108,7 +108,7 @@ def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and not emulating()
         and weight.dtype == torch.bfloat16
-        and os.environ.get("VX_CPU_PREPACK", "1") != "0"
+        and envs.VX_CPU_PREPACK
         and torch.backends.mkldnn.is_available()
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
@@ -179,7 +179,7 @@ class QuantizedWeight:
     def __init__(self, weight: torch.Tensor, method: str) -> None:
         self.method = method
         self.out_features, self.in_features = weight.shape
-        env = os.environ.get("VX_QUANT_MAX_ROWS")
+        max_rows = envs.VX_QUANT_MAX_ROWS
         avx2 = gemv_kernels() is None and weight.dtype == torch.bfloat16 and avx2_int8_rows() > 0
         #: the int8 weight in the layout of vx's AVX2 kernel (AVX2 CPUs without AVX-512), else
         #: None; `qweight` stays for torch's kernel past that kernel's rows
@@ -207,7 +207,7 @@ class QuantizedWeight:
             default = AVX2_INT4_MAX_ROWS
         else:
             default = DEFAULT_QUANT_MAX_ROWS
-        self.max_rows = int(env) if env else default
+        self.max_rows = default if max_rows is None else max_rows
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.contiguous()

@@ -32,6 +32,8 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 
+from vx import envs
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SMOLLM2_ALIAS", "default_cache_dir", "resolve_model"]
@@ -54,7 +56,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("VX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vx")
+    return envs.VX_CACHE
 
 
 def resolve_model(model: str, *, cache_dir: str | None = None) -> str:
@@ -217,7 +219,7 @@ def _fetch_smollm2_gguf(cache: str) -> str:
 
 
 def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return envs.HF_HUB_OFFLINE
 
 
 def _resolve_hub(repo_id: str, cache: str) -> str:

@@ -26,10 +26,11 @@ torch references by one ulp (the tests allow exactly that).
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
+
+from vx import envs
 
 if TYPE_CHECKING:
     from vx.gpu.attention_metadata import AttentionMetadata
@@ -56,7 +57,7 @@ __all__ = [
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.TRITON_INTERPRET
 
 
 def _require_triton() -> None:

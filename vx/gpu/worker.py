@@ -22,7 +22,7 @@ import time
 import anyio
 import msgspec
 
-from vx import codec, messages
+from vx import codec, envs, messages
 from vx.config import EngineConfig
 from vx.log import setup_logging
 from vx.ring import RingHandle, RingReader, RingWriter
@@ -73,7 +73,7 @@ def _settle_for_steps(device: str) -> None:
       thousands) out of the collector's reach: a full collection during a step no longer walks
       them all.
     """
-    if device == "cpu" and os.environ.get("VX_CPU_MALLOC_TUNING", "1") != "0":
+    if device == "cpu" and envs.VX_CPU_MALLOC_TUNING:
         name = ctypes.util.find_library("c")
         try:
             libc = ctypes.CDLL(name) if name else None
@@ -83,7 +83,7 @@ def _settle_for_steps(device: str) -> None:
         if mallopt is not None:
             ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
             logger.debug("malloc keeps freed memory for reuse: %s", bool(ok))
-    if device == "cpu" and os.environ.get("VX_CPU_BIND_THREADS", "1") != "0":
+    if device == "cpu" and envs.VX_CPU_BIND_THREADS:
         _bind_omp_threads()
     gc.collect()
     gc.freeze()
