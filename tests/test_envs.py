@@ -89,7 +89,8 @@ def _mentioning_files() -> list[pathlib.Path]:
 
 def _c_macros() -> set[str]:
     """`VX_*` names the C kernel sources define: macros, not environment variables."""
-    return {m for p in PKG.rglob("*.py") for m in _C_MACRO.findall(p.read_text())}
+    sources = [p for p in PKG.rglob("*") if p.suffix in (".c", ".h", ".py")]
+    return {m for p in sources for m in _C_MACRO.findall(p.read_text())}
 
 
 def test_every_vx_name_mentioned_is_declared() -> None:
