@@ -33,8 +33,8 @@ stress: setup
 # and leak checks are off (the interpreter's own allocations would drown the kernels').
 # Run `make setup` first; CHECK_C_TESTS picks other test files.
 CC ?= cc
-CHECK_C_TESTS ?= tests/gpu/test_kernel_library.py tests/gpu/test_fast_attention.py \
-	tests/gpu/test_vnni_gemm.py tests/gpu/test_cpu_ops.py
+CHECK_C_TESTS ?= tests/gpu/cpu/test_kernel_library.py tests/gpu/attention/test_fast_attention.py \
+	tests/gpu/cpu/test_vnni_gemm.py tests/gpu/cpu/test_ops.py
 check-c:
 	VX_CPU_SANITIZE=address VX_CACHE=$(CURDIR)/build/asan ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \

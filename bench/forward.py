@@ -5,14 +5,14 @@ Usage (always under the shared benchmark lock):
     flock /tmp/vx-bench.lock .venv/bin/python bench/forward.py [--threads 2] [--repeats 3]
         [--quantization int8|int4] [--no-settle] [--random] [--json FILE]
 
-Model: SmolLM2-135M (`vx.gpu.resolve.resolve_model("smollm2-135m")`) in bf16, or with
+Model: SmolLM2-135M (`vx.models_hub.resolve.resolve_model("smollm2-135m")`) in bf16, or with
 `--random` a random model of the same shapes (timings do not depend on the weights).
 Cases: decode steps at batch 1, 16 and 64 with 256 tokens of KV per request, and prefill of
 128 and 2,048 tokens (one request). HF runs with its own DynamicCache and SDPA attention; its
 prefill asks for the last position's logits only (`logits_to_keep=1`, as `generate` does), so
 both sides skip the LM head over the prompt. Each case: one warm-up, then `--repeats` timed
 steps per side, interleaved; the table shows medians and vx / HF. `--quantization` runs vx
-with weight-only int8/int4 linears (vx.gpu.quantization) against HF in bf16. Before timing,
+with weight-only int8/int4 linears (vx.gpu.layers.quantization) against HF in bf16. Before timing,
 the process settles as the Worker does before its first step (glibc malloc keeps freed memory,
 so activations are not fresh zeroed pages every step; `gc.freeze`); HF's forward, in the same
 process, gets the same. `--no-settle` leaves malloc alone, as before 2026-11-30 evening.
@@ -68,7 +68,7 @@ def model_path(random: bool) -> tuple[str, tempfile.TemporaryDirectory | None]:
     if random:
         tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
         return random_smollm2(tmp.name), tmp
-    from vx.gpu.resolve import resolve_model
+    from vx.models_hub.resolve import resolve_model
 
     return resolve_model("smollm2-135m"), None
 

@@ -9,14 +9,14 @@ Usage (always under the shared benchmark lock):
 Shapes: SmolLM2-135M's four projections (qkv 960 x 576, o 576 x 576, gate-up 3072 x 576, down
 576 x 1536), each with its own weights per layer for 30 layers (120 matrices, 212 MB: they
 stream from memory, as in a model step). One "step" multiplies x of `rows` rows by all 120.
-Kernels: "new C" is `vx.gpu.cpu_ops.skinny_gemm`'s bf16 path in the working tree (AMX tiles
+Kernels: "new C" is `vx.gpu.cpu.ops.skinny_gemm`'s bf16 path in the working tree (AMX tiles
 from 3 rows where the CPU has them), "old C" the same from `--baseline` (its library built from
 that revision's source; a revision whose AMX kernel takes at most 64 rows a call is called as
 its caller did, 64 rows at a time), "oneDNN" torch's F.linear on the plain bf16 weights; on
-AMX CPUs "AMX VNNI", the linears' GEMM from 8 rows (`vx.gpu.cpu_vnni`, on VNNI-packed
+AMX CPUs "AMX VNNI", the linears' GEMM from 8 rows (`vx.gpu.cpu.vnni`, on VNNI-packed
 copies). The C results must be bit-identical (checked); each cell is the median ms per step over
 `--rounds` rounds, every kernel timed once per round, in turn. On AVX512-BF16 CPUs without AMX
-two more columns: "VNNI", the GEMM the linears take there past 12 rows (`vx.gpu.cpu_vnni`, on
+two more columns: "VNNI", the GEMM the linears take there past 12 rows (`vx.gpu.cpu.vnni`, on
 its packed copies), and "oneDNN packed", oneDNN on prepacked copies (what they took before).
 """
 
@@ -37,7 +37,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vx.gpu import cpu_vnni, kv_cache  # noqa: E402
+from vx.gpu import kv_cache  # noqa: E402
+from vx.gpu.cpu import vnni as cpu_vnni  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -73,7 +74,7 @@ def c_kernel(lib: ctypes.CDLL, chunk: int):
 
 
 def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]], amx: bool = False):
-    """x @ W.T through the VNNI GEMM on each weight's packed copy (`vx.gpu.cpu_vnni`): the
+    """x @ W.T through the VNNI GEMM on each weight's packed copy (`vx.gpu.cpu.vnni`): the
     VDPBF16PS one, or with `amx` the AMX one (AMX CPUs)."""
     packs = {id(w): cpu_vnni.VnniWeight(w, amx=amx).packed for layer in weights for w in layer}
     fn = lib.vx_gemm_amx_vnni if amx else lib.vx_gemm_vnni_bf16
@@ -89,7 +90,7 @@ def vnni_kernel(lib: ctypes.CDLL, weights: list[list[torch.Tensor]], amx: bool =
 def onednn_packed(weights: list[list[torch.Tensor]]):
     """x @ W.T through oneDNN on each weight's prepacked copy (what the linears used before
     the VNNI GEMM on this kind of CPU); the output is oneDNN's own tensor."""
-    from vx.gpu.quantization import prepack
+    from vx.gpu.layers.quantization import prepack
 
     packs = {id(w): prepack(w) for layer in weights for w in layer}
 

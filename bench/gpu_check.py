@@ -113,7 +113,7 @@ def _runner_config(
 def cmd_env(args) -> None:
     from vx.config import default_max_num_batched_tokens
     from vx.gpu.cuda_graphs import cudagraph_capture_sizes
-    from vx.gpu.device import device_total_memory
+    from vx.models_hub.device import device_total_memory
 
     props = torch.cuda.get_device_properties(0)
     import triton
@@ -151,8 +151,8 @@ def _time_cuda(fn, reps: int = 20) -> float:
 def cmd_triton(args) -> None:
     import numpy as np
 
-    from vx.gpu import triton_attention as ta
-    from vx.gpu.attention import build_attention_metadata
+    from vx.gpu.attention import triton as ta
+    from vx.gpu.attention.paged import build_attention_metadata
 
     dev = "cuda"
     for dtype in (torch.bfloat16, torch.float16):
@@ -254,7 +254,7 @@ def cmd_triton(args) -> None:
 def _smollm2_dir(model: str | None) -> tuple[str | None, str]:
     if model:
         return model, "given"
-    from vx.gpu.resolve import default_cache_dir
+    from vx.models_hub.resolve import default_cache_dir
 
     found = sorted(glob.glob(os.path.join(default_cache_dir(), "converted", "smollm2-135m*")))
     found = [d for d in found if os.path.exists(os.path.join(d, "config.json"))]
@@ -381,7 +381,7 @@ def _copy_bandwidth() -> float:
 def cmd_decode(args) -> None:
     from vx.gpu.input_batch import InputBatch
     from vx.gpu.model_runner import ModelRunner
-    from vx.gpu.sampler import Sampler
+    from vx.gpu.sample.sampler import Sampler
 
     bw = _copy_bandwidth()
     t0 = time.perf_counter()

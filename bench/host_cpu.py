@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 from gpu_check import record  # noqa: E402  (bench/ is not a package)
 
 SYSFS_CPU = "/sys/devices/system/cpu"
-# The extensions vx's CPU kernels choose by (vx/gpu/csrc/*.c), in /proc/cpuinfo's names.
+# The extensions vx's CPU kernels choose by (vx/gpu/cpu/csrc/*.c), in /proc/cpuinfo's names.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from vx.ring import RingHandle, RingReader, RingWriter
+from vx.ipc.ring import RingHandle, RingReader, RingWriter
 
 try:
     import zmq

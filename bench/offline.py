@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--skip", default="", help="comma list of hf,vllm to skip")
     args = p.parse_args(argv)
-    from vx.gpu.resolve import resolve_model
+    from vx.models_hub.resolve import resolve_model
 
     path = resolve_model(args.model)
     with open(os.path.join(path, "config.json")) as f:

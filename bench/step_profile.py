@@ -61,7 +61,7 @@ class OpTimer:
     seconds of the current `module_path` step."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        import vx.gpu.layers as layers_mod
+        import vx.gpu.layers.linear as layers_mod
         import vx.gpu.models.llama as llama_mod
 
         self.active = False

@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
 #: Overrides for a tiny Llama that a test serves on vx's default path (no `--dtype`: `auto`):
 #: a bf16 checkpoint, which `auto` keeps in bf16 on CPU as it keeps SmolLM2's (an fp32 one stays
 #: fp32, which the fused CPU step and the LM head's C argmax do not take), and a head size of
-#: 32, the least the fused step's C prefill attention takes (vx/gpu/cpu_decode.py: at the
+#: 32, the least the fused step's C prefill attention takes (vx/gpu/cpu/fused_step.py: at the
 #: default 16, prompt and mixed steps decline it). The linears' shapes (N % 16, K % 32) already
 #: suit its GEMMs. tests/e2e/test_serve.py checks that a served greedy request takes it.
 SERVED: dict[str, Any] = {"dtype": "bfloat16", "head_dim": 32}
@@ -174,8 +174,8 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     import numpy as np
     from safetensors.numpy import load_file
 
-    from vx.gpu.gguf_convert import permute_qk
-    from vx.gpu.layers import rope_inv_freq
+    from vx.gpu.layers.linear import rope_inv_freq
+    from vx.models_hub.gguf_convert import permute_qk
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)

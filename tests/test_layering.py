@@ -54,9 +54,9 @@ def test_http_never_imports_core_or_gpu() -> None:
 
 
 def test_shared_modules_import_no_torch() -> None:
-    shared = ["vx.messages", "vx.codec", "vx.config", "vx.sampling_params", "vx"]
-    if (PKG / "ring.py").exists():
-        shared.append("vx.ring")
+    shared = ["vx.messages", "vx.ipc.codec", "vx.config", "vx.sampling_params", "vx"]
+    if (PKG / "ipc" / "ring.py").exists():
+        shared.append("vx.ipc.ring")
     assert "torch" not in _imported_after(shared)
 
 

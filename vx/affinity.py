@@ -7,7 +7,7 @@ Why: on CPU the Worker's OpenMP threads take every core. The host processes wake
 (each step's tokens: detokenizing, one SSE write per stream, the next schedule), each on
 whichever core the kernel picks, and preempt the Worker thread there and evict its L1/L2
 (prefetched K/V, packed activations). Pinned to one core, they disturb one Worker thread
-only; the work sharing of `vx/gpu/csrc/parallel.c` lets the other thread take over what
+only; the work sharing of `vx/gpu/cpu/csrc/parallel.c` lets the other thread take over what
 the disturbed one has not started.
 
 ``VX_HOST_CPUS``: ``auto`` (the default: the last allowed core, on CPU runs with two or more

@@ -104,7 +104,7 @@ def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
 
 
 def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
-    from vx.gpu.device import resolve_scheduler_defaults  # no torch import
+    from vx.models_hub.device import resolve_scheduler_defaults  # no torch import
 
     max_num_seqs, budget = resolve_scheduler_defaults(
         args.device,
@@ -180,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:
-        from vx.bench_serve import main as bench_serve
+        from vx.bench.serve import main as bench_serve
 
         return bench_serve(argv[2:])
     parser = argparse.ArgumentParser(prog="vx", description="vx: an LLM serving engine")

@@ -28,7 +28,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
-    #: None | "int8" | "int4": weight-only quantized linears on CPU (vx.gpu.quantization).
+    #: None | "int8" | "int4": weight-only quantized linears on CPU (vx.gpu.layers.quantization).
     quantization: str | None = None
 
 

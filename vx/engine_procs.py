@@ -24,8 +24,8 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from vx.config import EngineConfig
-from vx.ring import RingOwner, RingReader, RingWriter
-from vx.ring_wait import sweep_stale_segments
+from vx.ipc.ring import RingOwner, RingReader, RingWriter
+from vx.ipc.wait import sweep_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ RESULT_RING_BYTES = 1 << 22
 
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     """Resolve the model to a local directory and fill `max_model_len` from its config.json."""
-    from vx.gpu.resolve import resolve_model  # no torch at import time
+    from vx.models_hub.resolve import resolve_model  # no torch at import time
 
     path = config.model.path or resolve_model(config.model.model)
     with open(os.path.join(path, "config.json")) as f:
@@ -164,7 +164,8 @@ class EngineProcesses:
         if self._closed:
             return
         self._closed = True
-        from vx import codec, messages
+        from vx import messages
+        from vx.ipc import codec
 
         encode = codec.engine_input_codec().encode
         for rank in self.ranks:

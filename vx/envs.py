@@ -107,7 +107,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            shown_default="a quarter of physical memory",
            doc="Bytes of widened weight copies one Worker makes on a CPU without bf16 arithmetic "
                "(panels, fp32 or compact copies); the layers past it run bf16 GEMMs.",
-           set_by="operator; tests/gpu/test_cpu_widen.py"),
+           set_by="operator; tests/gpu/cpu/test_widen.py"),
     _switch("VX_CPU_BIND_THREADS",
             "Bind the CPU Worker's OpenMP threads one per core where they are as many as the "
             "allowed cores; `0` leaves the threads free (e.g. beside other work).",
@@ -119,7 +119,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _switch("VX_CPU_HUGE_PAGES",
             "Put the CPU weights and KV cache in 2 MiB pages (`MADV_COLLAPSE`, `MADV_HUGEPAGE`); "
             "`0`: plain pages.",
-            "operator; tests/gpu/test_cpu_pages.py"),
+            "operator; tests/gpu/cpu/test_pages.py"),
     _switch("VX_CPU_PREPACK",
             "oneDNN's prepacked bf16 GEMM and the VNNI-packed copies for CPU linears; `0`: plain "
             "weights and `F.linear` (e.g. to trace the model with torch.compile).",
@@ -133,43 +133,43 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _text("VX_CPU_WIDEN", "auto",
           "Widened (fp32 or bf16-panel) weight copies: `auto` where the CPU has no bf16 "
           "arithmetic, `1` always, `0` never.",
-          "tests/gpu/test_cpu_widen.py, tests/gpu/test_kernel_targets.py"),
+          "tests/gpu/cpu/test_widen.py, tests/gpu/cpu/test_kernel_targets.py"),
     _switch("VX_CPU_PANEL_GEMM",
             "The AVX2 panel GEMM on bf16 panels; `0`: the fp32 copy in oneDNN's layout instead.",
-            "tests/gpu/test_cpu_widen.py"),
+            "tests/gpu/cpu/test_widen.py"),
     _switch("VX_CPU_COMPACT",
             "The compact weight copy for 1-2 row GEMMs on AVX2; `0`: the skinny GEMM on the bf16 "
             "weight.",
-            "tests/gpu/test_cpu_widen.py, tests/gpu/test_kernel_targets.py"),
+            "tests/gpu/cpu/test_widen.py, tests/gpu/cpu/test_kernel_targets.py"),
     _switch("VX_CPU_AMX_VNNI",
             "The AMX VNNI GEMM on AMX CPUs; `0`: oneDNN's prepacked GEMM past the skinny rows.",
-            "tests/gpu/test_vnni_gemm.py"),
+            "tests/gpu/cpu/test_vnni_gemm.py"),
     _switch("VX_CPU_ROW_PLAN",
             "Big CPU GEMMs cut into row chunks where the load-time timing says it pays; `0`: one "
             "call.",
-            "tests/gpu/test_cpu_row_plan.py"),
+            "tests/gpu/cpu/test_row_plan.py"),
     _switch("VX_CPU_SCREEN_HEAD",
             "The LM head's int8 screen for greedy rows (exact candidates re-scored); `0`: full "
             "logits.",
-            "tests (test_cpu_screen, test_model_runner, test_kernel_targets)"),
+            "tests (test_screen, test_model_runner, test_kernel_targets)"),
     _switch("VX_CPU_DECODE_STEP",
             "The fused C step (every layer in one call); `0`: the module path.",
-            "tests/gpu/test_cpu_decode.py"),
+            "tests/gpu/cpu/test_fused_step.py"),
     EnvVar(name="VX_CPU_SPLIT_STEP", type="integer", parse=_int_or_none,
            shown_default="unset: 2 on two threads of the VNNI GEMM, else off",
            doc="Parts of a split decode step, one per thread (0 or 1: never split).",
-           set_by="tests/gpu/test_cpu_decode.py, tests/gpu/test_greedy_step.py"),
+           set_by="tests/gpu/cpu/test_fused_step.py, tests/gpu/sample/test_greedy_step.py"),
     EnvVar(name="VX_CPU_SPLIT_MIN_ROWS", type="integer", parse=int, default=16,
            shown_default="`16`", doc="Fewest rows each part of a split decode step takes.",
-           set_by="tests/gpu/test_cpu_decode.py, tests/gpu/test_greedy_step.py"),
+           set_by="tests/gpu/cpu/test_fused_step.py, tests/gpu/sample/test_greedy_step.py"),
     EnvVar(name="VX_QUANT_MAX_ROWS", type="integer", parse=_int_or_none,
            shown_default="per kernel: 8 (int8 C kernels), 2 (AVX2 int4), 4 (torch's)",
            doc="Most rows a step sends to the int8/int4 weights (more take the dense weight).",
-           set_by="tests/gpu/test_quantization.py, tests/gpu/test_cpu_decode.py"),
+           set_by="tests/gpu/layers/test_quantization.py, tests/gpu/cpu/test_fused_step.py"),
     _switch("VX_CPU_ATTENTION_AMX",
             "AMX in the C kernels where the CPU has it (the decode and prefill attention, the "
             "AMX GEMMs); `0`: off, the paths of AVX512-BF16 without AMX.",
-            "tests/gpu/test_emulated_isa.py, tests/gpu/test_kernel_library.py"),
+            "tests/gpu/cpu/test_emulated_isa.py, tests/gpu/cpu/test_kernel_library.py"),
     _switch("VX_CPU_WORK_STEALING",
             "The C kernels' parallel loops take a late thread's leftovers; `0`: static ranges "
             "(a served A/B).",
@@ -177,7 +177,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _text("VX_KV_LAYOUT", "block",
           "CPU KV cache layout: `block` (block-major memory), anything else (`head`): "
           "head-major.",
-          "tests/gpu/test_attention.py"),
+          "tests/gpu/attention/test_paged_attention.py"),
     _text("VX_CPU_SANITIZE", "",
           "A sanitizer for the C kernel library (`address`, or any `-fsanitize=` value): a "
           "separate -O1 build with frame pointers and debug lines; the process needs the "
@@ -187,7 +187,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            shown_default="0",
            doc="`1` builds the kernel library for an emulated Sapphire Rapids (SIMDe) and routes "
                "the layers by it (tests only, never serving).",
-           set_by="tests/gpu/test_emulated_isa.py"),
+           set_by="tests/gpu/cpu/test_emulated_isa.py"),
     _text("VX_TEST_POISON", "",
           "Fault injection: `engine:SEED,worker:SEED` makes requests with that seed raise there "
           "(vx/fault_injection.py; tests only).",

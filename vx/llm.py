@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from vx import codec, messages
+from vx import messages
 from vx.config import (
     CacheConfig,
     EngineConfig,
@@ -28,6 +28,7 @@ from vx.config import (
 )
 from vx.engine_procs import EngineProcesses, resolve_engine_config
 from vx.errors import EngineDeadError, EngineStartupError
+from vx.ipc import codec
 from vx.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class LLM:
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.92,
     ) -> None:
-        from vx.gpu.device import resolve_scheduler_defaults  # no torch import
+        from vx.models_hub.device import resolve_scheduler_defaults  # no torch import
 
         max_num_seqs, budget = resolve_scheduler_defaults(
             device,

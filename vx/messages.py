@@ -14,7 +14,7 @@ There are four rings, each with one writer:
    Other ranks send nothing: rank 0 reports ready once every rank has loaded.
 
 All messages are frozen msgspec Structs tagged with their class name, encoded as msgpack by
-`vx.codec`. Fields are primitives, lists, dicts and other Structs of this module: no tensors,
+`vx.ipc.codec`. Fields are primitives, lists, dicts and other Structs of this module: no tensors,
 no pickle. All are `array_like` (positional msgpack arrays) to keep them small.
 """
 

@@ -3,7 +3,7 @@
 Runs in: the test process.
 
 `PagedDriver` plays the ModelRunner's part for model tests: it hands out KV blocks (shuffled,
-so block tables are not contiguous), orders each step decodes-first as `vx.gpu.attention`
+so block tables are not contiguous), orders each step decodes-first as `vx.gpu.attention.paged`
 requires, builds the real `AttentionMetadata` and runs `model.forward` + `compute_logits`.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 from tests.models import make_tiny_model
 from vx.config import BLOCK_SIZE
-from vx.gpu import cpu_vnni
-from vx.gpu.attention import build_attention_metadata
+from vx.gpu.attention.paged import build_attention_metadata
+from vx.gpu.cpu import vnni as cpu_vnni
 from vx.gpu.kv_cache import allocate_kv_caches, load_cpu_kernels
 
 

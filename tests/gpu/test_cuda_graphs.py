@@ -24,8 +24,13 @@ import torch
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
 from vx.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from vx.gpu import triton_ops
-from vx.gpu.attention import build_attention_metadata
+from vx.gpu.attention.paged import build_attention_metadata
+from vx.gpu.attention.triton import (
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    write_kv_cache_ref,
+)
 from vx.gpu.cuda_graphs import (
     PAD_SLOT_ID,
     CudaGraphRunner,
@@ -35,13 +40,8 @@ from vx.gpu.cuda_graphs import (
     fill_padded_decode_inputs,
     padded_batch_size,
 )
+from vx.gpu.layers import triton_ops
 from vx.gpu.model_runner import ModelRunner
-from vx.gpu.triton_attention import (
-    paged_attention_ref,
-    rms_norm_ref,
-    rotary_embedding_ref,
-    write_kv_cache_ref,
-)
 from vx.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from vx.sampling_params import SamplingParams
 
@@ -172,7 +172,7 @@ def test_padding_contract_with_kernel_references():
 _KERNEL_SCRIPT = r"""
 import torch
 from tests.gpu.test_cuda_graphs import _paged_decode, _decode_batch
-from vx.gpu import triton_attention as ta
+from vx.gpu.attention import triton as ta
 from vx.gpu.cuda_graphs import StaticDecodeInputs, fill_padded_decode_inputs
 md, kc, vc, q, k, v = _paged_decode(5, seed=4)
 kc_a, vc_a = kc.clone(), vc.clone()

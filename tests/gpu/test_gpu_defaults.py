@@ -23,8 +23,8 @@ import torch
 
 from vx import cli
 from vx.config import CacheConfig, EngineConfig, SchedulerConfig, default_max_num_batched_tokens
-from vx.gpu import device as vdev
 from vx.gpu.model_runner import ModelRunner
+from vx.models_hub import device as vdev
 
 GiB = 1024**3
 H100 = 80 * 10**9  # "80 GB"
@@ -186,7 +186,7 @@ def test_front_defaults_import_no_torch():
     code = (
         "import sys, argparse\n"
         "from vx import cli\n"
-        "from vx.gpu.device import resolve_scheduler_defaults\n"
+        "from vx.models_hub.device import resolve_scheduler_defaults\n"
         "p = argparse.ArgumentParser(); cli.build_serve_parser(p)\n"
         "c = cli.engine_config_from_args(p.parse_args([]))\n"
         "assert c.scheduler.max_num_seqs == 256, c\n"

@@ -15,7 +15,7 @@ import torch
 from tests.gpu.test_cuda_graphs import _Sim
 from tests.models import make_tiny_model
 from vx.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from vx.gpu.attention import build_attention_metadata
+from vx.gpu.attention.paged import build_attention_metadata
 from vx.gpu.cuda_graphs import CudaGraphRunner, cudagraph_capture_sizes
 from vx.gpu.model_runner import ModelRunner
 
@@ -71,7 +71,7 @@ def _paged(reqs, hkv, d, dtype, seed=0, device="cuda"):
 def test_triton_paged_attention_real_sizes(dtype):
     """Llama-8B heads (32 q, 8 kv, 128): decodes up to 2K context, prefills with and without
     a cached prefix, against the torch reference on the GPU."""
-    from vx.gpu import triton_attention as ta
+    from vx.gpu.attention import triton as ta
 
     reqs = [(0, 1), (2047, 1), (300, 1), (15, 1), (0, 300), (517, 129), (1024, 64)]
     md, kc, vc, gen = _paged(reqs, 8, 128, dtype)
@@ -83,7 +83,7 @@ def test_triton_paged_attention_real_sizes(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_norm_rotary_kv_write(dtype):
-    from vx.gpu import triton_attention as ta
+    from vx.gpu.attention import triton as ta
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(257, 4096, generator=g, device="cuda").to(dtype)
@@ -117,7 +117,7 @@ def test_triton_norm_rotary_kv_write(dtype):
 
 def test_model_cuda_path_calls_triton_and_matches_cpu(tiny_llama, monkeypatch):
     from tests.gpu.conftest import PagedDriver
-    from vx.gpu import triton_attention as ta
+    from vx.gpu.attention import triton as ta
     from vx.gpu.loader import load_model
 
     calls = {}

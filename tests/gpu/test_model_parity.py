@@ -114,7 +114,7 @@ def test_tiny_bf16_agrees_with_hf(tiny_models: dict[str, str]) -> None:
 def test_cpu_prepacked_bf16_equals_plain(tiny_models: dict[str, str], monkeypatch) -> None:
     """Prepacked bf16 weights (oneDNN's layout, or vx's VNNI copy on AVX512-BF16 without AMX)
     give the same logits as plain F.linear at decode sizes."""
-    from vx.gpu.layers import cpu_prepack_enabled
+    from vx.gpu.layers.linear import cpu_prepack_enabled
 
     path = tiny_models["qwen2"]  # qkv bias goes through the packed path too
     packed = load_model(path, dtype=torch.bfloat16, progress=False)
@@ -271,7 +271,7 @@ SMOLLM2_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     """The converted SmolLM2 dir; $VX_CACHE (or ~/.cache/vx) keeps it across runs."""
-    from vx.gpu.resolve import resolve_model
+    from vx.models_hub.resolve import resolve_model
 
     return resolve_model("smollm2-135m")
 

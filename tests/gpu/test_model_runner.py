@@ -460,10 +460,11 @@ def test_runner_greedy_ids_under_min_tokens_equal_the_sampler(tiny_llama, monkey
 def test_runner_one_greedy_row_takes_the_int8_screen(tiny_llama, monkeypatch):
     """Where the screen is built (AVX2, the LM head widened; AVX512-BF16, the skinny GEMM on
     the plain head) a step with one greedy row takes its token from the int8 screen of the LM
-    head (vx.gpu.cpu_screen): the logits path's tokens, step by step; `VX_CPU_SCREEN_HEAD=0`
+    head (vx.gpu.cpu.screen): the logits path's tokens, step by step; `VX_CPU_SCREEN_HEAD=0`
     leaves it out. (The one-call greedy step takes such steps through the screen in C where
-    it is built, tests/gpu/test_greedy_step.py; it is off here.)"""
-    from vx.gpu import cpu_widen, greedy
+    it is built, tests/gpu/sample/test_greedy_step.py; it is off here.)"""
+    from vx.gpu.cpu import widen as cpu_widen
+    from vx.gpu.sample import greedy
 
     monkeypatch.setattr(greedy, "FUSED_STEP", False)
     outs, taken = {}, []

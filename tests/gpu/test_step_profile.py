@@ -17,7 +17,7 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
     threads = torch.get_num_threads()
     try:
         runner = build_runner(path, 1, 64)
-        import vx.gpu.layers as layers_mod
+        import vx.gpu.layers.linear as layers_mod
         import vx.gpu.models.llama as llama_mod
 
         rotary, silu = llama_mod.apply_rotary, layers_mod.silu_and_mul
@@ -45,7 +45,7 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
     # hooks, wrappers and the fused step are as they were (the module path's steps set the
     # fused step aside; the served steps after them must find it again)
     model = runner.model.model
-    from vx.gpu.cpu_decode import FusedDecode
+    from vx.gpu.cpu.fused_step import FusedDecode
 
     assert (model.fused_decode is None) == (FusedDecode.build(model) is None)
     assert llama_mod.apply_rotary is rotary and layers_mod.silu_and_mul is silu

@@ -17,13 +17,13 @@ import torch
 _FRESH = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-if "vx.gpu.triton_attention" in sys.modules:
-    ta = importlib.reload(sys.modules["vx.gpu.triton_attention"])
+if "vx.gpu.attention.triton" in sys.modules:
+    ta = importlib.reload(sys.modules["vx.gpu.attention.triton"])
 else:
-    ta = importlib.import_module("vx.gpu.triton_attention")
+    ta = importlib.import_module("vx.gpu.attention.triton")
 fresh = pytest.mark.skipif(not _FRESH, reason="triton imported compiled; run in a subprocess")
 
-from vx.gpu.attention import build_attention_metadata  # noqa: E402
+from vx.gpu.attention.paged import build_attention_metadata  # noqa: E402
 
 BS = 16
 
@@ -79,7 +79,7 @@ def test_paged_attention_kernel(dtype, tol, hkv, g, d):
 @fresh
 def test_paged_attention_ref_matches_cpu_path():
     """The Triton reference and the CPU path agree (so both agree with the dense reference)."""
-    from vx.gpu.attention import paged_attention
+    from vx.gpu.attention.paged import paged_attention
 
     reqs = [(5, 1), (0, 1), (20, 12), (0, 7)]
     k_cache, v_cache, md, gen = _paged_setup(reqs, 2, 16, torch.float32, seed=3)
@@ -153,7 +153,7 @@ def test_rotary_kernel(dtype):
 
 def test_rms_norm_ref_matches_layers():
     """The reference is the model's own RMSNorm arithmetic."""
-    layers = pytest.importorskip("vx.gpu.layers")
+    layers = pytest.importorskip("vx.gpu.layers.linear")
     norm = layers.RMSNorm(24, 1e-6, dtype=torch.bfloat16, device=torch.device("cpu"))
     norm.weight.data.normal_()
     x = torch.randn(3, 24).bfloat16()

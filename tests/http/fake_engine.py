@@ -1,7 +1,7 @@
 """A fake EngineCore for the front's tests: a thread on real vx rings, deterministic tokens.
 
 Runs in: the pytest process (a thread). It speaks the real protocol (`vx.messages` over
-`vx.ring`, encoded by `vx.codec`): it answers EngineReady, then every `step_s` gives each running
+`vx.ipc.ring`, encoded by `vx.ipc.codec`): it answers EngineReady, then every `step_s` gives each running
 request its next token. Request k-th output token is `reply_ids[k % len(reply_ids)]`; after
 `len(reply_ids)` tokens it emits EOS (unless `ignore_eos`), and it honours max_tokens,
 stop_token_ids, logprobs, prompt_logprobs and aborts. Tests read `received` (every input
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from vx import codec, messages
-from vx.ring import RingReader, RingWriter
+from vx import messages
+from vx.ipc import codec
+from vx.ipc.ring import RingReader, RingWriter
 
 RING_PREFIX = "vxhttptest"
 

@@ -6,10 +6,11 @@ import anyio
 import pytest
 
 from tests.http.fake_engine import RING_PREFIX
-from vx import codec, messages
+from vx import messages
 from vx.errors import EngineDeadError
 from vx.http.engine_client import EngineClient, RequestStream
-from vx.ring import RingReader, RingWriter
+from vx.ipc import codec
+from vx.ipc.ring import RingReader, RingWriter
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from tests.reliability.conftest import checked_figure, sized
-from vx.ring import RingHandle, RingReader, RingWriter
+from vx.ipc.ring import RingHandle, RingReader, RingWriter
 
 pytestmark = [pytest.mark.timeout(900)]
 

@@ -26,7 +26,7 @@ import time
 import anyio
 import msgspec
 
-from vx import codec, messages
+from vx import messages
 from vx.affinity import pin_host_process
 from vx.config import EngineConfig
 from vx.core.block_pool import group_block_states
@@ -35,8 +35,9 @@ from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
 from vx.errors import EngineDeadError
 from vx.fault_injection import PoisonedStopSet, poison_seed
+from vx.ipc import codec
+from vx.ipc.ring import RingHandle, RingReader, RingWriter
 from vx.log import setup_logging
-from vx.ring import RingHandle, RingReader, RingWriter
 
 logger = logging.getLogger(__name__)
 

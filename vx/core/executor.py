@@ -16,9 +16,10 @@ import logging
 
 import anyio
 
-from vx import codec, messages
+from vx import messages
 from vx.errors import EngineDeadError
-from vx.ring import RingReader, RingWriter
+from vx.ipc import codec
+from vx.ipc.ring import RingReader, RingWriter
 
 logger = logging.getLogger(__name__)
 

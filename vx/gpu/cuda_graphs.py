@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from vx.config import BLOCK_SIZE
-from vx.gpu.attention import AttentionMetadata
+from vx.gpu.attention.paged import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -195,7 +195,7 @@ class InputBatch:
 
 class RowTokens(Sequence):
     """Lazy per-row token views of `rows` (outputs, or prompts) for `SamplingMetadata.build`
-    and `vx.gpu.greedy`: a row's tokens are read only when it needs them."""
+    and `vx.gpu.sample.greedy`: a row's tokens are read only when it needs them."""
 
     def __init__(self, batch: InputBatch, rows: np.ndarray, outputs: bool) -> None:
         self._batch, self._rows, self._outputs = batch, rows, outputs

@@ -14,13 +14,13 @@ Sizing: bytes per block = 2 (K and V) x layers x kv_heads x head_dim x block_siz
 counting this tensor-parallel rank's kv heads only.
 
 CPU kernels: a small C library over this layout (the KV write through a slot mapping, and the
-decode attention `vx.gpu.attention` uses: for bf16 an AVX512-BF16 kernel, with AMX for q.k
+decode attention `vx.gpu.attention.paged` uses: for bf16 an AVX512-BF16 kernel, with AMX for q.k
 where the CPU has it, by default; `VX_CPU_ATTENTION_KERNEL=portable` picks the portable one;
-source in `vx/gpu/csrc/decode_attention.c`), compiled once per machine with the system C compiler
+source in `vx/gpu/cpu/csrc/decode_attention.c`), compiled once per machine with the system C compiler
 into ``$VX_CACHE/kernels`` (default ``~/.cache/vx/kernels``) and loaded with ctypes; without a
 compiler, or with ``VX_CPU_ATTENTION_KERNEL=0``, callers fall back to torch ops.
-The C is in ``vx/gpu/csrc`` (`CSRC`): one translation unit, ``vx_kernels.c``, with the
-exported functions declared in ``vx_kernels.h`` and bound from the table in `vx.gpu.cpu_abi`.
+The C is in ``vx/gpu/cpu/csrc`` (`CSRC`): one translation unit, ``vx_kernels.c``, with the
+exported functions declared in ``vx_kernels.h`` and bound from the table in `vx.gpu.cpu.abi`.
 The library's name carries a digest of every .c and .h there, the flags and the CPU, so an edit
 to any of them builds a new one. ``VX_CPU_SANITIZE=address`` builds it with AddressSanitizer
 instead (its own name; for `make check-c`, which preloads the runtime).
@@ -41,9 +41,9 @@ import torch
 
 from vx import envs
 from vx.config import BLOCK_SIZE
-from vx.gpu.cpu_abi import bind_kernels
-from vx.gpu.cpu_emulate import EMULATED_DEFINES, emulating, emulation_flags
-from vx.gpu.cpu_pages import advise_huge
+from vx.gpu.cpu.abi import bind_kernels
+from vx.gpu.cpu.emulate import EMULATED_DEFINES, emulating, emulation_flags
+from vx.gpu.cpu.pages import advise_huge
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def allocate_kv_caches(
         # Block-major in memory: a block's K (or V) rows for every head are one run of
         # Hkv * BS * D values, so the decode attention, which takes a request's heads one
         # after another, reads its blocks in runs of 6 KB (SmolLM2) instead of 2 KB
-        # In 2 MiB pages (`vx.gpu.cpu_pages.advise_huge`, before the zeros fault them in): a
+        # In 2 MiB pages (`vx.gpu.cpu.pages.advise_huge`, before the zeros fault them in): a
         # decode step reads a few KB from each of thousands of scattered blocks, one TLB miss
         # apiece in 4 KiB pages (64 rows x 192 keys over a 4 GiB pool, AMX host: the decode
         # attention 15.2-15.3 against 17.4-17.7 ms a step).
@@ -155,7 +155,7 @@ def allocate_kv_caches(
 
 #: The C sources: vx_kernels.h, the kernel files, and vx_kernels.c, which includes them
 #: (one translation unit); emulate/ holds the emulated build's <immintrin.h>.
-CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "csrc")
 #: The files the compiler is given (tests add a broken one to see the compiler's error).
 _KERNEL_SOURCES = [os.path.join(CSRC, "vx_kernels.c")]
 # -fassociative-math (and what it needs) lets the dot products and sums vectorise.
@@ -193,7 +193,7 @@ def set_fast_decode_attention(enabled: bool | None) -> None:
 
 def set_work_stealing(mode: int) -> None:
     """How the C kernels' parallel loops share items between threads (`vx_ws` in
-    `vx/gpu/csrc/parallel.c`): 1, the default, each thread its own static range, then the
+    `vx/gpu/cpu/csrc/parallel.c`): 1, the default, each thread its own static range, then the
     others' leftovers; 0, own ranges only (as ``schedule(static)``: for A/B timing); k > 1,
     k ranges per thread, most of them taken by stealing (tests). Results are the same in every
     mode. Process-wide; a no-op without the kernels. ``VX_CPU_WORK_STEALING=0`` starts a

@@ -152,11 +152,11 @@ def load_model(
     """Build the model named by `path`/config.json and fill it from its safetensors files.
 
     `quantization` ("int8" / "int4", CPU only) adds weight-only quantized copies of the linears
-    and the LM head after loading (vx.gpu.quantization); None leaves the model as it was.
+    and the LM head after loading (vx.gpu.layers.quantization); None leaves the model as it was.
     """
     from transformers import AutoConfig
 
-    from vx.gpu.quantization import validate_quantization
+    from vx.gpu.layers.quantization import validate_quantization
 
     hf_config = AutoConfig.from_pretrained(path)
     architectures = getattr(hf_config, "architectures", None) or []

@@ -3,7 +3,7 @@
 Runs in: each Worker process (one per tensor-parallel rank; only rank 0's output is sent).
 
 A step: apply the diff to the persistent `InputBatch`; flatten the scheduled tokens of every
-request into one batch (decodes first, as `vx.gpu.attention` requires) with numpy array ops
+request into one batch (decodes first, as `vx.gpu.attention.paged` requires) with numpy array ops
 (no per-token Python); build the `AttentionMetadata` once; run the model; compute logits only
 at the last scheduled token of each request whose chunk reaches the end of its known tokens
 (the others are mid-prefill and get an empty token list); sample; append the sampled tokens to
@@ -23,8 +23,7 @@ import torch
 
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
-from vx.gpu.attention import AttentionMetadata, build_attention_metadata
-from vx.gpu.greedy import fused_greedy_step, greedy_tokens
+from vx.gpu.attention.paged import AttentionMetadata, build_attention_metadata
 from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.kv_cache import (
     KVCache,
@@ -33,6 +32,7 @@ from vx.gpu.kv_cache import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
+from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -101,12 +101,12 @@ class ModelRunner:
     # ───────────────────────── start-up ─────────────────────────
 
     def load_model(self) -> None:
-        from vx.gpu.cpu_pages import collapse_weights
-        from vx.gpu.cpu_row_plan import tune as tune_row_plan, tune_vnni
-        from vx.gpu.cpu_vnni import amx_vnni_rows
-        from vx.gpu.layers import ColumnParallelLinear, RowParallelLinear
+        from vx.gpu.cpu.pages import collapse_weights
+        from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
+        from vx.gpu.cpu.vnni import amx_vnni_rows
+        from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
         from vx.gpu.loader import load_model
-        from vx.gpu.sampler import Sampler
+        from vx.gpu.sample.sampler import Sampler
 
         m = self.config.model
         torch.manual_seed(m.seed)
@@ -365,7 +365,7 @@ class ModelRunner:
         )
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
-        """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.greedy`);
+        """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.sample.greedy`);
         None where the logits path must run (not CPU, a poisoned row (`_poisoned`), or a row
         that samples, asks for logprobs, biases or penalises)."""
         if self.device.type != "cpu" or self._poisoned(rows):
@@ -426,7 +426,7 @@ class ModelRunner:
     def _sample_rows(
         self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
     ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
-        from vx.gpu.sampler import SamplingMetadata
+        from vx.gpu.sample.sampler import SamplingMetadata
 
         batch = self.input_batch
         assert batch is not None and self.sampler is not None
@@ -480,7 +480,7 @@ class ModelRunner:
         batch = self.input_batch
         assert batch is not None
         wants = batch.wants_prompt_logprobs
-        from vx.gpu.sampler import compute_logprobs_rows
+        from vx.gpu.sample.sampler import compute_logprobs_rows
 
         result: dict[str, Logprobs] = {}
         for i, row in enumerate(inputs.rows.tolist()):

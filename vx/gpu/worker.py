@@ -22,10 +22,11 @@ import time
 import anyio
 import msgspec
 
-from vx import codec, envs, messages
+from vx import envs, messages
 from vx.config import EngineConfig
+from vx.ipc import codec
+from vx.ipc.ring import RingHandle, RingReader, RingWriter
 from vx.log import setup_logging
-from vx.ring import RingHandle, RingReader, RingWriter
 
 logger = logging.getLogger(__name__)
 

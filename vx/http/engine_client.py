@@ -26,8 +26,9 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from vx import codec, messages
+from vx import messages
 from vx.errors import EngineDeadError
+from vx.ipc import codec
 
 logger = logging.getLogger(__name__)
 

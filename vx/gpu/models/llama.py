@@ -8,7 +8,7 @@ LM head to the embedding. q/k/v and gate/up are stored fused (one GEMM each) and
 `load_weights` from HF's separate tensors.
 
 The forward pass is flat over tokens: `input_ids`/`positions` are [T] for every scheduled token
-of every request, and attention goes through `vx.gpu.attention.paged_attention`, which writes
+of every request, and attention goes through `vx.gpu.attention.paged.paged_attention`, which writes
 k/v into the paged cache and attends through the block tables in `attn_metadata`. No Python
 loop runs per request, and nothing reads a tensor value back to the host.
 """
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from vx.gpu.cpu_decode import FusedDecode
-from vx.gpu.layers import (
+from vx.gpu.cpu.fused_step import FusedDecode
+from vx.gpu.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
@@ -33,7 +33,7 @@ from vx.gpu.layers import (
     apply_rotary,
     default_weight_loader,
 )
-from vx.gpu.vocab import ParallelLMHead, VocabParallelEmbedding
+from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
 
@@ -279,14 +279,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         # Imported here, not at module level: tests may install their own attention module.
-        from vx.gpu.attention import paged_attention
+        from vx.gpu.attention.paged import paged_attention
 
         a = ModelArgs.from_hf(hf_config)
         self.args = a
         self.dtype, self.device = dtype, torch.device(device)
         kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
-        #: (vx.gpu.quantization), applied by `process_weights_after_loading`.
+        #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
         self.model = LlamaModel(a, paged_attention, quantization=quantization, **kw)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)

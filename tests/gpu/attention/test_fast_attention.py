@@ -1,0 +1,144 @@
+"""The fast CPU decode attention kernels (`set_fast_decode_attention`, the default for bf16;
+`VX_CPU_ATTENTION_KERNEL=portable` turns them off): AVX512-BF16 (and AMX), or AVX2 where the
+CPU has no AVX-512. Each must match an fp32 reference like the portable kernel does.
+
+Runs in: the test process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vx.gpu.attention.paged import build_attention_metadata, paged_attention
+from vx.gpu.kv_cache import (
+    decode_kernel_fn,
+    fast_decode_attention,
+    load_cpu_kernels,
+    set_fast_decode_attention,
+    set_work_stealing,
+)
+
+
+def _has_fast() -> bool:
+    lib = load_cpu_kernels()
+    return lib is not None and decode_kernel_fn(torch.bfloat16, fast=True) is not decode_kernel_fn(
+        torch.bfloat16
+    )
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    set_fast_decode_attention(None)
+
+
+def test_default_is_the_portable_kernel(monkeypatch) -> None:
+    monkeypatch.delenv("VX_CPU_ATTENTION_KERNEL", raising=False)
+    assert fast_decode_attention()
+    monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "portable")
+    assert not fast_decode_attention()
+    monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "fast")
+    assert fast_decode_attention()
+    set_fast_decode_attention(False)
+    assert not fast_decode_attention()
+
+
+CASES = [
+    # (hq, hkv, d, block size, lens): GQA groups 1/3/4/8, D 32..256, lengths 1, not multiples
+    # of 16, and past one 256-key chunk (the online softmax's rescaling path)
+    (9, 3, 64, 16, [1, 17, 200, 64, 33]),
+    (4, 2, 32, 16, [1, 17, 200, 64, 33]),
+    (8, 8, 128, 16, [1, 17, 200, 64, 33]),
+    (4, 2, 16, 16, [1, 17, 200, 64, 33]),  # D % 32: the fast kernel declines, portable runs
+    (4, 1, 64, 16, [1, 2, 15, 16, 31, 257]),
+    (8, 1, 128, 16, [700, 1, 513]),
+    (9, 3, 64, 16, [1000, 255, 256, 511, 3]),
+    (6, 2, 96, 16, [40, 300]),
+    (16, 2, 256, 16, [19, 290]),
+    (9, 3, 64, 8, [1, 9, 100, 300]),  # a block smaller than the 16-key groups
+    (9, 3, 64, 8, [5, 1100, 3]),  # next-item prefetch capped at 64 blocks (of 8 keys)
+    (9, 3, 64, 32, [5, 33, 270]),
+]
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "amx"])
+def amx(request):
+    """The fast kernel: AVX512-BF16 (its q.k with vector dot products or with AMX tiles, where
+    the CPU has them), or on an AVX2 CPU without AVX-512 the AVX2 kernel."""
+    lib = load_cpu_kernels()
+    if not _has_fast():
+        pytest.skip("no AVX512-BF16 or AVX2 kernel on this machine")
+    if not lib.vx_has_fast_bf16():  # the AVX2 kernel: no AMX variant
+        if request.param:
+            pytest.skip("no AMX on this machine")
+        yield False
+        return
+    before = lib.vx_fast_amx(-1)
+    if lib.vx_fast_amx(int(request.param)) != int(request.param):
+        pytest.skip("no AMX on this machine")
+    yield request.param
+    lib.vx_fast_amx(before)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs", "lens"), CASES)
+def test_fast_decode_matches_reference(
+    hq: int, hkv: int, d: int, bs: int, lens: list, amx: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    lens = np.array(lens)
+    b = len(lens)
+    width = -(-int(lens.max()) // bs)
+    nb = b * width + 3
+    kc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    vc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    # a few large keys: the softmax max moves between chunks
+    kc[:, :: max(nb // 5, 1), 3] *= 4
+    q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(nb, generator=g).numpy()
+    table = perm[: b * width].reshape(b, width).astype(np.int32)
+    # this step's token (the last position) is written to its slot by paged_attention
+    last = lens - 1
+    slots = table[np.arange(b), last // bs].astype(np.int64) * bs + last % bs
+    k_new = torch.randn(b, hkv, d, generator=g).to(torch.bfloat16)
+    v_new = torch.randn(b, hkv, d, generator=g).to(torch.bfloat16)
+    md = build_attention_metadata(
+        query_lens=np.ones(b, dtype=np.int64), num_computed=lens - 1, block_table=table,
+        slot_mapping=slots, num_decodes=b, block_size=bs,
+    )  # fmt: skip
+    scale = d**-0.5
+    outs = {}
+    for fast in (False, True):
+        set_fast_decode_attention(fast)
+        outs[fast] = paged_attention(q, k_new, v_new, (kc, vc), md, scale)
+    for i, n in enumerate(lens.tolist()):
+        blocks = torch.from_numpy(table[i].astype(np.int64))
+        k = kc[:, blocks].reshape(hkv, -1, d)[:, :n].float()
+        v = vc[:, blocks].reshape(hkv, -1, d)[:, :n].float()
+        qq = q[i].float().view(hkv, hq // hkv, d)
+        ref = (torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(hq, d)
+        for fast, out in outs.items():
+            torch.testing.assert_close(out[i].float(), ref, atol=2e-2, rtol=2e-2, msg=str(fast))
+    # the two kernels differ by fp32 summation order only: bf16 outputs within one ulp
+    diff = (outs[True].float() - outs[False].float()).abs()
+    if d % 32 == 0:  # the fast kernel handles this shape itself (no -2 fallback)
+        out = torch.empty_like(q)
+        args = (
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], md.decode_block_table.data_ptr(),
+            md.decode_block_table.stride(0), md.decode_seq_lens.data_ptr(),
+            b, hq, hkv, d, bs, scale, md.decode_num_blocks * bs,
+        )  # fmt: skip
+        assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
+        assert torch.equal(out, outs[True])
+        # items handed out by stealing (most ranges ownerless in mode 5): the same bits
+        try:
+            for mode in (0, 5):
+                set_work_stealing(mode)
+                out.zero_()
+                assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
+                assert torch.equal(out, outs[True]), mode
+        finally:
+            set_work_stealing(1)
+    assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()

@@ -1,0 +1,219 @@
+"""vx's VNNI-layout bf16 GEMMs (`vx.gpu.cpu.vnni`): VDPBF16PS on AVX512-BF16 CPUs without AMX,
+AMX tiles on AMX CPUs. They must give the fp32 product rounded once to bf16 (up to the order of
+the fp32 sums), for every row count, panel remainder, bias and row stride, and the linears must
+take them for their rows; the AMX one bit-identical to the AMX skinny GEMM where both apply.
+On an AMX machine the VDPBF16PS kernel is built too and is tested here directly.
+
+Runs in: the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vx.gpu.cpu import vnni as cpu_vnni
+from vx.gpu.cpu.ops import bf16_max_rows
+from vx.gpu.kv_cache import load_cpu_kernels
+
+
+@pytest.fixture()
+def vnni(monkeypatch):
+    lib = load_cpu_kernels()
+    if lib is None or not lib.vx_has_gemm_vnni():
+        pytest.skip("no AVX512-BF16 here: the VNNI GEMM is not built")
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": lib})
+    return lib
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """got (bf16) is x @ w.T + b (fp64) rounded once to bf16, up to the fp32 sums' error:
+    half a bf16 step of the value plus K fp32 roundings of the terms' magnitudes."""
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    bound = ref.abs() * 2.0**-8 + mag * x.shape[1] * 2.0**-24
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 16, 32), (7, 32, 64), (8, 48, 64), (9, 80, 96), (13, 960, 576), (64, 576, 1536),
+     (130, 112, 160), (300, 3072, 576)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_fp32_product(vnni, m, n, k, bias) -> None:
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = cpu_vnni.VnniWeight(w).apply(x, b)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, x, w, b)
+
+
+def test_strided_and_misaligned_rows(vnni) -> None:
+    """A view with a wider row stride is read in place; an odd-offset view is copied first."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    big = torch.randn(20, 200, generator=g).bfloat16()
+    vw = cpu_vnni.VnniWeight(w)
+    for x in (big[:, 8:72], big[:, 1:65], big[3:17, 100:164]):
+        _check(vw.apply(x, None), x, w, None)
+
+
+def test_declines_what_it_cannot_pack(vnni) -> None:
+    assert not cpu_vnni.vnni_wanted(torch.zeros(24, 64, dtype=torch.bfloat16))  # N % 16
+    assert not cpu_vnni.vnni_wanted(torch.zeros(32, 48, dtype=torch.bfloat16))  # K % 32
+    assert not cpu_vnni.vnni_wanted(torch.zeros(32, 64))  # fp32
+    rc = vnni.vx_pack_vnni_bf16(0, 24, 64, 0)
+    assert rc == -2
+
+
+def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
+    """A linear built here keeps the plain weight (skinny GEMM, one row) and the VNNI copy
+    (every row count from `VNNI_MIN_ROWS`), and no oneDNN copy; both give the product."""
+    from vx.gpu.layers.linear import ColumnParallelLinear
+    from vx.gpu.layers.vocab import ParallelLMHead
+
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
+    g = torch.Generator().manual_seed(5)
+    lin = ColumnParallelLinear(
+        96, [160], bias=True, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    lin.weight.data.copy_(torch.randn(160, 96, generator=g))
+    lin.bias.data.copy_(torch.randn(160, generator=g))
+    lin.process_weights_after_loading()
+    assert lin.vnni is not None and not lin.packed
+    calls = []
+    real = lin.vnni.apply
+    monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    sizes = (1, cpu_vnni.VNNI_MIN_ROWS, bf16_max_rows(), bf16_max_rows() + 1, 40)
+    for rows in sizes:
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        _check(lin(x), x, lin.weight, lin.bias)
+    # one row on the skinny GEMM (the plain weight), from VNNI_MIN_ROWS on the VNNI copy
+    assert calls == [r for r in sizes if r >= cpu_vnni.VNNI_MIN_ROWS]
+    head = ParallelLMHead(64, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
+    head.weight.data.copy_(torch.randn(64, 96, generator=g))
+    head.process_weights_after_loading()
+    assert head.vnni is not None and head.packed_copy is None
+    h = torch.randn(30, 96, generator=g).bfloat16()
+    _check(head.compute_logits(h), h, head.weight, None)
+
+
+@pytest.mark.parametrize("rows", [9, 64, 200])
+def test_same_whichever_thread_takes_a_panel(vnni, rows: int) -> None:
+    """Panels are handed out by `vx_ws` (static ranges, stealing, mostly ownerless ranges):
+    bit-identical outputs in every mode."""
+    from vx.gpu.kv_cache import set_work_stealing
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(16 * 41, 576, generator=g).bfloat16()  # 14 panels, the last one of 2
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    vw = cpu_vnni.VnniWeight(w)
+    outs = []
+    try:
+        for mode in (0, 1, 3, 7):
+            set_work_stealing(mode)
+            outs.append(vw.apply(x, None))
+    finally:
+        set_work_stealing(1)
+    _check(outs[0], x, w, None)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(2, 16, 32), (9, 80, 96), (64, 4096, 576)])
+def test_argmax_is_the_first_maximum_of_the_bf16_product(vnni, m, n, k) -> None:
+    """`VnniWeight.argmax` gives the token `apply(...).float().argmax(-1)` gives, ties
+    included (duplicated weight rows give equal outputs: the first index wins, whichever
+    thread's panel holds it)."""
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    for weight in (w, torch.cat([w[: n // 2], w[: n // 2]])):  # every output twice
+        vw = cpu_vnni.VnniWeight(weight)
+        want = vw.apply(x, None).float().argmax(-1).numpy()
+        assert (vw.argmax(x) == want).all()
+        assert (want < n // 2).all() or weight is w
+
+
+def test_lm_head_greedy_ids_take_the_argmax(vnni, monkeypatch) -> None:
+    from vx.gpu.layers.vocab import ParallelLMHead
+
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
+    g = torch.Generator().manual_seed(9)
+    head = ParallelLMHead(256, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
+    head.weight.data.copy_(torch.randn(256, 96, generator=g))
+    head.process_weights_after_loading()
+    h = torch.randn(20, 96, generator=g).bfloat16()
+    ids = head.greedy_ids(h)
+    assert ids is not None
+    assert (ids == head.compute_logits(h).argmax(-1).numpy()).all()
+    # one row: the int8 screen's token where it is built (vx.gpu.cpu.screen), else the logits
+    one = head.greedy_ids(h[:1])
+    if head.screen is None:
+        assert one is None
+    else:
+        assert one is not None and one[0] == head.compute_logits(h[:1]).argmax(-1).item()
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (48, 64), (80, 96), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_vnni_is_bit_identical_to_the_amx_skinny_gemm(amx_vnni, n, k, bias) -> None:
+    """The same fp32 sums in the same order as `vx_gemm_amx_bf16` on the plain weight, for
+    every row count it takes: whole and partial 32-row blocks, an odd count of 16-column
+    blocks (48, 80), a bias, a strided x."""
+    from vx.gpu.cpu.ops import skinny_gemm
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    vw = cpu_vnni.VnniWeight(w, amx=True)
+    for rows in (1, 3, 8, 17, 32, 45, 64, 192):
+        big = torch.randn(rows, k + 64, generator=g).bfloat16()
+        x = big[:, 32 : 32 + k]  # row stride k + 64
+        got = vw.apply(x, b)
+        assert torch.equal(got, skinny_gemm(x.contiguous(), w, None, b)), rows
+
+
+@pytest.mark.parametrize("rows", [193, 300, 1024])
+def test_amx_vnni_past_the_skinny_rows_is_the_fp32_product(amx_vnni, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(112, 160, generator=g).bfloat16()
+    x = torch.randn(rows, 160, generator=g).bfloat16()
+    b = torch.randn(112, generator=g).bfloat16()
+    _check(cpu_vnni.VnniWeight(w, amx=True).apply(x, b), x, w, b)
+
+
+def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
+    """With AMX a linear keeps three copies: the plain weight (the skinny GEMM, below
+    `amx_vnni_rows()[0]`), the VNNI copy (through `[1]`) and oneDNN's (past it; under the
+    emulation there is none, and F.linear on the plain weight takes those rows)."""
+    from vx.gpu.layers.linear import ColumnParallelLinear
+    from vx.gpu.layers.quantization import cpu_prepack_enabled
+
+    lo, hi = cpu_vnni.amx_vnni_rows()
+    assert 1 <= lo <= 192 < hi
+    g = torch.Generator().manual_seed(6)
+    lin = ColumnParallelLinear(
+        96, [160], bias=True, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    lin.weight.data.copy_(torch.randn(160, 96, generator=g))
+    lin.bias.data.copy_(torch.randn(160, generator=g))
+    plain = lin.weight.data.clone()
+    lin.process_weights_after_loading()
+    assert lin.vnni is not None and lin.vnni.amx and lin.plain is not None
+    assert lin.packed == cpu_prepack_enabled(plain)
+    calls = []
+    real = lin.vnni.apply
+    monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    sizes = (1, lo - 1, lo, 100, hi, hi + 1)
+    for rows in sizes:
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        _check(lin(x), x, plain, lin.bias)
+    assert calls == [r for r in sizes if lo <= r <= hi]
+    monkeypatch.setenv("VX_CPU_AMX_VNNI", "0")
+    monkeypatch.setattr(cpu_vnni, "_state", {})
+    assert not cpu_vnni.amx_vnni_wanted(plain)

@@ -1,0 +1,1 @@
+"""`vx bench serve`: the load generator's HTTP client, the run and its report, and the plots."""

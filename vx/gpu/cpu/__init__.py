@@ -1,0 +1,3 @@
+"""Everything CPU-only in the Worker: the C kernel library's sources (`csrc/`) and ABI table,
+the weight layouts its kernels read (VNNI, widened, compact, huge pages), the row plans, the
+LM head's int8 screen, the ops on the module path, and the fused decode step."""

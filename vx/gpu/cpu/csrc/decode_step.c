@@ -1,0 +1,272 @@
+/* The fused CPU step: every decoder layer of a Llama-family model in one call,
+   for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
+   attention takes them).
+
+   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+   attention and the skinny GEMM; `vx.gpu.cpu.fused_step` fills its structs and calls it).
+
+   Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the same step took
+   ~21 ms: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
+   the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
+   kernels the module path calls (so the results are bit-identical), chained without Python:
+   RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
+   paged attention (decode rows: the decode kernel; prefill chunks: prefill_amx.c's
+   kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+
+   GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
+   `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
+   VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
+   VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
+   `vx.gpu.layers.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+   path of `vx.gpu.cpu.widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
+   weights (1-2 rows on their compact copy, `vx.gpu.cpu.compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+   roundings per output), as `vx.gpu.layers.rotary.apply_rotary`.
+
+   Structs (mirrored by ctypes in `vx.gpu.cpu.fused_step`): a `vx_linear` per projection, a
+   `vx_layer` per decoder layer (fixed at load, plus its K/V cache), a `vx_step` per call (batch
+   size, per-step metadata and scratch buffers). */
+#include "vx_kernels.h"
+/* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
+   x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
+   ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu.ops`). */
+void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                    const vx_bf16* cos, const vx_bf16* sin) {
+    const int64_t h2 = D / 2;
+    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
+        for (int64_t hd = 0; hd < nh; hd++) {
+            vx_bf16* p = x + t * x_st + hd * D;
+            int64_t i = 0;
+#if defined(__AVX512BF16__)
+            for (; i + 16 <= h2; i += 16) {  /* the loop below on 16 lanes, its roundings */
+                vx_rope16(p + i, p + i + h2, vx_ld16_bf16(p + i), vx_ld16_bf16(p + i + h2),
+                          vx_ld16_bf16(c + i), vx_ld16_bf16(s + i));
+            }
+#endif
+            for (; i < h2; i++) {
+                const float a = ld_bf16(p[i]), b = ld_bf16(p[i + h2]);
+                const float ci = ld_bf16(c[i]), si = ld_bf16(s[i]);
+                const float ac = ld_bf16(st_bf16v(a * ci)), bs = ld_bf16(st_bf16v(b * si));
+                const float bc = ld_bf16(st_bf16v(b * ci)), as = ld_bf16(st_bf16v(a * si));
+                p[i] = st_bf16v(ac - bs);
+                p[i + h2] = st_bf16v(bc + as);
+            }
+        }
+    }
+}
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) && defined(VX_HAS_AMX)
+#define VX_STEP_AMX vx_amx_on
+#else
+#define VX_STEP_AMX 0
+#endif
+typedef struct {
+    const vx_bf16* w;       /* [n, k] bf16, row-major */
+    const int8_t* q;        /* [n, k] int8 or NULL */
+    const vx_bf16* scale;   /* [n] per output channel, with q */
+    const vx_bf16* bias;    /* [n] or NULL */
+    int64_t n, k;
+    const uint32_t* vn;     /* w packed for vx_gemm_vnni_bf16, or with AMX vx_gemm_amx_vnni
+                               (`vx.gpu.cpu.vnni`), or NULL */
+    const uint8_t* q4;      /* AVX2: the int4 weight of `widen.Int4Avx2`, or NULL */
+    const float* s4;        /* its scales (times 2^-28) and zeros, with q4 */
+    const float* z4;
+    const uint8_t* cw;      /* AVX2: the compact copy of w (`compact.CompactWeight`), or NULL */
+    const uint8_t* ch;      /* its block bytes and raw blocks, with cw */
+    const vx_bf16* craw;
+    const uint32_t* panels; /* AVX2: w in bf16 panels (`widen.pack_panels`), or NULL */
+    const uint32_t* vs;     /* a gate-up w packed for vx_gemm_amx_vnni_silu (gate and up rows
+                               interleaved by 16; then vn is NULL), or NULL */
+} vx_linear;
+typedef struct vx_layer {
+    const vx_bf16* in_norm;
+    const vx_bf16* post_norm;
+    vx_linear qkv, o, gate_up, down;
+    vx_bf16* k_cache;       /* [Hkv, NB, BS, D], strides c_sh, c_sb, D (vx_step's) */
+    vx_bf16* v_cache;
+} vx_layer;
+typedef struct vx_step {
+    int64_t T, H, Hq, Hkv, D, I, NB, BS;
+    int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
+    float eps, scale;
+    int32_t max_len, quant_rows, fast;
+    int32_t skinny_rows;    /* rows up to which the skinny GEMM runs where a VNNI copy (AVX2:
+                               the bf16 panels) exists */
+    const vx_bf16* cos;     /* [T, D / 2] */
+    const vx_bf16* sin;
+    const int64_t* slots;   /* [T] */
+    const int32_t* bt;      /* [nd, bt_s] */
+    int64_t bt_s;
+    const int32_t* lens;    /* [nd] */
+    int64_t nd, np;         /* decode rows [0, nd), then np prefill chunks */
+    const int32_t* p_starts;   /* [np] the chunks, as `vx_prefill_attention_bf16` takes them */
+    const int32_t* p_lens;
+    const int32_t* p_computed;
+    const int32_t* p_bt;       /* [np, p_bt_s] */
+    int64_t p_bt_s;
+    vx_bf16* x;             /* [T, H]: in, the embeddings; out, the last layer's MLP output */
+    vx_bf16* residual;      /* [T, H]: out */
+    vx_bf16* h;             /* scratch [T, H] */
+    vx_bf16* qkv;           /* scratch [T, (Hq + 2 Hkv) D] */
+    vx_bf16* attn;          /* scratch [T, Hq D] */
+    vx_bf16* gu;            /* scratch [T, 2 I] */
+    vx_bf16* act;           /* scratch [T, I] */
+    const int64_t* keep;    /* NULL, or the rows (ascending, < T) the last layer carries past
+                               its attention, as the module path's `keep`: x and residual
+                               then hold those rows first, in order */
+    int64_t nkeep;
+} vx_step;
+
+static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
+                           int skinny_rows, vx_bf16* y) {
+#if defined(__AVX512F__)
+    if (L->q && T <= quant_rows)
+        return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (L->vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+        return vx_gemm_amx_vnni(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
+    if (T > 2 && VX_STEP_AMX)
+        return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
+    /* past the skinny GEMM's rows, as `linear` routes them; or AMX switched off since the
+       caller counted the rows: an AMX VNNI copy has the same layout */
+    if (L->vn && (T > skinny_rows || (T > 2 && T > vx_gemv_bf16_max_rows())))
+        return vx_gemm_vnni_bf16(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
+    return vx_gemv_bf16(x, L->k, (int)T, L->w, NULL, L->bias, y, L->n, L->n, L->k);
+#else  /* AVX2: `QuantizedWeight`'s int4 or int8 kernel, else `WideWeight`'s skinny or panel GEMM */
+    if (L->q4 && T <= quant_rows)
+        return vx_gemv_int4_avx2(x, L->k, (int)T, L->q4, L->s4, L->z4, L->bias, y, L->n, L->n,
+                                 L->k);
+    if (L->q && T <= quant_rows)
+        return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
+    if (L->panels && T > skinny_rows)  /* past the skinny GEMM's rows: as `WideWeight` routes */
+        return vx_gemm_panels_avx2(x, L->k, (int)T, L->panels, L->bias, y, L->n, L->n, L->k);
+    if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the same outputs from a quarter fewer bytes */
+        return vx_gemv_compact_avx2(x, L->k, (int)T, L->cw, L->ch, L->craw, L->bias, y, L->n,
+                                    L->n, L->k);
+    return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
+#endif
+}
+/* Decoder layers [l0, l1) of n_layers for s->T rows (layer 0 takes s->x as the embeddings;
+   past it s->x and s->residual hold the previous layer's output). No checks: the callers'
+   (vx_llama_decode_bf16's, the split's). Returns 0 or the first kernel's error. */
+static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
+                           const vx_step* s) {
+    const int64_t T = s->T, H = s->H, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
+    const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
+    const int64_t c_sh = s->c_sh, c_sb = s->c_sb;
+    int rc;
+    for (int l = l0; l < l1; l++) {
+        const vx_layer* L = layers + l;
+        if (l == 0) {  /* the embeddings are the first residual */
+            vx_add_rms_norm_bf16(s->x, H, NULL, NULL, L->in_norm, s->h, T, H, s->eps);
+            memcpy(s->residual, s->x, (size_t)(T * H) * e);
+        } else {
+            vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
+        }
+        rc = -2;
+#if defined(__AVX512F__)
+        if (L->qkv.vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+            /* the rotary in the GEMM's epilogue: the same bits, no pass over q and k */
+            rc = vx_gemm_amx_vnni_rope(s->h, H, (int)T, L->qkv.vn, L->qkv.bias, s->qkv, qkv_n,
+                                       qkv_n, H, s->cos, s->sin, (Hq + Hkv) * D, (int)D);
+#endif
+        if (rc == -2) {
+            rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->skinny_rows, s->qkv);
+            if (rc) return rc;
+            vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
+        } else if (rc) {
+            return rc;
+        }
+        vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
+                    (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
+                    (char*)L->k_cache, (char*)L->v_cache, c_sh * e, c_sb * e, D * e, D * e,
+                    s->slots, (int)T, (int)Hkv, (int)s->BS, s->NB * s->BS);
+        rc = 0;
+        if (s->nd) {
+            rc = -2;
+#if defined(VX_HAS_FAST_BF16)
+            if (s->fast)
+                rc = vx_decode_attention_bf16_fast(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
+#elif !defined(__AVX512F__)
+            if (s->fast)
+                rc = vx_decode_attention_bf16_avx2(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
+#endif
+            if (rc == -2)
+                rc = vx_decode_attention_bf16(
+                    s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
+                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, s->max_len);
+        }
+        if (!rc && s->np)  /* the caller checked the kernel takes them (D % 32 == 0) */
+            rc = vx_prefill_attention_bf16(
+                s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, c_sb,
+                D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
+                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
+        if (rc) return rc;
+        int64_t Tl = T;  /* the rows past the attention */
+        if (s->keep && l == n_layers - 1) {
+            /* Only the kept rows go on (a prompt chunk's last row, the decodes): the rest of
+               the last layer is ~1/30 of a prompt row's work. Moved down in order (keep is
+               ascending, so no row is overwritten before it is read). */
+            const int64_t ar = Hq * D;
+            for (int64_t i = 0; i < s->nkeep; i++) {
+                const int64_t k = s->keep[i];
+                if (k == i) continue;
+                memcpy(s->attn + i * ar, s->attn + k * ar, (size_t)ar * e);
+                memcpy(s->residual + i * H, s->residual + k * H, (size_t)H * e);
+            }
+            Tl = s->nkeep;
+            if (!Tl) break;
+        }
+        rc = vx_linear_apply(&L->o, s->attn, Tl, s->quant_rows, s->skinny_rows, s->x);
+        if (rc) return rc;
+        vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, Tl, H, s->eps);
+#if defined(__AVX512F__)
+        if (L->gate_up.vs && VX_STEP_AMX && Tl >= vx_amx_vnni_rows(0)) {
+            /* the GEMM with the SiLU-mul in its epilogue: the same bits, no [T, 2 I] pass */
+            rc = vx_gemm_amx_vnni_silu(s->h, H, (int)Tl, L->gate_up.vs, NULL, s->act, s->I,
+                                       s->I, H);  /* SiLU copies have no bias (`vnni`) */
+            if (rc) return rc;
+        } else
+#endif
+        {
+            rc = vx_linear_apply(&L->gate_up, s->h, Tl, s->quant_rows, s->skinny_rows, s->gu);
+            if (rc) return rc;
+            vx_silu_and_mul_bf16(s->gu, 2 * s->I, s->act, Tl, s->I);
+        }
+        rc = vx_linear_apply(&L->down, s->act, Tl, s->quant_rows, s->skinny_rows, s->x);
+        if (rc) return rc;
+    }
+    return 0;
+}
+/* Every decoder layer for s->T rows: s->nd decodes, then s->np prefill chunks. Returns 0, -2
+   (nothing done: prefill chunks the C kernel would decline), or the first kernel's error (the
+   caller validated the shapes, so an error means scratch could not be allocated). */
+int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s) {
+    const int64_t T = s->T, D = s->D, Hq = s->Hq, Hkv = s->Hkv;
+    (void)T; (void)D; (void)Hq; (void)Hkv;  /* each check uses some of them, per build */
+    /* the prefill kernel would decline them (AVX2 builds; shapes the caller checked): -2
+       before anything is written, and the caller takes the module path */
+#if defined(VX_PF_512)
+    if (s->np && (D % 32 || D > 256 || Hq % Hkv)) return -2;
+#else
+    if (s->np) return -2;
+#endif
+#if defined(__AVX512F__)
+    /* rows past what the skinny GEMM takes without AMX (AMX switched off since the caller
+       counted the rows) need every linear's VNNI copy: else -2, before anything is written */
+    if (T > 2 && !VX_STEP_AMX && T > vx_gemv_bf16_max_rows())
+        for (int l = 0; l < n_layers; l++)
+            if (!layers[l].qkv.vn || !layers[l].o.vn || !layers[l].gate_up.vn
+                || !layers[l].down.vn)
+                return -2;
+#endif
+    return vx_llama_layers(layers, 0, n_layers, n_layers, s);
+}
+#endif

@@ -1,0 +1,470 @@
+"""The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
+the skinny GEMM's rows (192 with AMX; any number on the VNNI GEMM without it): decode rows, and
+prefill chunks where the C prefill attention takes them (bf16 on AVX512-BF16, head size a
+multiple of 32). On AVX2 CPUs without AVX-512
+it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
+(its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
+through the modules and takes 19-21 ms here (2-core AMD EPYC).
+
+Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
+library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
+module path when it answers None.
+
+Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
+fused step is bit-identical to the module path (tests/gpu/cpu/test_fused_step.py checks it); asked
+for some rows only (`keep`), its last layer runs past the attention on those rows alone, as the
+module path's does. `run` answers None, before touching anything, for every step it does not cover: more rows than the
+skinny GEMM takes (those go to oneDNN), int8 rows past the C int8 kernel, decode rows without
+the C decode kernel, or prefill chunks without the C prefill kernel (they go to SDPA). `build` answers None for a model it
+cannot take as a whole (not CPU bf16, tensor parallel, int4 but on AVX2, a custom attention function, shapes
+the kernels refuse; on AVX2: layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
+
+Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
+sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the threads meet once a
+step instead of at each of ~300 parallel regions, and one core's memory-bound attention
+may overlap the other's GEMMs (served SmolLM2, 64 clients: 0-7% more output tok/s, within the
+noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
+routing, so the logits are the same bits. Where every row of such a step is one argmax
+(`vx.gpu.sample.greedy.fused_greedy_step`), `greedy_step` puts the embedding lookup, the final norm and
+the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
+clients: ~5-9% more output tok/s; docs/performance.md). Greedy decode steps too small to split
+run the same way whole on the pool (`vx/gpu/cpu/csrc/greedy_step.c`), the head's argmax for one row
+by its int8 screen (`vx.gpu.cpu.screen`); on AVX2 builds one-row steps only, by the screen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+from vx import envs
+from vx.gpu.cpu.ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
+from vx.gpu.cpu.row_plan import vnni_wins
+from vx.gpu.cpu.vnni import VNNI_MIN_ROWS
+from vx.gpu.cpu.widen import PANEL_FROM_ROWS
+from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
+
+__all__ = ["FusedDecode"]
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+#: Rows a step may have on the VNNI GEMM: the C step's row counts are ints.
+_VNNI_STEP_ROWS = 1 << 30
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
+        ("q4", _P), ("s4", _P), ("z4", _P), ("cw", _P), ("ch", _P), ("craw", _P),
+        ("panels", _P), ("vs", _P),
+    ]  # fmt: skip
+
+
+class _GreedyTail(ctypes.Structure):
+    """`vx_greedy_tail` (see `FusedDecode.greedy_step`)."""
+
+    _fields_ = [
+        ("ids", _P), ("positions", _P), ("embed", _P), ("cos_table", _P), ("sin_table", _P),
+        ("norm", _P), ("head", _P), ("vocab", _I64), ("out", _P),
+    ]  # fmt: skip
+
+
+class _ScreenHead(ctypes.Structure):
+    """`vx_screen_head` (see `FusedDecode.greedy_step`)."""
+
+    _fields_ = [
+        ("q", _P), ("s", _P), ("bound", _P), ("w", _P), ("a", _P), ("idx", _P), ("cand", _P),
+        ("cap", _I64),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+def _split_policy(vnni: bool) -> tuple[int, int]:
+    """(parts, least rows a part) for `vx_llama_decode_split` at decode-only steps (parts < 2:
+    never), fixed when the model's step is built (the Worker has set its threads by then).
+
+    `VX_CPU_SPLIT_STEP`: the parts (0 or 1: off); unset, 2 where it was measured not to lose:
+    two threads on the VNNI GEMM (AVX512-BF16 without AMX). Each part needs at least
+    `VX_CPU_SPLIT_MIN_ROWS` rows (default 16): every part streams all the weights, so small
+    steps, bound by that stream, lose (2-core Zen 5, SmolLM2, alternated rounds of 127 steps:
+    16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7 against 37.9
+    in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
+    thread's measured speed (`vx_split_cut`; `vx_set_split_adapt(0)`, for tests: evenly). A
+    thread done with its rows takes half of those the other has left, from its next layer on
+    (`vx/gpu/cpu/csrc/split_step.c`; `vx_set_split_steal(0)`, for tests: never)."""
+    parts = envs.VX_CPU_SPLIT_STEP
+    if parts is None:
+        parts = 2 if vnni and torch.get_num_threads() == 2 else 0
+    return (parts if parts >= 2 else 0), envs.VX_CPU_SPLIT_MIN_ROWS
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("T", "H", "Hq", "Hkv", "D", "I", "NB", "BS")),
+        ("c_sh", _I64), ("c_sb", _I64),
+        ("eps", _F32), ("scale", _F32),
+        ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("skinny_rows", _I32),
+        ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
+        ("nd", _I64), ("np", _I64), ("p_starts", _P), ("p_lens", _P), ("p_computed", _P),
+        ("p_bt", _P), ("p_bt_s", _I64),
+        ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
+        ("act", _P), ("keep", _P), ("nkeep", _I64),
+    ]  # fmt: skip
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
+    """The C view of one linear, or None where the C kernels would not be the module's path
+    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, and its int8 or int4 twin)."""
+    if avx2:
+        wide = layer.wide
+        w = wide.bf16 if wide is not None and wide.skinny_rows else None
+    else:
+        w = layer.plain
+    bias = layer.bias
+    if w is None or not w.is_contiguous() or layer.tp_size != 1:
+        return None
+    n, k = w.shape
+    if n % 16 or k % 32 or k > 16384:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    q = scale = None
+    q4 = layer.quant.avx2_int4 if layer.quant is not None and avx2 else None
+    if layer.quant is not None and q4 is None:
+        if layer.quant.method != "int8":
+            return None
+        q = layer.quant.avx2_qweight if avx2 else layer.quant.qweight
+        if q is None:
+            return None
+        scale = layer.quant.scales
+    vn = vs = None
+    if not avx2 and layer.vnni is not None:  # a gate-up's SiLU copy: the C step's own GEMM
+        vn, vs = (None, layer.vnni.packed) if layer.vnni.silu else (layer.vnni.packed, None)
+    c = layer.wide.compact if avx2 else None
+    return _Linear(
+        w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
+        *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else (None,) * 3),
+        *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else (None,) * 3),
+        _ptr(layer.wide.panels) if avx2 else None, _ptr(vs),
+    )  # fmt: skip
+
+
+def _screen_head(screen: Any) -> int | None:
+    """A `vx_screen_head` for `screen` (a `ScreenedHead`, its scratch for one row), or None;
+    kept on the screen, so it lives as long as the pointers in it."""
+    if screen is None:
+        return None
+    desc = getattr(screen, "_c_desc", None)
+    if desc is None:
+        a, idx, cand = screen.row_scratch()
+        desc = _ScreenHead(
+            screen.q.data_ptr(), screen.s.data_ptr(), screen.bound.ctypes.data,
+            screen.weight.data_ptr(), a.data_ptr(), idx.data_ptr(), cand.data_ptr(),
+            idx.shape[0],
+        )  # fmt: skip
+        screen._c_desc = desc
+    return ctypes.addressof(desc)
+
+
+class FusedDecode:
+    """One model's C layer descriptions; `run` takes a step or answers None."""
+
+    def __init__(
+        self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int, avx2_rows: int
+    ) -> None:
+        self._model, self._lib = model, lib
+        self._layers = (_Layer * len(layers))(*layers)
+        self._quant_rows = quant_rows
+        self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
+        # every linear has a VNNI copy (AVX512-BF16 without AMX): any rows (the VNNI GEMM has
+        # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
+        # and torch ops too (56 decodes + 4 x 128 prompt tokens: 245 against 259 ms, medians
+        # of 12 alternated steps on a 2-core Zen 5)
+        self._amx = hasattr(lib, "vx_fast_amx") and bool(lib.vx_fast_amx(-1))  # not on AVX2
+        every = all(
+            lin.vn or lin.vs
+            for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )  # fmt: skip
+        # With AMX the copies are the AMX GEMM's (`vx.gpu.cpu.vnni`; a gate-up's packed for the
+        # SiLU epilogue): the step takes their rows, to `amx_vnni_rows()[1]`, and past the
+        # skinny GEMM's only where the module path routes them to the same copies (for each
+        # shape, `vnni_wins`): prompt steps then skip its Python and torch ops too (one
+        # 2,048-token prompt 346-351 against 372-375 ms, 4 x 128 tokens 72 against 85, with
+        # 64 decodes 93-97 against 106-107; 2-core Sapphire Rapids, SmolLM2)
+        self._vnni_rows = 0
+        if every:
+            self._vnni_rows = lib.vx_amx_vnni_rows(1) if self._amx else _VNNI_STEP_ROWS
+        self._shapes = {
+            (lin.n, lin.k) for layer in layers for lin in (layer.qkv, layer.o, layer.down)
+        }
+        self._kv_key: tuple[int, ...] = ()
+        self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
+        self.split_parts, self.split_min_rows = _split_policy(
+            bool(self._vnni_rows) and not self._amx
+        )
+        if lib.vx_has_decode_step() == 1:
+            # The split's defaults, set again for each model (tests change them): the parts'
+            # cuts follow the threads' speeds, measured afresh, and a thread done with its rows
+            # takes some of the other's.
+            lib.vx_set_split_adapt(1)
+            lib.vx_set_split_steal(1)
+        attn = model.layers[0].self_attn
+        self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self._hidden = model.norm.weight.shape[0]
+        self._inter = layers[0].down.k  # the MLP's intermediate size
+        self._eps = model.layers[0].input_layernorm.eps
+        # the attention `decode_kernel_fn(fast=True)` picks was built (AVX512-BF16, or AVX2)
+        self._has_fast = bool(lib.vx_has_avx2_attention() if avx2_rows else lib.vx_has_fast_bf16())
+
+    @classmethod
+    def build(cls, model: Any) -> FusedDecode | None:
+        """For a `LlamaModel` after its weights were processed; None where it does not apply."""
+        from vx.gpu.attention.paged import paged_attention
+
+        if not envs.VX_CPU_DECODE_STEP:
+            return None
+        lib = load_cpu_kernels()
+        kind = 0 if lib is None else lib.vx_has_decode_step()
+        avx2 = kind == 2  # built for AVX2 without AVX-512 (vx/gpu/cpu/csrc/decode_step.c)
+        if kind == 0 or (not avx2 and gemv_kernels() is None):
+            return None
+        if model.norm.weight.dtype != torch.bfloat16:
+            return None
+        descs, quant_rows, avx2_rows = [], None, 1 << 30
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.attn_fn is not paged_attention or attn.head_dim % 2:
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            lins = [_linear_desc(m, avx2) for m in linears]
+            if any(d is None for d in lins):
+                return None
+            if avx2:  # the rows every layer's skinny GEMM takes
+                avx2_rows = min(avx2_rows, *(m.wide.skinny_rows for m in linears))
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                rows = 0 if m.quant is None else m.quant.max_rows
+                if quant_rows is not None and rows != quant_rows:
+                    return None
+                quant_rows = rows
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+                return None
+            descs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None))
+        if not descs:
+            return None
+        return cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
+
+    def max_rows(self) -> int:
+        """The most rows a step may have here (the skinny GEMM's, or any number on the VNNI
+        GEMM; AMX can be switched off)."""
+        return self._avx2_rows or max(bf16_max_rows(), self._vnni_rows)
+
+    def _int8_rows(self) -> int:
+        """The most rows the C int8 kernel takes (8 on AVX-512; on AVX2 the int8 and int4
+        kernels take the skinny GEMM's): quantized rows past it go to torch's kernels on the
+        module path."""
+        return self._avx2_rows or GEMV_MAX_ROWS_INT8
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+        tail: _GreedyTail | None = None,
+        keep: torch.Tensor | None = None,
+        screen: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All layers for a step of T rows: (last MLP output, residual), or None. With `keep`
+        (`kept_rows`), the last layer's o_proj and MLP run on those rows alone, as the module
+        path's, and the two come back for them only. With `tail` (`greedy_step`): as the
+        split's parts, or whole where the split does not take the step (with `screen` for the
+        head's argmax), and (final normed hidden states, the residual); x, cos and sin are
+        then scratch the C call fills."""
+        self.last_parts = 0
+        t, nd = x.shape[0], md.num_decodes
+        if t == 0 or (nd and not md.decode_kernel):
+            return None
+        hq, hkv, d = self._shape
+        # prefill chunks: only where the module path takes the same C kernel for them
+        if md.prefills and (md.prefill_starts is None or d % 32 or d > 256 or hq % hkv):
+            return None
+        if t > self.max_rows() or self._int8_rows() < t <= self._quant_rows:
+            return None
+        if self._amx and t > AMX_MAX_ROWS and not all(vnni_wins(n, k, t) for n, k in self._shapes):
+            return None  # the module path takes oneDNN's GEMM for a shape at these rows
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
+            return None
+        k0, v0 = kv_caches[0]
+        if k0.dtype != torch.bfloat16 or md.slot_mapping.dtype != torch.int64:
+            return None
+        key = tuple(c.data_ptr() for kv in kv_caches for c in kv)
+        if key != self._kv_key:  # caches (re)allocated: point the layers at them
+            # every cache K and V alike, rows of D contiguous (head- or block-major)
+            if not all(
+                c.shape == k0.shape and c.stride() == k0.stride() and c.stride(2) == k0.shape[3]
+                for kv in kv_caches
+                for c in kv
+            ):
+                return None
+            for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
+                desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
+            self._kv_key = key
+        hkv_c, nb, bs, d_c = k0.shape
+        bt, lens = (md.decode_block_table, md.decode_seq_lens) if nd else (None, None)
+        pbt = md.prefill_block_table if md.prefills else None
+        cos, sin = (c.reshape(t, -1) for c in rope)
+        if hkv_c != hkv or d_c != d or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        new = torch.empty  # scratch for this step
+        residual = new(t, self._hidden, dtype=torch.bfloat16)
+        bufs = [new(t, n, dtype=torch.bfloat16) for n in (
+            self._hidden, (hq + 2 * hkv) * d, hq * d, 2 * self._inter, self._inter)]  # fmt: skip
+        step = _Step(
+            t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
+            self._eps, d**-0.5,
+            md.decode_num_blocks * bs, self._quant_rows,
+            int(self._has_fast and fast_decode_attention()),
+            # as `linear` (AVX2: `WideWeight.apply`) routes
+            PANEL_FROM_ROWS - 1 if self._avx2_rows
+            else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx else bf16_max_rows(),
+            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
+            bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
+            _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),
+            pbt.stride(0) if pbt is not None else 0,
+            x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
+            _ptr(keep), 0 if keep is None else keep.numel(),
+        )  # fmt: skip
+        parts = self.split_parts
+        if md.prefills or t < parts * self.split_min_rows or keep is not None:
+            parts = 0
+        rc = -2
+        if parts:
+            g = None if tail is None else ctypes.addressof(tail)
+            rc = self._lib.vx_llama_decode_split(
+                ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step), parts, g
+            )
+            self.last_parts = parts if rc != -2 else 0
+        if tail is not None:  # x, cos and sin are filled in C: only the greedy calls run
+            if rc == -2 and not parts:
+                rc = self._lib.vx_llama_greedy_whole(
+                    ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
+                    ctypes.addressof(tail), _screen_head(screen),
+                )  # fmt: skip
+                rc = 0 if rc == 1 else rc  # the layers ran; the screen gave no token
+            if rc == -2:
+                return None
+            if rc != 0:
+                raise MemoryError("the fused CPU decode step could not allocate scratch")
+            return bufs[0], residual
+        if rc == -2:
+            rc = self._lib.vx_llama_decode_bf16(
+                ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step)
+            )
+        if rc == -2:  # prefill chunks the C kernel declines now: nothing was written
+            return None
+        if rc != 0:
+            raise MemoryError("the fused CPU decode step could not allocate scratch")
+        if keep is not None:
+            return x[: keep.numel()], residual[: keep.numel()]
+        return x, residual
+
+    def kept_rows(self, keep: torch.Tensor | None, t: int) -> torch.Tensor | None:
+        """`keep` as `run` takes it (int64, ascending, each row below t, and routed past the
+        attention as the module path routes them: not the int8 rows torch's kernel takes),
+        or None (the caller then takes the module path for the step)."""
+        if keep is None or keep.dtype != torch.int64 or not keep.is_contiguous():
+            return None
+        n = keep.numel()
+        if self._int8_rows() < n <= self._quant_rows:
+            return None
+        if n and (int(keep[0]) < 0 or int(keep[-1]) >= t or not bool((keep[1:] > keep[:-1]).all())):
+            return None
+        return keep
+
+    def greedy_takes(self, t: int, head: Any, screen: Any) -> bool:
+        """Whether `greedy_step` may take a decode-only step of t rows with this head: as the
+        split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`:
+        on AVX-512 builds `head`, or for one row `screen`, a `ScreenedHead` whose exact rows
+        go through `vx_gemv_bf16`; on AVX2 builds one row by `screen`, its exact rows through
+        `vx_gemv_bf16_avx2`)."""
+        if self.split_parts and t >= self.split_parts * self.split_min_rows:
+            return head is not None
+        if self._avx2_rows:  # one row, by the screen whose exact rows take the AVX2 GEMM
+            return t == 1 and screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
+        if screen is not None:
+            return t == 1 and screen.exact_kernel() == "vx_gemv_bf16"
+        return head is not None
+
+    def greedy_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+        head: Any,
+        screen: Any = None,
+    ) -> tuple[torch.Tensor, np.ndarray | None] | None:
+        """A decode-only step whose every row is one argmax, in one C call: the embedding
+        lookup before the layers, and the final RMSNorm and the LM head's argmax after them.
+        Steps the split takes run as its parts, each for its rows (`vx_greedy_tail`), the head
+        the VNNI copy `head` (a `VnniWeight`); smaller ones whole on the pool
+        (`vx_llama_greedy_whole`), the head `head` or, for one row, the int8 screen `screen`.
+        Returns (the final normed hidden states [T, H], the tokens [T] int64, or None where
+        the screen gave none: the caller forms the logits), or None, with nothing written,
+        where the step is not taken (`greedy_takes`). The same kernels as
+        `LlamaModel.forward` and `greedy_ids`, so the same tokens."""
+        t = input_ids.shape[0]
+        if md.prefills or not self.greedy_takes(t, head, screen):
+            return None
+        model = self._model
+        embed, rotary = model.embed_tokens.weight, model.rotary
+        hq, hkv, d = self._shape
+        h = self._hidden
+        tables = (embed, rotary.cos, rotary.sin, model.norm.weight)
+        head_k, vocab = (head.k, head.n) if screen is None else screen.weight.shape[::-1]
+        if (
+            model.embed_tokens.tp_size != 1
+            or head_k != h
+            or embed.shape[1] != h
+            or rotary.cos.shape[1] != d // 2
+            or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in tables)
+            or input_ids.dtype != torch.int64
+            or positions.dtype != torch.int64
+            or input_ids.shape != (t,)
+            or positions.shape != (t,)
+            or not (input_ids.is_contiguous() and positions.is_contiguous())
+        ):
+            return None
+        # C reads the rows unchecked: an id or a position past its table is refused here
+        # (F.embedding and the rotary's lookup raise on them on the module path).
+        if int(input_ids.max()) >= embed.shape[0] or int(input_ids.min()) < 0:
+            return None
+        if int(positions.max()) >= rotary.cos.shape[0] or int(positions.min()) < 0:
+            return None
+        out = np.full(t, -1, dtype=np.int64)  # -1: no token (whole steps: the screen's)
+        tail = _GreedyTail(
+            input_ids.data_ptr(), positions.data_ptr(), embed.data_ptr(), rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), model.norm.weight.data_ptr(),
+            None if screen is not None else head.packed.data_ptr(), vocab, out.ctypes.data,
+        )  # fmt: skip
+        new = torch.empty
+        x = new(t, h, dtype=torch.bfloat16)
+        rope = (new(t, 1, d // 2, dtype=torch.bfloat16), new(t, 1, d // 2, dtype=torch.bfloat16))
+        done = self.run(x, rope, kv_caches, md, tail, screen=screen)
+        if done is None:
+            return None
+        return done[0], (out if out.min() >= 0 else None)

@@ -1,0 +1,425 @@
+"""Building blocks shared by the model files: tensor-parallel linears, RMSNorm, SiLU-mul.
+
+The vocabulary-parallel embedding and LM head live in `vx.gpu.layers.vocab`.
+
+Rotary lives in `vx.gpu.layers.rotary` and the CPU linear kernels (prepacking, weight-only int8/int4)
+in `vx.gpu.layers.quantization`; both are re-exported here.
+
+Runs in: each Worker process.
+
+Tensor parallelism follows Megatron: a `ColumnParallelLinear` keeps a slice of the output
+features, a `RowParallelLinear` a slice of the input features and sums the partial products
+with `all_reduce`; the vocabulary is split into contiguous ranges. Each parameter carries a
+`weight_loader(param, loaded, shard_id)` that cuts this rank's slice out of a full HF tensor at
+load time, so no rank ever holds the full model. With `tp_size == 1` every layer is one plain
+`F.linear` / `F.embedding` and no collective is called.
+
+Numerics copy HF transformers' Llama exactly (fp32 RMSNorm, cos/sin computed in fp32 and cast
+to the model dtype, rotate-half rotary, bf16 residual adds), so greedy decoding matches HF token
+for token in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
+from vx.gpu.cpu.vnni import (
+    VnniWeight,
+    amx_vnni_rows,
+    amx_vnni_wanted,
+    silu_packable,
+    vnni_wanted,
+)
+from vx.gpu.cpu.widen import WideWeight, widen_wanted
+from vx.gpu.layers import triton_ops
+from vx.gpu.layers.quantization import (
+    QuantizedWeight,
+    cpu_prepack_enabled,
+    linear as _linear,
+    prepack as _prepack,
+)
+from vx.gpu.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "apply_rotary",
+    "cpu_prepack_enabled",
+    "default_weight_loader",
+    "rope_inv_freq",
+    "silu_and_mul",
+]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into `param`, converting dtype and device."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    return x
+
+
+def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+def _process_linear(layer: nn.Module) -> None:
+    """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
+    if layer.quantization is not None:
+        layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
+    # a quantized layer's own kernels take the rows a compact copy would (vx.gpu.cpu.compact)
+    compact = layer.quant is None
+    if widen_wanted(layer.weight, compact=compact):  # no bf16 arithmetic here (vx.gpu.cpu.widen)
+        layer.wide = WideWeight(layer.weight.data, compact=compact)
+    if layer.quant is None and vnni_wanted(layer.weight):
+        # AVX512-BF16 without AMX: the skinny GEMM on the plain weight for one row, vx's VNNI
+        # GEMM from VNNI_MIN_ROWS (vx.gpu.cpu.vnni); no oneDNN copy.
+        layer.plain = layer.weight.data if gemv_kernels() is not None else None
+        layer.vnni = VnniWeight(layer.weight.data)
+        return
+    if (
+        layer.quant is None
+        and getattr(layer, "silu_pairs", False)
+        and layer.bias is None
+        and silu_packable(layer.weight)
+    ):
+        # AMX, a gate-up read through `silu_and_mul`: the GEMM with the SiLU-mul in its
+        # epilogue from 8 rows (vx.gpu.cpu.vnni), the skinny GEMM on the plain weight below;
+        # no oneDNN copy (2,048 rows: 2.6 against 4.2-4.5 ms for oneDNN's GEMM then the SiLU)
+        layer.vnni = VnniWeight(layer.weight.data, amx=True, silu=True)
+        layer.plain = layer.weight.data if gemv_kernels() is not None else None
+        return
+    if layer.quant is None and amx_vnni_wanted(layer.weight):
+        # AMX: vx's AMX GEMM over the VNNI copy takes the middle rows (vx.gpu.cpu.vnni), the
+        # skinny GEMM the fewest (plain, kept below) and oneDNN the most (packed, below).
+        layer.vnni = VnniWeight(layer.weight.data, amx=True)
+    w = layer.weight
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and gemv_kernels() is not None:
+        # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
+        # the quantized path's), at the cost of a second copy of the dense weights where
+        # oneDNN's is made below. NOTE: not tied to oneDNN's bf16: under the emulation
+        # (`VX_CPU_EMULATE=1`) an AVX2 host has the AVX-512 kernels without it.
+        layer.plain = layer.weight.data
+    if cpu_prepack_enabled(layer.weight):
+        layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)
+        layer.packed = True
+
+
+# ───────────────────────────── linears ─────────────────────────────
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's rows (output features) split evenly across ranks.
+
+    The weight may hold several logical matrices stacked along the output dim (`output_sizes`,
+    full sizes); rank r keeps slice r of each, stacked in the same order, so a fused projection
+    is one GEMM whose output splits into its parts by `output_sizes_per_rank`.
+    Invariant: `weight.shape == (sum(output_sizes_per_rank), input_size)`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        quantization: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_sizes = list(output_sizes)
+        self.output_sizes_per_rank = self._sizes_per_rank()
+        self.packed = False  # weight in oneDNN's blocked layout (see cpu_prepack_enabled)
+        self.quantization = quantization
+        self.quant: QuantizedWeight | None = None  # built after loading when quantization
+        self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
+        self.wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
+        self.vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
+        out = sum(self.output_sizes_per_rank)
+        # torch.empty: the loader fills every element, so no init cost at start-up.
+        self.weight = nn.Parameter(
+            torch.empty(out, input_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def _sizes_per_rank(self) -> list[int]:
+        return [_divide(s, self.tp_size, "output features") for s in self.output_sizes]
+
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every weight is in place."""
+        _process_linear(self)
+
+    def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of logical matrix `shard_id` (a full HF tensor)."""
+        n = self.output_sizes_per_rank[shard_id]
+        return loaded.narrow(0, self.tp_rank * n, n)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            if len(self.output_sizes) != 1:
+                raise ValueError("a fused projection needs a shard_id per part")
+            shard_id = 0
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(
+                f"part {shard_id}: expected {self.output_sizes[shard_id]} rows, got {loaded.shape[0]}"
+            )
+        offset = sum(self.output_sizes_per_rank[:shard_id])
+        rows = self._shard_rows(shard_id, loaded)
+        param.data.narrow(0, offset, rows.shape[0]).copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The output stays sharded: the next RowParallelLinear consumes it as is.
+        return _linear(
+            x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide, self.vnni
+        )
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several same-input projections in one GEMM (gate_up_proj: [gate; up]).
+
+    With `silu_pairs` (two equal parts, [gate; up], read through `silu_and_mul`), on AMX the
+    VNNI copy is packed for the GEMM with the SiLU-mul in its epilogue (`VnniWeight(silu=True)`).
+    """
+
+    def __init__(self, *args: Any, silu_pairs: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        sizes = self.output_sizes_per_rank
+        self.silu_pairs = silu_pairs and len(sizes) == 2 and sizes[0] == sizes[1]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection of x, [T, I]: one GEMM with its
+        epilogue where the SiLU copy takes x's rows, else the GEMM then `silu_and_mul`."""
+        v = self.vnni
+        if (
+            v is not None
+            and v.silu
+            and x.dim() == 2
+            and x.dtype == torch.bfloat16
+            and x.shape[0] >= amx_vnni_rows()[0]
+        ):
+            out = v.apply_silu(x)
+            if out is not None:
+                return out
+        return silu_and_mul(self(x))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection, split by attention heads.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    `tp_size // num_kv_heads` consecutive ranks (Megatron/vLLM convention).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        quantization: str | None = None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = _divide(num_heads, tp_size, "attention heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp_size, num_kv_heads, "ranks per KV head")
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            quantization=quantization,
+        )
+
+    def _sizes_per_rank(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+    def rope_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The projection of x with its q and k heads rotated (cos/sin [T, 1, head_dim / 2]),
+        in one AMX GEMM with the rotary in its epilogue, where its VNNI copy takes x's rows
+        (from `amx_vnni_rows()[0]` to `[1]`: the rotary pass saved outweighs oneDNN's lead
+        at some sizes); else None, and the caller projects, then rotates."""
+        v = self.vnni
+        if v is None or not v.amx or x.dim() != 2 or x.dtype != torch.bfloat16:
+            return None
+        lo, hi = amx_vnni_rows()
+        if not lo <= x.shape[0] <= hi:
+            return None
+        qk = (self.num_heads + self.num_kv_heads) * self.head_dim
+        return v.apply_rope(x, self.bias, cos, sin, qk, self.head_dim)
+
+    def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        if shard_id == 0:
+            return super()._shard_rows(0, loaded)
+        n = self.output_sizes_per_rank[shard_id]
+        return loaded.narrow(0, (self.tp_rank // self.kv_replicas) * n, n)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's columns (input features) split; partial sums are all-reduced.
+
+    The input arrives already sharded (from a ColumnParallelLinear). The bias is added once,
+    after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        quantization: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = _divide(input_size, tp_size, "input features")
+        self.packed = False
+        self.quantization = quantization
+        self.quant: QuantizedWeight | None = None
+        self.plain: torch.Tensor | None = None
+        self.wide: WideWeight | None = None
+        self.vnni: VnniWeight | None = None
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(output_size, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.input_size_per_rank
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def process_weights_after_loading(self) -> None:
+        _process_linear(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return _linear(
+                x,
+                self.weight,
+                self.bias,
+                self.packed,
+                self.quant,
+                self.plain,
+                self.wide,
+                self.vnni,
+            )
+        out = _all_reduce(
+            _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide, self.vnni)
+        )
+        return out + self.bias if self.bias is not None else out
+
+
+# ───────────────────────────── norms and activations ─────────────────────────────
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight multiply (as HF's Llama).
+
+    `forward(x, residual)` fuses the residual add: it returns (norm(x + residual), x + residual),
+    the add done in the model dtype like HF's `residual + hidden_states`.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = triton_ops.for_tensor(x)
+        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if residual is None or residual.stride(-1) == 1:
+                return ops.rms_norm(x, self.weight, self.eps, residual)
+        fused = fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            out, r = fused
+            return out if r is None else (out, r)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate; up) -> silu(gate) * up, [T, I]."""
+    fused = fused_silu_and_mul(gate_up)
+    if fused is not None:
+        return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,197 @@
+"""The vocabulary-parallel token embedding and LM head (the output projection), with the CPU
+LM head's copies and greedy paths.
+
+Runs in: each Worker process.
+
+The vocabulary is split into contiguous per-rank ranges (Megatron, as `vx.gpu.layers.linear`' linears
+split their features); with `tp_size == 1` the embedding is one `F.embedding` and the head one
+GEMM, no collective called. On CPU the head keeps the copies `vx.gpu.layers.linear`' linears keep (the
+plain weight for the skinny GEMM, oneDNN's or the VNNI packed copy, an fp32 or int8 copy where
+the CPU wants one) and, for greedy rows, takes the token without forming the logits where a C
+path can.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vx.gpu.cpu.ops import gemv_fits, gemv_kernels, skinny_argmax, skinny_gemm
+from vx.gpu.cpu.screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
+from vx.gpu.cpu.vnni import VNNI_MIN_ROWS, VnniWeight, vnni_takes, vnni_wanted
+from vx.gpu.cpu.widen import WideWeight, widen_wanted
+from vx.gpu.layers.linear import _all_gather_last_dim, _all_reduce
+from vx.gpu.layers.quantization import (
+    QuantizedWeight,
+    cpu_prepack_enabled,
+    linear as _linear,
+    prepack as _prepack,
+)
+
+__all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into contiguous per-rank ranges.
+
+    The vocab is padded up to a multiple of `tp_size`; padded rows are zero. Each rank looks up
+    the ids in its range, zeroes the rest, and the ranks' outputs are summed.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        self.num_per_rank = math.ceil(vocab_size / tp_size)
+        self.vocab_start = tp_rank * self.num_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.num_per_rank, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} vocab rows, got {loaded.shape[0]}")
+        rows = loaded[self.vocab_start : self.vocab_start + self.num_per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return _all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; shares `weight` with the embedding when tied."""
+
+    tied = False
+    packed = False  # `weight` itself is oneDNN-packed (an untied head)
+    packed_copy: torch.Tensor | None = None  # a packed copy of a tied weight
+    quantization: str | None = None
+    quant: QuantizedWeight | None = None
+    plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
+    wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
+    screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (one row)
+    vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        if self.quantization is not None:
+            self.quant = QuantizedWeight(self.weight.data, self.quantization)
+        if widen_wanted(self.weight, compact=False):
+            # no compact copy: the embedding's rows compress poorly, and the screen is leaner
+            self.wide = WideWeight(self.weight.data, compact=False)
+            # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
+            # the greedy tokens can come from half its bytes (vx.gpu.cpu.screen).
+            if (
+                self.quant is None
+                and self.tp_size == 1
+                and self.wide.skinny_rows >= SCREEN_MAX_ROWS
+                and screen_wanted(self.weight)
+            ):
+                self.screen = ScreenedHead(self.weight.data)
+        if self.quant is None and vnni_wanted(self.weight):  # instead of a oneDNN copy
+            if gemv_kernels() is not None:
+                self.plain = self.weight.data
+            self.vnni = VnniWeight(self.weight.data)
+            self._screen_plain()
+            return
+        if not cpu_prepack_enabled(self.weight):
+            return
+        if gemv_kernels() is not None:
+            self.plain = self.weight.data  # free when tied: it is the embedding table
+            self._screen_plain()
+        if self.tied:  # a copy: the tied weight is also the embedding's lookup table
+            self.packed_copy = _prepack(self.weight)
+        else:
+            self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
+            self.packed = True
+
+    def _screen_plain(self) -> None:
+        """Where one row's logits come from the AVX-512 skinny GEMM on `plain` (`compute_logits`
+        below: up to SCREEN_MAX_ROWS rows, past no quantized weight), its greedy token can come
+        from the int8 screen (vx.gpu.cpu.screen), whose exact rows go through that GEMM."""
+        if (
+            self.screen is None
+            and self.quant is None
+            and self.tp_size == 1
+            and self.plain is not None
+            and screen_wanted(self.plain)
+        ):
+            self.screen = ScreenedHead(self.plain)
+
+    def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
+        """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
+        where a C kernel gets it without forming the logits (AMX; the VNNI GEMM's argmax on
+        AVX512-BF16 without AMX), or from the int8 screen (one row, `vx.gpu.cpu.screen`); None
+        elsewhere."""
+        if self.screen is not None and self.num_per_rank == self.vocab_size:
+            ids = self.screen.argmax(hidden)
+            if ids is not None:
+                return ids  # else (more rows, too many candidates) as without the screen
+        if self.tp_size == 1 and self.num_per_rank == self.vocab_size:  # as compute_logits
+            if vnni_takes(self.vnni, hidden, self.plain):
+                return self.vnni.argmax(hidden)  # type: ignore[union-attr]
+        if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
+            return None
+        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+            return None  # compute_logits takes the quantized weight there
+        return skinny_argmax(hidden, self.plain)
+
+    def argmax_weight(self, rows: int) -> VnniWeight | None:
+        """The VNNI copy `greedy_ids` takes the argmax of `rows` bf16 rows on, or None where
+        it takes another path (the screen, the skinny GEMM, none)."""
+        if self.screen is not None and rows <= SCREEN_MAX_ROWS:
+            return None
+        if self.tp_size != 1 or self.num_per_rank != self.vocab_size or rows < VNNI_MIN_ROWS:
+            return None
+        return self.vnni
+
+    def argmax_screen(self, rows: int) -> ScreenedHead | None:
+        """The int8 screen `greedy_ids` tries first for `rows` rows, or None."""
+        if self.screen is None or rows > SCREEN_MAX_ROWS or self.num_per_rank != self.vocab_size:
+            return None
+        return self.screen
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
+        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
+            logits = self.quant.apply(hidden, None)
+        elif vnni_takes(self.vnni, hidden, self.plain):
+            logits = self.vnni.apply(hidden, None)  # type: ignore[union-attr]
+        elif self.plain is not None and gemv_fits(hidden, self.plain):
+            logits = skinny_gemm(hidden, self.plain, None, None)
+        elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
+            logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
+        elif self.packed:
+            logits = _linear(hidden, self.weight, None, True)
+        elif self.packed_copy is not None:
+            logits = _linear(hidden, self.packed_copy, None, True)
+        else:
+            logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = _all_gather_last_dim(logits, self.tp_size)
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        return logits.float()
