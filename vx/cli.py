@@ -92,8 +92,8 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
 
 def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
     """The CPU server's small steps (192 tokens while fewer than 48 requests run and are held:
-    32 clients of 128-token prompts get their first tokens in 0.3-0.4x the time at the same
-    throughput; a burst of 64 comes in 512 tokens a step, then full steps,
+    32 clients of 128-token prompts get their first tokens sooner at the same throughput; a
+    burst of 64 comes in 512 tokens a step, then full steps; measured, see
     docs/performance.md), unless told otherwise."""
     given = getattr(args, "small_step_tokens", None)
     if given is not None:

@@ -58,9 +58,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     small_step_tokens: int = 0
     small_step_running: int = 48
     #: While fewer than `small_step_running` run but that many are held (a burst waits), a
-    #: step takes at most this many tokens (0: the full budget). The CPU server sets 512: a
-    #: burst of 64 arrivals admitted at 192 tokens a step took seconds to get running (~15%
-    #: of c = 64 throughput); at the full 1,024, the same throughput with TTFT p50 ~1.5x.
+    #: step takes at most this many tokens (0: the full budget). The CPU server sets 512: at
+    #: 192 tokens a step a burst of 64 arrivals was slow to get running and cost throughput;
+    #: at the full 1,024 the throughput was the same and TTFT p50 longer (measured at c = 64
+    #: on a 2-core CPU).
     burst_step_tokens: int = 0
 
 

@@ -116,8 +116,8 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
 
             tg.start_soon(on_signals)
             # Start-up objects (the tokenizer, the app, imported modules) never die: take them
-            # out of the cyclic GC, so its full passes (7-10 ms each on a 2-core box) do not
-            # walk them while the event loop should be noticing disconnects.
+            # out of the cyclic GC, so its full passes do not walk them while the event loop
+            # should be noticing disconnects.
             gc.collect()
             gc.freeze()
             scheme = "https" if settings.ssl_certfile else "http"

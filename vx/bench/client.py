@@ -2,9 +2,9 @@
 
 Runs in: the load generator's process. The load generator shares the machine with the server
 it measures, so what it spends per streamed token is taken from the server: through httpx
-(httpcore, anyio streams, a cancel scope per read) it cost ~280 us of CPU per token at
-concurrency 64 on two cores, about a fifth of a core, in bursts that stall the server's
-threads. Here each read is parsed where it lands (`data_received`: HTTP/1.1 chunked or
+(httpcore, anyio streams, a cancel scope per read) it took a sizeable share of a core at
+concurrency 64 on two cores, in bursts that stall the server's threads (docs/performance.md,
+"Method"). Here each read is parsed where it lands (`data_received`: HTTP/1.1 chunked or
 length-delimited bodies, SSE lines split at LF as the SSE grammar says), and each event's
 arrival time is the time of the read that completed it, as with any streaming client.
 

@@ -238,7 +238,7 @@ class BlockPool:
 
     def block_states(self) -> bytes:
         """One byte per block, by block id: b"u" in use, b"c" free but still holding a prefix
-        (evictable), b"." free. Read-only, O(num_blocks) (about 35 ns a block): the dashboard's
+        (evictable), b"." free. Read-only, O(num_blocks): the dashboard's
         block map, fetched only while someone watches it."""
         return bytes(
             [117 if b.ref_cnt else 46 if b.block_hash is None else 99 for b in self.blocks]

@@ -179,11 +179,10 @@ class EngineCore:
         """Schedule (up to the queue depth), then finish the oldest in-flight step.
 
         With async scheduling, step n+1 is scheduled while step n runs, except when step n
-        carries prefill tokens: such a step is long (a 1,024-token chunk takes hundreds of ms
-        on CPU), and a request arriving during it could otherwise only join step n+2, after
-        another whole step; the overlap given up there is the EngineCore's part of one step
-        boundary (well under a millisecond). Which tokens each request gets is the same
-        either way.
+        carries prefill tokens: such a step is long (a 1,024-token chunk on CPU), and a request
+        arriving during it could otherwise only join step n+2, after another whole step; the
+        overlap given up there is the EngineCore's part of one step boundary, small against
+        such a step. Which tokens each request gets is the same either way.
         """
         t0 = time.perf_counter()
         if (

@@ -135,8 +135,8 @@ def allocate_kv_caches(
         # after another, reads its blocks in runs of 6 KB (SmolLM2) instead of 2 KB
         # In 2 MiB pages (`vx.gpu.cpu.pages.advise_huge`, before the zeros fault them in): a
         # decode step reads a few KB from each of thousands of scattered blocks, one TLB miss
-        # apiece in 4 KiB pages (64 rows x 192 keys over a 4 GiB pool, AMX host: the decode
-        # attention 15.2-15.3 against 17.4-17.7 ms a step).
+        # apiece in 4 KiB pages (measured at 64 rows x 192 keys over a 4 GiB pool on the AMX
+        # host; docs/performance.md).
         def zeros() -> torch.Tensor:
             t = torch.empty(
                 (num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device

@@ -65,8 +65,8 @@ def _settle_for_steps(device: str) -> None:
     - On CPU, glibc's malloc keeps the memory that freed tensors give back: by default a
       block over its mmap threshold (128 KiB, rising to at most 32 MiB) is unmapped when freed
       and a heap top over 128 KiB is trimmed, so each step's activations came back as fresh
-      pages, zeroed by the kernel on first touch (~9% of a 1,024-token prefill step in page
-      faults; keeping them made it 10-15% faster, decode steps unchanged). A step's working
+      pages, zeroed by the kernel on first touch (a 1,024-token prefill step spent a
+      measurable share of its time in those page faults; decode steps did not). A step's working
       set repeats, so what a step frees the next one reuses; the cost is that the Worker's RSS
       stays at its peak. `VX_CPU_MALLOC_TUNING=0` leaves malloc alone.
     - On CPU, torch's OpenMP threads are bound one per core (`_bind_omp_threads`).

@@ -247,7 +247,7 @@ class RequestStream:
         Cancel-safe: cancellation can only strike while waiting, before a delta is taken.
         NOTE: when a delta is ready this returns without a scheduling point (unlike a trio
         checkpoint): its callers always await a socket write right after, and the extra pass
-        through the event loop cost a tenth of the front's CPU under load.
+        through the event loop cost a measurable share of the front's CPU under load.
         """
         while True:
             try:

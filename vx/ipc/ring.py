@@ -10,8 +10,8 @@ is cut into chunks that the reader joins again.
 The segment's byte layout, its ownership and `RingHandle` are in `vx.ipc.segment`; waiting
 and liveness in `vx.ipc.wait`; the reader (and zero-copy `RingView`s) in `vx.ipc.reader`.
 
-`write_pos`/`read_pos` are monotonically increasing 64-bit byte counters (2**64 bytes take
-centuries at 1 GB/s); [min(read_pos), write_pos) is published and unconsumed. A frame is a u64
+`write_pos`/`read_pos` are monotonically increasing 64-bit byte counters (far too wide to
+wrap in practice); [min(read_pos), write_pos) is published and unconsumed. A frame is a u64
 header (`length | flags << 32`) and the payload padded to 8 bytes; frames are 8-aligned, so a
 header never straddles the end of the data area (a payload may: the reader then copies both
 pieces). A message is one START|END frame, or START, middles, END. A single frame that would
@@ -31,7 +31,7 @@ published bytes. Weakly ordered CPUs (ARM, POWER) need barriers there: the ring 
 after the payload, after the counter load and before `read_pos` stores (`_WEAK_ORDER`); x86
 skips those calls.
 
-Waiting: an empty reader spins for `spin_s` (~50 µs, `sched_yield` between polls), then parks:
+Waiting: an empty reader spins for `spin_s` (`SPIN_S`, `sched_yield` between polls), then parks:
 it stores a fresh park episode number in `reader_parked`, fences, re-checks `write_pos` and
 `writer_closed`, and only then blocks in `poll` on its wake-up socket and the writer's pidfd.
 The writer stores `write_pos`, fences, and wakes a reader whose flag holds an episode not yet

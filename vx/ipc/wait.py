@@ -65,7 +65,7 @@ RECHECK_S = 0.25
 
 def make_fence() -> tuple[Callable[[], object], Callable[[], object]]:
     """A memory barrier for Python: calling `release(); acquire()` orders earlier loads and
-    stores before later ones (about 0.1 µs).
+    stores before later ones.
 
     Python exposes no fence, so this borrows the one inside a lock round trip: the lock is held
     between uses, so each use is an uncontended store-release followed by a load-acquire. Each
@@ -80,9 +80,9 @@ def spin_until(ready: Callable[[], object], seconds: float) -> bool:
     """Polls `ready()` for up to `seconds`, yielding the CPU between rounds of polls; True
     once ready.
 
-    A round is a few polls (about a microsecond): a `sched_yield` costs about as much as that,
-    so yielding after every poll would add most of a syscall to the time a message waits
-    unseen, and the clock is read once per round for the same reason.
+    A round is a few polls, which together cost about what one `sched_yield` does, so yielding
+    after every poll would add most of a syscall to the time a message waits unseen, and the
+    clock is read once per round for the same reason.
     """
     end = time.perf_counter() + seconds
     while True:

@@ -113,7 +113,7 @@ def _file_lock(path: str) -> Iterator[None]:
 def _file_key(path: str) -> str:
     """Cache key for a user's GGUF: its name plus a hash of (real path, size, mtime, converter).
 
-    Hashing the contents would cost seconds per start for a multi-GB file; a changed file gets
+    Hashing the contents would read the whole multi-GB file on every start; a changed file gets
     a new size or mtime, hence a new key.
     """
     from vx.models_hub.gguf_convert import CONVERTER_VERSION

@@ -320,9 +320,9 @@ def gather_blocks(
     either CPU layout (`vx.gpu.kv_cache`: head-major, or block-major seen as head-major).
 
     Why not `index_select(1, ...)` on the cache: on the block-major view (dim 1 is the
-    outer dim of the memory) torch's index_select walks the whole cache, ~30 ms for one
-    layer's K of a 4 GiB pool, where gathering along the memory's own block axis copies only
-    the selected blocks (~10 us for 10 blocks)."""
+    outer dim of the memory) torch's index_select walks the whole cache (all of a 4 GiB pool
+    for one layer's K), where gathering along the memory's own block axis copies only the
+    selected blocks."""
     if cache.stride(1) > cache.stride(0):  # block-major: blocks are the memory's outer dim
         picked = cache.transpose(0, 1).index_select(0, block_ids).transpose(0, 1)
         return picked.contiguous() if out is None else out.copy_(picked)

@@ -10,8 +10,8 @@ exponent, but within 32 neighbouring weights of a trained matrix the exponents s
 values: stored as a 3-bit distance from the block's largest, beside the sign, 99.7% of
 SmolLM2's blocks keep every value exactly in 4 bits of high byte instead of 8. The kernel
 (`vx/gpu/cpu/csrc/gemv_compact_avx2.c`, where the layout is written out) gives `vx_gemv_bf16_avx2`'s
-outputs bit for bit, so tokens do not change; SmolLM2's 120 layer matrices at one row take
-0.77 of that kernel's time (the bytes' ratio), at two rows 0.88.
+outputs bit for bit, so tokens do not change; at one row SmolLM2's 120 layer matrices save
+time in proportion to the bytes, at two rows part of that (measured on a 2-core Zen 3).
 
 Memory: 0.77x the bf16 weight, beside it (the bf16 weight still serves 3-24 rows, the fp32
 copy the rest). `VX_CPU_COMPACT=0` leaves it out (A/B runs).

@@ -1,7 +1,7 @@
 """The CPU kernel library built for an emulated Sapphire Rapids, for tests on any x86 CPU.
 
 Runs in: the Worker process, only when ``VX_CPU_EMULATE=1`` (a test knob, never a serving
-mode: the emulated kernels are tens of times slower than the portable ones).
+mode: the emulated kernels run far slower than the portable ones).
 
 Why: the AVX-512 BF16 and AMX kernels are the ones most of vx's CPU users on Intel servers
 run, and a test machine without them (an AVX2 runner, say) cannot execute them, so without

@@ -3,8 +3,8 @@ the skinny GEMM's rows (192 with AMX; any number on the VNNI GEMM without it): d
 prefill chunks where the C prefill attention takes them (bf16 on AVX512-BF16, head size a
 multiple of 32). On AVX2 CPUs without AVX-512
 it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
-(its bf16 weight) and the AVX2 decode attention: one SmolLM2 step at one row took 30-33 ms
-through the modules and takes 19-21 ms here (2-core AMD EPYC).
+(its bf16 weight) and the AVX2 decode attention: a one-row SmolLM2 step skips the modules'
+per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
@@ -22,12 +22,12 @@ the kernels refuse; on AVX2: layers without the AVX2 skinny GEMM). `VX_CPU_DECOD
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
 sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the threads meet once a
 step instead of at each of ~300 parallel regions, and one core's memory-bound attention
-may overlap the other's GEMMs (served SmolLM2, 64 clients: 0-7% more output tok/s, within the
+may overlap the other's GEMMs (served SmolLM2, 64 clients: a little more output tok/s, within the
 noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
 routing, so the logits are the same bits. Where every row of such a step is one argmax
 (`vx.gpu.sample.greedy.fused_greedy_step`), `greedy_step` puts the embedding lookup, the final norm and
 the LM head's argmax in the parts too: one parallel region a step instead of four (served, 64
-clients: ~5-9% more output tok/s; docs/performance.md). Greedy decode steps too small to split
+clients: more output tok/s; docs/performance.md). Greedy decode steps too small to split
 run the same way whole on the pool (`vx/gpu/cpu/csrc/greedy_step.c`), the head's argmax for one row
 by its int8 screen (`vx.gpu.cpu.screen`); on AVX2 builds one-row steps only, by the screen.
 """
@@ -95,9 +95,8 @@ def _split_policy(vnni: bool) -> tuple[int, int]:
     `VX_CPU_SPLIT_STEP`: the parts (0 or 1: off); unset, 2 where it was measured not to lose:
     two threads on the VNNI GEMM (AVX512-BF16 without AMX). Each part needs at least
     `VX_CPU_SPLIT_MIN_ROWS` rows (default 16): every part streams all the weights, so small
-    steps, bound by that stream, lose (2-core Zen 5, SmolLM2, alternated rounds of 127 steps:
-    16 rows 14.7 ms split against 12.2; 32 rows 18.4 against 18.8; 64 rows 35.7 against 37.9
-    in a first A/B, 37.4 against 38.0 in a later one). The rows are cut in proportion to each
+    steps, bound by that stream, lose (measured on a 2-core Zen 5, SmolLM2, in alternated
+    rounds: split steps lost at 16 rows and won from 32). The rows are cut in proportion to each
     thread's measured speed (`vx_split_cut`; `vx_set_split_adapt(0)`, for tests: evenly). A
     thread done with its rows takes half of those the other has left, from its next layer on
     (`vx/gpu/cpu/csrc/split_step.c`; `vx_set_split_steal(0)`, for tests: never)."""
@@ -191,8 +190,7 @@ class FusedDecode:
         self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
         # every linear has a VNNI copy (AVX512-BF16 without AMX): any rows (the VNNI GEMM has
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
-        # and torch ops too (56 decodes + 4 x 128 prompt tokens: 245 against 259 ms, medians
-        # of 12 alternated steps on a 2-core Zen 5)
+        # and torch ops too (measured shorter in alternated steps on a 2-core Zen 5)
         self._amx = hasattr(lib, "vx_fast_amx") and bool(lib.vx_fast_amx(-1))  # not on AVX2
         every = all(
             lin.vn or lin.vs
@@ -201,9 +199,9 @@ class FusedDecode:
         # With AMX the copies are the AMX GEMM's (`vx.gpu.cpu.vnni`; a gate-up's packed for the
         # SiLU epilogue): the step takes their rows, to `amx_vnni_rows()[1]`, and past the
         # skinny GEMM's only where the module path routes them to the same copies (for each
-        # shape, `vnni_wins`): prompt steps then skip its Python and torch ops too (one
-        # 2,048-token prompt 346-351 against 372-375 ms, 4 x 128 tokens 72 against 85, with
-        # 64 decodes 93-97 against 106-107; 2-core Sapphire Rapids, SmolLM2)
+        # shape, `vnni_wins`): prompt steps then skip its Python and torch ops too (measured
+        # shorter for long and short prompts, with and without decodes beside them; 2-core
+        # Sapphire Rapids, SmolLM2)
         self._vnni_rows = 0
         if every:
             self._vnni_rows = lib.vx_amx_vnni_rows(1) if self._amx else _VNNI_STEP_ROWS

@@ -27,13 +27,14 @@ __all__ = [
 ]
 
 #: Rows up to which vx's C kernels (`vx/gpu/cpu/csrc/gemv.c`) replace the library GEMM, as
-#: measured on the full SmolLM2 set of matrices with cold weights (2-core Sapphire Rapids):
-#: - int8 weights: twice torch's `_weight_int8pack_mm` at 1-8 rows;
-#: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, up to 192 rows a call): 2x oneDNN's packed GEMM at 8-32
-#:   rows, 1.6x at 64 and 128, 1.2x at 192, slower at 256; VDPBF16PS (`vx_gemv_bf16`) is a
-#:   little faster at 1-2 rows;
-#: - bf16 without AMX: VDPBF16PS 2.8x oneDNN at 1 row, 1.4x at 8, 1.2x at 12, slower at 16;
-#:   without AVX512-BF16 (fp32 FMAs) 2x at 1-2 rows, 1.5x at 4, a tie at 8.
+#: measured on the full SmolLM2 set of matrices with cold weights (2-core Sapphire Rapids);
+#: each cap is the last row count where the kernel was still ahead:
+#: - int8 weights: ahead of torch's `_weight_int8pack_mm` at 1-8 rows;
+#: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, up to 192 rows a call): ahead of oneDNN's packed
+#:   GEMM through 192 rows, behind at 256; VDPBF16PS (`vx_gemv_bf16`) is a little ahead at
+#:   1-2 rows;
+#: - bf16 without AMX: VDPBF16PS ahead of oneDNN through 12 rows, behind at 16; without
+#:   AVX512-BF16 (fp32 FMAs) ahead through 4 rows, a tie at 8.
 GEMV_MAX_ROWS_INT8 = 8
 AMX_MAX_ROWS = 192
 _DP_MAX_ROWS = 12
@@ -174,7 +175,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """RMSNorm (with the residual add) in one C call for CPU bf16 rows, HF's roundings; None
     where it does not apply (the caller runs the torch ops). One call instead of ~9 torch ops
-    per norm: ~5 ms of a ~30 ms batch-1 step on SmolLM2 was these ops' dispatch."""
+    per norm, whose dispatch was a sizeable share of a batch-1 step on SmolLM2."""
     lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(x) or weight.dtype != torch.bfloat16:
         return None
@@ -193,7 +194,7 @@ def fused_add_rms_norm(
 def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None. Where
     the C loop is scalar (no AVX512-BF16), only for up to `_SCALAR_SILU_ROWS` rows: past them
-    torch's two vectorised ops are faster (64 SmolLM2 rows: 0.5 against 0.17 ms, AVX2)."""
+    torch's two vectorised ops are ahead (measured at 64 SmolLM2 rows, AVX2)."""
     lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(gate_up):
         return None

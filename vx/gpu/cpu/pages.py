@@ -7,7 +7,7 @@ Why: a decode step at small batch streams every weight once (SmolLM2 bf16: 268 M
 Where transparent huge pages are `madvise` only (a common default), the weights sit in 4 KiB
 pages and such a step takes ~65,000 TLB misses. `MADV_COLLAPSE` (Linux 6.1+) moves the
 populated ranges into 2 MiB pages at once. In a C harness of SmolLM2's 120 GEMVs (2-core AMD
-EPYC) the weights streamed at 16.5-17.9 GB/s in 2 MiB pages against 15.1-15.8 in 4 KiB ones.
+EPYC) the weights streamed faster from 2 MiB pages than from 4 KiB ones.
 
 Invariants: only 2 MiB-aligned ranges that lie wholly inside the weights' spans (the spans of
 tensors at most 1 MiB apart, so what lies between is other loaded state) are touched; the KV

@@ -5,11 +5,11 @@ Runs in: each Worker process on CPU (`ModelRunner.load_model` tunes it once; eve
 
 Why: oneDNN's bf16 AMX matmul picks its blocking from (rows, N, K) and, for some of them,
 leaves all the work to one of the threads. On a 2-core Sapphire Rapids, SmolLM2's o projection
-(576 x 576) ran at 1.3 TFLOP/s from 352 to 832 rows and at 2.8-3.0 from 864; its down
-projection (576 x 1,536) at 1.1-1.4 from 224 to 1,088 rows, 2.6 at 2,048 and 1.8 at 192; the
-same calls with one thread took the same time. Those are the rows of a served step that mixes
-64 decodes with a few 128-token prompts (~576 rows). Cut into calls of rows oneDNN does
-spread, the same product takes 0.65-0.85 of the time.
+(576 x 576) from 352 to 832 rows and its down projection (576 x 1,536) from 224 to 1,088 rows
+ran well below their rate at 2,048 rows, and the same calls with one thread took the same
+time. Those are the rows of a served step that mixes 64 decodes with a few 128-token prompts
+(~576 rows). Cut into calls of rows oneDNN does spread, the same product takes less time
+(measured).
 
 The plan is measured, not assumed (the blocking differs with the CPU, the thread count and
 the oneDNN version): `tune` times one oneDNN call of each distinct weight shape at every
@@ -50,8 +50,8 @@ GRID_STEP = 32
 GRID_MAX = 2048
 #: A chunked plan must be estimated at most this fraction of the whole call's time.
 MIN_GAIN = 0.85
-#: Smaller weights are not tuned (whole calls): a test model's, too small to be worth ~0.3 s
-#: of start-up, and under the size vx's own GEMMs run on one thread.
+#: Smaller weights are not tuned (whole calls): a test model's, too small to be worth the
+#: start-up its timing costs, and under the size vx's own GEMMs run on one thread.
 MIN_WEIGHT_ELEMENTS = 1 << 18
 _REPEATS = 5
 
@@ -124,7 +124,7 @@ def chunk_rows(n: int, k: int, m: int) -> int:
 
 def tune(linears: list[tuple[torch.Tensor, torch.Tensor | None, int, int]]) -> int:
     """Times each distinct (N, K) of these prepacked (weight, bias, N, K) at every grid size;
-    returns the shapes tuned. ~2.4 s for SmolLM2's four shapes on 2 cores."""
+    returns the shapes tuned. It runs once, at load."""
     if not enabled():
         return 0
     t0 = time.perf_counter()
@@ -183,10 +183,11 @@ def vnni_wins(n: int, k: int, m: int) -> bool:
 def tune_vnni(linears: list[tuple[object, int, int, int]]) -> int:
     """Times each distinct (N, K) of these (AMX `VnniWeight`, N, K, last row count) at every
     grid size from VNNI_FROM (after `tune`, whose oneDNN times `vnni_wins` weighs them
-    against); returns the shapes tuned. ~1 s for SmolLM2's four shapes on 2 cores.
+    against); returns the shapes tuned. It runs once, at load.
 
-    Why: SmolLM2's o and down projections take about half oneDNN's time there, its gate-up
-    projection ~1.1x (2-core Sapphire Rapids), so each shape gets the faster one."""
+    Why: which of the two wins depends on the shape (2-core Sapphire Rapids, SmolLM2: the VNNI
+    GEMM for the o and down projections, oneDNN for gate-up), so each shape gets the one this
+    timing finds ahead."""
     if not enabled():
         return 0
     todo: dict[tuple[int, int], tuple[object, int]] = {}

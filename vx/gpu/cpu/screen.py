@@ -3,9 +3,9 @@ AVX512-BF16).
 
 Runs in: each Worker process (`vx.gpu.layers.vocab.ParallelLMHead.greedy_ids`).
 
-Why: at one row a decode step only streams weights, and SmolLM2's LM head is a fifth of them
-(49,152 x 576 bf16, 57 MB: ~3.6 ms of a ~20 ms step on a 2-core AVX2 AMD EPYC, ~1.4 ms of ~7 on
-a 2-core Zen 5). A greedy row needs only the argmax of its logits. An int8 copy of the head (one
+Why: at one row a decode step only streams weights, so its time follows the bytes read, and
+SmolLM2's LM head is a fifth of them (49,152 x 576 bf16, 57 MB). A greedy row needs only the
+argmax of its logits. An int8 copy of the head (one
 scale per vocab row) is half the bytes and gives every logit to within a bound; only the rows
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
 kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`

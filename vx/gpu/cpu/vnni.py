@@ -4,13 +4,12 @@ and 5, Intel Cooper Lake).
 Runs in: each Worker process.
 
 Why: on such a CPU oneDNN's bf16 GEMM (the prepacked one included) ran SmolLM2's 120
-matrices at 350-700 GFLOP/s on two Zen 5 cores from 16 to 128 rows, where `vdpbf16ps` peaks at
-~960; vx's kernel (`vx/gpu/cpu/csrc/gemm_vnni.c`), on weights laid out once at load time,
-took 0.73-0.9x oneDNN's time there and about the same from 256 rows up (~900 GFLOP/s at 512
-and 2,048). It is ahead of the skinny GEMM (plain weights, `vdpbf16ps` with a reduction per
-output) from 2 rows too, so it takes every row count from `VNNI_MIN_ROWS`, and a layer with
-the VNNI copy needs no oneDNN copy: the memory is what it was (the plain weight, for one
-row, and one packed copy).
+matrices well below `vdpbf16ps`'s peak on two Zen 5 cores from 16 to 128 rows; vx's kernel
+(`vx/gpu/cpu/csrc/gemm_vnni.c`), on weights laid out once at load time, was ahead of it
+there and level from 256 rows up (measured on those matrices). It is ahead of the skinny
+GEMM (plain weights, `vdpbf16ps` with a reduction per output) from 2 rows too, so it takes
+every row count from `VNNI_MIN_ROWS`, and a layer with the VNNI copy needs no oneDNN copy:
+the memory is what it was (the plain weight, for one row, and one packed copy).
 
 The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
 one rounding to bf16 at the end). `VX_CPU_PREPACK=0` leaves both out (plain weights,
@@ -19,10 +18,10 @@ F.linear).
 On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
 `vx_gemm_amx_vnni` (`vx/gpu/cpu/csrc/gemm_amx_vnni.c`) takes the linears' rows from
 `amx_vnni_rows()[0]` to `[1]` (8-2,048; see `amx_vnni_wanted`). At 8-192 rows it gives
-bit-identical results to the AMX skinny GEMM on the plain weight in 0.77-0.97 of its time
-(cold weights). At 193-2,048 rows it takes a shape's rows where the load-time timing
-(`vx.gpu.cpu.row_plan.tune_vnni`) found it faster than oneDNN under the row plan (SmolLM2 on
-2 cores: o and down in about half oneDNN's time to 1,024 rows, qkv 0.7-1.0x). There a layer
+bit-identical results to the AMX skinny GEMM on the plain weight in less time (cold
+weights, measured on a 2-core Sapphire Rapids). At 193-2,048 rows it takes a shape's rows
+where the load-time timing (`vx.gpu.cpu.row_plan.tune_vnni`) found it ahead of oneDNN under
+the row plan (on SmolLM2: o and down up to 1,024 rows, qkv at some sizes). There a layer
 keeps all three copies: the plain weight (the skinny GEMM, below 8 rows), the VNNI copy, and
 oneDNN's (past 2,048 rows, and the sizes it wins).
 
@@ -53,8 +52,8 @@ __all__ = [
 ]
 
 #: Rows from which a layer with a VNNI copy takes it rather than the skinny GEMM on its plain
-#: weight (`bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: 1 row 6.7 against 5.8
-#: ms, 2 rows 5.4 against 6.4, 4 rows 5.3 / 5.8, 8 rows 5.6 / 6.7, 12 rows 7.5 / 10.0).
+#: weight (measured with `bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: the
+#: skinny GEMM wins at 1 row, the VNNI GEMM from 2 rows up).
 VNNI_MIN_ROWS = 2
 
 _state: dict[str, object] = {}

@@ -4,28 +4,27 @@ before Zen 4).
 Runs in: each Worker process.
 
 Why: where the CPU has no bf16 dot products (no AVX512-BF16, no AMX), oneDNN declines bf16
-(`_is_mkldnn_bf16_supported()` is False) and torch's bf16 GEMM runs at ~16 GFLOP/s on two
-cores, whatever the rows. The same products in fp32 run at ~90-140 GFLOP/s from 16 rows up
-(6-8x; measured on a 2-core AMD EPYC, AVX2). A bf16 model stays a bf16 model: bf16 x bf16
+(`_is_mkldnn_bf16_supported()` is False) and torch's bf16 GEMM runs far below the cores' fp32
+rate, whatever the rows; the same products in fp32 are well ahead of it from 16 rows up
+(measured on a 2-core AMD EPYC, AVX2). A bf16 model stays a bf16 model: bf16 x bf16
 products are exact in fp32, the sums are fp32 as in a bf16 GEMM, and the output is rounded to
 bf16 once, so only the order of the fp32 sums differs.
 
 Up to a few rows (decode at small batch) a step only streams weights. Those rows go to vx's
-AVX2 skinny GEMM on the layer's own bf16 weight (`vx/gpu/cpu/csrc/gemv_avx2.c`: 0.20 ms a
-SmolLM2 layer at one row, against 0.51 ms for torch's bf16 GEMV and 0.71 ms for an fp32 copy),
-or where it is not built, one row to torch's bf16 GEMV. One and two rows take the same
-kernel's sums from the weight's compact copy (`vx.gpu.cpu.compact`: the bf16 values in a
-quarter fewer bytes).
+AVX2 skinny GEMM on the layer's own bf16 weight (`vx/gpu/cpu/csrc/gemv_avx2.c`: at one row
+ahead of torch's bf16 GEMV and of an fp32 copy, which reads twice the bytes; measured on
+SmolLM2's layers), or where it is not built, one row to torch's bf16 GEMV. One and two rows
+take the same kernel's sums from the weight's compact copy (`vx.gpu.cpu.compact`: the bf16
+values in a quarter fewer bytes).
 
 Where vx's AVX2 panel GEMM is built (`vx/gpu/cpu/csrc/gemm_avx2.c`), N % 16 == 0 and K is
 even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
 kernel widens them in registers (a shift or a mask), so its sums are those of an fp32 copy
 in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, where it overtakes
-the skinny GEMM (0.69-0.94 of the fp32 panels' time from 10 to 64 rows on a 2-core Zen 3, and
-those at 0.78-0.97 of oneDNN's packed fp32 GEMM's from 25 to 2,048; level with them past 256).
-Otherwise the copy is fp32 in
-oneDNN's packed layout and oneDNN takes those rows. `VX_CPU_PANEL_GEMM=0` keeps oneDNN's
-(A/B runs).
+the skinny GEMM. Measured on a 2-core Zen 3, it is ahead of fp32 panels from 10 to 64 rows
+and level with them past 256, and those are ahead of oneDNN's packed fp32 GEMM from 25 to
+2,048 rows. Otherwise the copy is fp32 in oneDNN's packed layout and oneDNN takes those
+rows. `VX_CPU_PANEL_GEMM=0` keeps oneDNN's (A/B runs).
 
 Memory: the panels are the bf16 weight's size again, oneDNN's fp32 copy twice it. The copies
 made in one process stop at `VX_CPU_WIDEN_BUDGET` bytes (default: a quarter of physical

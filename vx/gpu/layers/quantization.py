@@ -10,7 +10,7 @@ Weight-only quantization (`QuantizedWeight`): the weight is also quantized with 
 kernels, int8 per output channel (symmetric, `aten._weight_int8pack_mm`) or int4 in groups of
 `INT4_GROUP_SIZE` input features (asymmetric min/max, `aten._weight_int4pack_mm_for_cpu`).
 These kernels read half / a quarter of the bytes of a bf16 GEMV, but they dequantize in fp32
-vector code, so past a few rows they are 4-10x slower than the AMX bf16 GEMM. A quantized layer
+vector code, so past a few rows the AMX bf16 GEMM leaves them far behind. A quantized layer
 therefore keeps its (prepacked) model-dtype weight as well and takes the quantized path only
 for `x` of at most `max_rows` rows (decode at small batch, where the step is weight-streaming
 bound); prefill and larger decode batches keep bf16 numerics. This trades memory (weights +
@@ -66,21 +66,20 @@ QUANTIZATIONS = ("int8", "int4")
 #: Input features per int4 scale/zero pair (SmolLM2's GGUF source is q4_1, also groups of 32).
 INT4_GROUP_SIZE = 32
 #: Rows up to which the quantized kernels beat the prepacked bf16 GEMM on a 2-core Sapphire
-#: Rapids (measured per SmolLM2 shape: int8 wins clearly at 1 row, roughly ties at 2-4, and is
-#: 2x slower at 8 and 8x slower at 64).
+#: Rapids (measured per SmolLM2 shape: int8 wins clearly at 1 row, roughly ties at 2-4, and
+#: falls further behind from 8 rows on).
 DEFAULT_QUANT_MAX_ROWS = 4
 
 #: Rows up to which vx's AVX2 int4 kernel takes a layer: it widens the nibbles again for every
-#: two rows of x, so past that the AVX2 bf16 GEMM is ahead (SmolLM2's 120 linears, weights
-#: cold, 2-core AMD EPYC Zen 3, medians of 7: 1 row 8.5 ms against bf16 11.9 and int8 7.5; 2
-#: rows 12.4 against 13.3 and 10.1; 4 rows 18.9 against 18.5 and 17.8; 8 rows 36.7 against
-#: 33.4 and 32.2). The int8 kernel keeps `GEMV_MAX_ROWS_INT8`.
+#: two rows of x, so past that the AVX2 bf16 GEMM is ahead (measured on SmolLM2's 120
+#: linears, weights cold, on a 2-core AMD EPYC Zen 3: the int4 kernel beats bf16 at 1 and 2
+#: rows, not from 4). The int8 kernel keeps `GEMV_MAX_ROWS_INT8`.
 AVX2_INT4_MAX_ROWS = 2
 
 #: oneDNN picks the packed layout for this many rows. Where vx's own AMX GEMM takes every step
 #: of up to `AMX_MAX_ROWS` rows (`vx.gpu.cpu.ops.skinny_gemm`), oneDNN sees only longer ones
-#: (prefill), and a layout picked for 256 rows runs those 15-25% faster than one picked for a
-#: single row (gate-up at 256-2,048 rows; the other projections the same); elsewhere oneDNN
+#: (prefill), and a layout picked for 256 rows runs those ahead of one picked for a single
+#: row (measured on gate-up at 256-2,048 rows, the other projections the same); elsewhere oneDNN
 #: also takes small decode batches, which the single-row layout suits.
 _PREPACK_BATCH_HINT_LARGE = 256
 _PREPACK_BATCH_HINT_SMALL = 1
@@ -98,8 +97,8 @@ def validate_quantization(quantization: str | None, device: torch.device | str) 
 def cpu_prepack_enabled(weight: torch.Tensor) -> bool:
     """Whether a bf16 CPU weight should be reordered into oneDNN's blocked layout.
 
-    NOTE: at M <= 64 rows a prepacked bf16 GEMM is about 1.5-2.4x faster than `F.linear` on the
-    same weight (which reorders on every call), with bit-identical results at decode sizes.
+    NOTE: at M <= 64 rows a prepacked bf16 GEMM beats `F.linear` on the same weight (which
+    reorders on every call; measured), with bit-identical results at decode sizes.
     `VX_CPU_PREPACK=0` turns it off (e.g. to trace the model with torch.compile), and so does
     the emulation (`vx.gpu.cpu.emulate.emulating`: the emulated CPU's layers route the same on
     every host, and an AVX2 host's oneDNN has no bf16 GEMM).

@@ -13,8 +13,8 @@ masked argmax (it is the first maximum, so no earlier id ties it, and masking on
 candidates); where it is, the step forms the logits as the logits path forms them (the whole
 batch, so the GEMM's route and sums are the same) and masks those rows as the sampler does.
 Why: a benchmark's `min_tokens` = `max_tokens` otherwise sent every served step to the full
-sampler (logits, widening, torch's argmax: ~12% of the Worker's time at c = 64 on a 2-core
-Zen 5).
+sampler (logits, widening, torch's argmax), a measurable share of the Worker's time at
+c = 64 on a 2-core Zen 5.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def fused_greedy_step(
     the model and `greedy_tokens`, which give the same). Why: at 64 rows on a 2-core Zen 5
     the step otherwise opened four parallel regions (embedding, step, norm, head), and a host
     process waking at the step's start kept the second thread out of each in turn; at one
-    row, ~1 ms of Python around the C calls left the second core idle."""
+    row, the Python around the C calls left the second core idle."""
     greedy_decode = getattr(model, "greedy_decode", None)
     t = inputs.input_ids.shape[0]
     if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t:

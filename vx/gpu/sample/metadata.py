@@ -312,7 +312,7 @@ def _flat_token_index(
         tokens = np.concatenate(parts).astype(np.int64, copy=False)
     else:
         # NOTE: not `torch.frombuffer(array("q", ...))`: ops on such tensors were measured
-        # ~300x slower with 2 intra-op threads (torch 2.13, CPU).
+        # far slower with 2 intra-op threads (torch 2.13, CPU).
         tokens = np.fromiter(chain.from_iterable(parts), dtype=np.int64, count=total)
     index = np.repeat(np.asarray(rows, dtype=np.int64) * vocab_size, lengths) + tokens
     valid = (tokens >= 0) & (tokens < vocab_size)

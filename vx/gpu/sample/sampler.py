@@ -33,9 +33,10 @@ __all__ = [
     "step_seed",
 ]
 
-#: On the CPU a full sort of [64, 49152] logits takes ~150 ms, so top-p first looks for each
-#: row's nucleus among its top candidates (one `topk`) and sorts only the rows where it is not
-#: there. Accelerators sort everything: a sort is cheap there and the check would sync.
+#: On the CPU a full sort of [64, 49152] logits is costly (every row's whole vocabulary), so
+#: top-p first looks for each row's nucleus among its top candidates (one `topk`) and sorts
+#: only the rows where it is not there. Accelerators sort everything: a sort is cheap there
+#: and the check would sync.
 CPU_TOP_P_CANDIDATES = 256
 
 _NEG_INF = float("-inf")
@@ -132,7 +133,7 @@ class Sampler:
         """q ~ Exponential(1) per element, drawn as -log(U) with U ~ Uniform[0, 1).
 
         U = 0 gives q = inf, which only makes that token lose; q is never 0. -log(U) is used
-        rather than `exponential_` because it is ~4x cheaper on the CPU.
+        rather than `exponential_` because it was measured cheaper on the CPU.
         """
         num_rows, vocab_size = probs.shape
         if metadata.num_unseeded == num_rows:
@@ -165,7 +166,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     prompt or the output; frequency subtracts penalty x (output count); presence subtracts the
     penalty once for any token in the output. Only the seen tokens change, so after one dense
     count (`index_add_` into a zeroed [N * V] buffer) the work is gathers and one scatter over
-    the seen occurrences, not passes over [N, V]: ~50x cheaper on the CPU at batch 64.
+    the seen occurrences, not passes over [N, V] (measured far cheaper on the CPU at batch 64).
     NOTE: an occurrence seen twice writes the same value twice, so duplicates are harmless.
     """
     num_rows, vocab_size = logits.shape

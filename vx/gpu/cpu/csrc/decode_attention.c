@@ -76,7 +76,7 @@ void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64
                  int64_t row_bytes, const int64_t* slots, int T, int Hkv, int BS,
                  int64_t num_slots) {
     /* A prefill's rows on every thread: its slots are fresh cache lines, each store a miss
-       (2,048 tokens: ~230 us a layer on one thread). */
+       (costly enough at long prompts to be worth splitting). */
     _Pragma("omp parallel for schedule(static) if (T >= 256)")
     for (int t = 0; t < T; t++) {
         const int64_t slot = slots[t];
@@ -181,10 +181,10 @@ VX_INLINE __m512 vx_hsum16(const __m512* a) {
 /* The next (request, kv head) item's K and V blocks, fetched into L2 a few lines at a time
    while the current item computes: issued all at once, the prefetches filled the core's miss
    queue and stalled it until they had all landed, so memory and compute took turns. The
-   same held for bursts: issued during head 0's q.k only (and p.V), half of the lines came in
-   a twentieth of the item's time while heads 1 .. G-1 ran with memory idle. They are now
-   spread evenly over every head's q.k and p.V (64 requests x 192 keys, 30 layers, one
-   thread, blocks in DRAM: 13.7-14.3 against 15.5-16.6 ms, three alternated runs). */
+   same held for bursts: issued during head 0's q.k only (and p.V), most lines came early in
+   the item while heads 1 .. G-1 ran with memory idle. They are now spread evenly over every
+   head's q.k and p.V (measured shorter at 64 requests x 192 keys, 30 layers, one thread,
+   blocks in DRAM, in alternated runs). */
 #define VX_PF_BLOCKS 64  /* at most 64 blocks (1,024 keys of blocks of 16) */
 typedef struct {
     const char* k[VX_PF_BLOCKS];
@@ -243,7 +243,8 @@ VX_INLINE void vx_fast_item(
 #endif
     for (int c0 = 0; c0 < len; c0 += VX_CH) {
         const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
-        {  /* block by block, no division per key (a runtime BS made that ~20% of an item) */
+        {  /* block by block, no division per key (a runtime BS made it a costly part of an
+              item) */
             int blk = c0 / BS, r = c0 % BS;
             int64_t base = (int64_t)btr[blk] * c_sb;
             for (int i = 0; i < cnt; i++) {
@@ -280,7 +281,7 @@ VX_INLINE void vx_fast_item(
 #undef VX_QK_GROUP
             /* V rows go to L1 only now, for p.V's first keys (p.V fetches the rest 32 keys
                ahead): fetched during q.k as well, a chunk's V (up to 32 KB) and K pushed each
-               other out of L1 before use. 64 requests x 1,024 keys: 0.85-0.91 of the time. */
+               other out of L1 before use (measured at 64 requests x 1,024 keys). */
             vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
             const __m512i rows = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),

@@ -5,15 +5,14 @@
 
    Why it exists: the portable kernel (decode_attention.c) widens every K and V row to
    fp32 in a scratch row and reduces one dot product per (key, head) to a scalar, which the
-   compiler vectorises poorly: a SmolLM2 decode step at 64 requests x 256 keys spent ~80 of its
-   ~290 ms there on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
+   compiler vectorises poorly: it was a large share of a SmolLM2 decode step at 64 requests x
+   256 keys on a 2-core AVX2 EPYC. Here the q.k products run in register tiles of 4 keys x
    up to 3 query heads (each K row widened from bf16 as it is loaded, once for the tile's heads),
    reduced with horizontal adds; the softmax uses an 8-lane exp; P V runs in tiles of up to 3
    heads x 32 dims whose sums stay in registers over a block's keys; and the next block is
    prefetched while the current one is computed. The tiles replaced a scratch copy of each K
-   block in fp32 and P V sums kept in memory (a load and a store per product): the same bits,
-   0.54-0.67 of the time (`bench/attention.py`, 2-core Zen 3: 1 x 192 keys 1.09 -> 0.58 ms a
-   30-layer step, 64 x 192 37.0 -> 24.1, 64 x 1,024 176 -> 118).
+   block in fp32 and P V sums kept in memory (a load and a store per product): the same bits
+   in less time (measured with `bench/attention.py` on a 2-core Zen 3, from 1 to 64 requests).
 
    Same arguments and layout as the portable kernel: one item per (request, kv head), scores for
    the item's G query heads over the whole context, then P V. fp32 throughout, one bf16 rounding
@@ -93,9 +92,9 @@ int vx_decode_attention_bf16_avx2(
     int failed = 0;
     vx_ws ws;
     /* Parallel from one row up (it was serial below 8,192 rows x kv heads x keys): SmolLM2's
-       one row at 192 keys (3 items) takes 0.70 of its serial time on 2 threads, at 1,024 keys
-       0.65, 4 rows at 192 keys 0.75 (2-core Zen 3, `bench/attention.py`): the region costs a
-       few us against ~28 us a layer. */
+       one row at 192 keys (3 items) already takes less time on 2 threads, and so do longer
+       contexts and more rows (2-core Zen 3, `bench/attention.py`): the region's cost is small
+       against a layer's work. */
     const int par = B * Hkv >= 2 && (int64_t)B * Hq * max_len >= VX_AVX2_ATT_PAR;
     vx_ws_init(&ws, (int64_t)B * Hkv, par);
     _Pragma("omp parallel if (par) reduction(| : failed)") {

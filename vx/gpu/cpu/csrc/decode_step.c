@@ -5,8 +5,8 @@
    Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
    attention and the skinny GEMM; `vx.gpu.cpu.fused_step` fills its structs and calls it).
 
-   Why it exists: at batch 1 a SmolLM2 step streams its weights in ~12 ms, but the same step took
-   ~21 ms: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
+   Why it exists: at batch 1 a SmolLM2 step need only stream its weights, yet it took far
+   longer: the rest was ~14 Python-level ops per layer (module calls, ctypes argument conversion,
    the rotary's torch ops, tensor allocation) times 30 layers. Here each layer is the same C
    kernels the module path calls (so the results are bit-identical), chained without Python:
    RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->

@@ -15,37 +15,37 @@
    rows of y (two 16-column tiles side by side are one 64-byte row), no transpose.
 
    Against `vx_gemm_amx_bf16` (plain weights as the A operand, x packed as B, C^T transposed
-   back), SmolLM2's 120 matrices with cold weights on a 2-core Sapphire Rapids take 0.91-0.97
-   of the time at 8-16 rows, 0.80-0.87 at 32-64 and 0.77-0.82 at 128-192 (a tie at 4 rows):
+   back), SmolLM2's 120 matrices with cold weights on a 2-core Sapphire Rapids take less time
+   from 8 to 192 rows, the more so the more rows (a tie at 4 rows):
    the weights stream from memory as 1 KB sequential tiles, not 16 strided rows, and the
    epilogue has no transposes. The fp32 sums are the same products in the same order:
    bit-identical results (tested).
 
    Where the time went, and what the loops do about it (one hot SmolLM2 weight, 2 threads):
-   the tile products alone peak at ~5.8 TFLOP/s with every operand in L1, but ran at 3.1-3.7
-   with x and the weight both streaming, and 2.5-2.9 with the epilogue. So:
+   the tile products ran well below their peak (every operand in L1) with x and the weight
+   both streaming, and lower still with the epilogue. So:
    - Row blocks outer within an item: a block's 32 rows of x (K / 16 KB: 36 KB at K = 576)
      stay in L1 while the item's column pairs pass, and the B tiles come with `tileloaddt1`,
-     which keeps them from pushing those rows out of L1 (+15-25% at K = 576 from 256 rows).
+     which keeps them from pushing those rows out of L1 (a gain at K = 576 from 256 rows).
      Up to 64 rows (one or two row blocks) plain loads and chunks of 4 column pairs, as
-     before: cold weights there ran 2-5% slower otherwise.
+     before: cold weights there lost with the new order.
    - The epilogue of a block (fp32 C to bf16 rows, + bias) runs 4 rows at a time between the
      next block's tile products, from a second C buffer: the vector ports convert while the
-     tile unit multiplies (+3-5%).
+     tile unit multiplies.
    - Items: a panel of up to 16 row blocks x up to 8 column pairs, as many as a multiple of
      the threads where the columns allow, shared with stealing (`vx_ws`).
-   SmolLM2's 120 matrices (cold, median of 7): 576 rows 0.82x the time of the layout before,
-   2,048 rows 0.75x; the same at 8-192 rows (0.96-1.04). Software prefetch did worse (the
-   next 32 columns' tiles into L2 over a block's passes: 1.08 / 1.00 / 0.97 of the skinny
-   GEMM's time at 8 / 32 / 64 rows, against 0.91 / 0.80 / 0.84), and so did K cut into
-   L1-sized parts with C kept in fp32 scratch between them (down, K = 1,536: no change).
+   SmolLM2's 120 matrices (cold, medians): shorter than the layout before at 576 and 2,048
+   rows, the same at 8-192 rows. Software prefetch did worse (the next 32 columns' tiles into
+   L2 over a block's passes: behind the skinny GEMM at 8 rows and level at 32 and 64, where
+   without it the loop is ahead; docs/performance.md, "Measured and dropped"), and so did K
+   cut into L1-sized parts with C kept in fp32 scratch between them (down, K = 1,536: no
+   change).
 
    `vx_gemm_amx_vnni_silu` is the same loop over a gate-up weight packed with its gate and up
    rows interleaved by 16, so each 32-column block is 16 gate | 16 up columns of the same
    outputs, and the epilogue writes silu(bf16(gate)) * bf16(up) ([M, I], the bits of the GEMM
-   then `vx_silu_and_mul_bf16`). SmolLM2's gate-up at 2,048 rows: 2.6 ms against 4.2-4.5 for
-   oneDNN's GEMM then the SiLU pass; at 576 rows 0.75 against 1.09; at 64 rows 0.09 against
-   0.17-0.2 (hot weights).
+   then `vx_silu_and_mul_bf16`). SmolLM2's gate-up was measured ahead of oneDNN's
+   GEMM then the SiLU pass at 64, 576 and 2,048 rows (hot weights).
 
    `vx_gemm_amx_vnni_rope` is the same loop over the fused qkv projection with rotate-half
    rotary in its epilogue on the q and k heads: a head's D / 32 blocks are one unit (an item's

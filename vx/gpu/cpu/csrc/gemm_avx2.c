@@ -7,17 +7,17 @@
    batches from 5 rows, prompts, the LM head's logits).
 
    Why it exists: on AVX2 machines the bf16 model's GEMMs run in fp32 (bf16 x bf16 products are
-   exact there; `vx.gpu.cpu.widen`). oneDNN's packed fp32 GEMM ran at 74-134 GFLOP/s from 25 to
-   2,048 rows on a 2-core Zen 3; this kernel with fp32 panels and 6-row tiles at 84-171. The panel
+   exact there; `vx.gpu.cpu.widen`). From 25 to 2,048 rows on a 2-core Zen 3, this kernel with
+   fp32 panels and 6-row tiles was measured ahead of oneDNN's packed fp32 GEMM. The panel
    layout makes the inner loop the classic outer product: per k, 16 weights and 5 broadcasts of x
    feed 10 FMAs, with the 5 x 16 sums in registers, so the FMA units, not the loads, bound it. The
    weights stay bf16, in pairs of k in one 32-bit word: a bf16 value is the top half of its fp32
    value, so k even is the word shifted left by 16 and k odd the word masked, two integer
    operations per 10 FMAs. The sums are those of an fp32 copy (bit for bit) from half its bytes.
    Five rows, not six: with the mask, six rows' 12 sums left no register free and GCC spilled one
-   sum to the stack, a store-to-load chain that halved the speed. Against the fp32 panels with
-   6-row tiles (SmolLM2's 120 layer matrices, alternated in one process, medians of 5): 0.69 of
-   the time at 10 rows, 0.86 at 16, 0.89 at 32, 0.94 at 64 and 1.00-1.02 from 256 to 2,048.
+   sum to the stack, a store-to-load chain in the inner loop. Against the fp32 panels with
+   6-row tiles (SmolLM2's 120 layer matrices, alternated in one process): ahead from 10 to 64
+   rows, level from 256 to 2,048.
 
    Layout: x [M, K] bf16 (row stride x_st); P the panels, 32-bit words [N / 16, K / 2, 16]: word
    P[p][i][j] holds W[16 p + j][2 i] in its low half and W[16 p + j][2 i + 1] in its high half

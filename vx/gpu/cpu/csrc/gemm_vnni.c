@@ -5,10 +5,9 @@
 
    Runs in: the Worker process.
 
-   Why: without AMX, oneDNN's bf16 GEMM reached 350-700 GFLOP/s on two Zen 5 cores at 16-128
-   rows (`vdpbf16ps` peaks at ~960 there) and the skinny GEMM (plain weights, a reduction per
-   output) stops paying past 12 rows; this kernel needs no reduction and no repacking per call
-   (figures in `vx.gpu.cpu.vnni`). */
+   Why: without AMX, oneDNN's bf16 GEMM stayed well below `vdpbf16ps`'s peak on two Zen 5 cores
+   at 16-128 rows, and the skinny GEMM (plain weights, a reduction per output) stops paying past
+   12 rows; this kernel needs no reduction and no repacking per call (see `vx.gpu.cpu.vnni`). */
 
 /* Layout: wp [N / 16][K / 2][16] dwords; dword (b, p, c) holds W[16 b + c][2 p], W[16 b + c]
    [2 p + 1] (two bf16, the lower index in the low half), so one aligned 64-byte load is the

@@ -4,10 +4,10 @@
    attention kernel; `vx.gpu.layers.quantization` calls it).
 
    Why it exists: at 1-8 rows a decode step only streams the weights, and both oneDNN's packed bf16
-   GEMM and torch's `_weight_int8pack_mm` reach 7-9 GB/s on SmolLM2's 121 small matrices, about
-   half of what two cores read. The loads are not the limit, the misses are: each matrix is a
+   GEMM and torch's `_weight_int8pack_mm` read SmolLM2's 121 small matrices well below what two
+   cores can read. The loads are not the limit, the misses are: each matrix is a
    fresh stream too short for the hardware prefetcher to ramp up. Software prefetch `VX_GEMV_PD`
-   weights ahead of every row doubles the rate (int8: 8 ms instead of 16 ms per SmolLM2 step).
+   weights ahead of every row closes most of that gap (measured on SmolLM2's int8 step).
 
    Layout: x [M, K] bf16 (row stride x_st), W [N, K] row-major int8 or bf16, scale [N] bf16 (int8
    only: per output channel), bias [N] bf16 or NULL, y [M, N] bf16 (row stride y_st). M <= 8,
@@ -93,8 +93,8 @@ VX_GEMV_FN(vx_gemv_int8, int8_t, vx_gemv_tile_i8)
 /* A VDPBF16PS tile, NAME(W, K, n0, R, M, x, x_st, out): out[m * 4 + r] = W[n0 + r] . x[m] for
    R <= 4 weight rows of type WT and M <= MAXM rows of bf16 x, read as stored; WIDEN(p) gives
    the 32 weights at p as bf16 (bf16 products are exact in fp32; pairs are summed before the
-   accumulate), PD the prefetch distance in weights, into L2 (one and two rows of SmolLM2's
-   120 cold matrices: 0.93-0.98 of the time L1 prefetches took). The bf16 GEMV's tile below
+   accumulate), PD the prefetch distance in weights, into L2 (ahead of L1 prefetches at
+   one and two rows of SmolLM2's 120 cold matrices, as measured). The bf16 GEMV's tile below
    and the LM head's int8 screen (screen.c) are the two. */
 #define VX_DP_TILE(NAME, WT, WIDEN, PD, MAXM) \
 static inline __attribute__((always_inline)) void NAME(const WT* W, int64_t K, int64_t n0, \
@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void vx_transpose16(__m512* r) {
    C tiles (m blocks) share every A tile load; past 64 rows the next four m blocks take the
    same 16 weight rows again while they are still in L1/L2, so the weights stream from memory
    once per call whatever the rows. The next block of 16 weight rows is prefetched tile by
-   tile into L2, not L1 (cold weights at 64 rows: 0.88 of the time; L1 prefetches hold the
+   tile into L2, not L1 (measured ahead with cold weights at 64 rows: L1 prefetches hold the
    core's few line-fill buffers the tile loads also need). Needs vx_fast_amx(1) to have been
    granted; returns -2 where it does not apply (the caller falls back). */
 #define VX_AMX_MAX_ROWS 192
@@ -252,9 +252,9 @@ static inline __attribute__((always_inline)) void vx_amx_store_c(int mb, float* 
     }
 /* x [M, K] into the B tiles' layout, xb[mb][kc][r][j][2] = x[mb * 16 + j][kc * 32 + 2 r + {0, 1}],
    zero past row M: per 16 x 32 block, a 16 x 16 transpose of bf16 pairs, in registers (16
-   gathers a block were ~2 ms of a 64-row decode step's 120 calls). Thread tid of nt packs its
-   share of the blocks (the GEMM's threads, then a barrier: on one thread before the parallel
-   region it was ~7% of a 64-row call with hot weights). */
+   gathers a block were a measurable cost over a 64-row decode step's 120 calls). Thread tid of
+   nt packs its share of the blocks (the GEMM's threads, then a barrier: on one thread before
+   the parallel region it was a measurable share of a 64-row call with hot weights). */
 static void vx_amx_pack_x(const vx_bf16* x, int64_t x_st, int M, int64_t K, vx_bf16* xb,
                           int tid, int nt) {
     const int MB = (M + 15) / 16;
@@ -304,7 +304,7 @@ int vx_gemm_amx_bf16(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W,
         float c[16 * 16] __attribute__((aligned(64)));
         VX_AMX_FOR_TILES({
             /* column j of c (16 n) is row m = m0 + j of y: c transposed in registers, then a
-               store per row (16 gathers a tile were a third of a 64-row call's time) */
+               store per row (16 gathers a tile were a large share of a 64-row call's time) */
             const __m512 bv = bias ? vx_ld16_bf16(bias + nb * 16) : _mm512_setzero_ps();
             __m512 r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c + 16 * i);

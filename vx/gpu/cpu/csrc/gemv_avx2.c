@@ -6,14 +6,13 @@
    `vx.gpu.cpu.widen.WideWeight` calls it for the rows its wide copy is not worth).
 
    Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV
-   reads them at ~13 GB/s on two AVX2 cores and the fp32 copy doubles the bytes; this kernel
+   reads them well below two AVX2 cores' read rate and the fp32 copy doubles the bytes; this kernel
    reads the bf16 weight once, widening each 8 values with a shift, with the next rows
    prefetched (the matrices are too short for the hardware prefetcher to ramp up). Past 3 rows
    each group of 4 weight rows is read from memory once and from L1 for the other rows of x, so
-   it stays ahead of the fp32 copy (oneDNN's packed fp32 GEMM) up to ~24 rows. SmolLM2's 120
-   linears, weights cold, 2-core AMD EPYC: 8 rows 22-25 ms against 36 ms for the fp32 copy, 16
-   rows 34-50 against 62, 24 rows ~52 against ~63; at 32 rows the fp32 copy is ahead (76 against
-   83), hence VX_AVX2_MAX_ROWS.
+   it stays ahead of the fp32 copy (oneDNN's packed fp32 GEMM) up to ~24 rows (measured on
+   SmolLM2's 120 linears, weights cold, 2-core AMD EPYC; at 32 rows the fp32 copy is ahead),
+   hence VX_AVX2_MAX_ROWS.
 
    Layout: x [M, K] bf16 (row stride x_st), W [N, K] bf16 row-major, bias [N] bf16 or NULL, y
    [M, N] bf16 (row stride y_st); 1 <= M <= VX_AVX2_MAX_ROWS, K % 8 == 0, K <= VX_AVX2_MAX_K.

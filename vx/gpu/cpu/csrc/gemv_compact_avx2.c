@@ -9,8 +9,8 @@
    read at this machine's read rate (`vx_gemv_bf16_avx2`). The compact copy holds the same bf16
    values exactly in 12.25 bits each instead of 16 (SmolLM2's layers: 163 MB against 212), so
    the step reads a quarter less. Decoding costs ~9 vector operations per 32 weights, which hide
-   under the memory stream at one and two rows; from three rows on they do not (three rows 1.11x
-   and four 1.19x the bf16 kernel's time on a 2-core Zen 3), hence VX_COMPACT_MAX_ROWS.
+   under the memory stream at one and two rows; from three rows on they do not (measured behind
+   the bf16 kernel at three and four rows on a 2-core Zen 3), hence VX_COMPACT_MAX_ROWS.
 
    Layout (`vx.gpu.cpu.compact.pack_compact`): per weight row, blocks of 32 columns, 48 bytes a
    block, rows contiguous ([N, K / 32, 48]), and one byte per block in Hb ([N, K / 32]). A bf16

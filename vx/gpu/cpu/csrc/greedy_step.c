@@ -5,14 +5,14 @@
    split step's source, whose `vx_greedy_tail` and `vx_greedy_inputs` it takes; `vx.gpu.cpu.fused_step.FusedDecode` calls
    `vx_llama_greedy_whole`).
 
-   Why: at one row a SmolLM2 step streams ~240 MB in ~6.5 ms of C, yet the step took ~7.7 ms:
-   about 1 ms was Python around the C calls while the second core waited (2-core Zen 5, one
-   process: the model's forward around the fused layers 0.28 ms, the embedding, the final norm
-   and the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue
-   ~0.25 ms). Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2
-   pair: `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the
-   one-row step was 12.97 ms against 14.20 through the model's forward and `greedy_ids` (medians
-   of 8 alternated rounds of 127 steps, every round shorter, by 0.1-19%).
+   Why: at one row a SmolLM2 step streams ~240 MB of weights in C, yet a measurable part of
+   the step was Python around the C calls while the second core waited (2-core Zen 5, one
+   process: the model's forward around the fused layers, the embedding, the final norm and
+   the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue).
+   Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2 pair:
+   `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the one-row
+   step was shorter than through the model's forward and `greedy_ids` in every one of 8
+   alternated rounds.
 
    Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy_ids` (the
    embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on

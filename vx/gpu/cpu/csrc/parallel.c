@@ -6,8 +6,8 @@
    Why it exists: the Worker's two OpenMP threads share two cores with the front, the EngineCore
    and, in a benchmark, the load generator. With ``schedule(static)`` a thread descheduled in the
    middle of a loop left its partner idle at the region's barrier for as long, and a decode step
-   runs ~240 regions: at 64 requests, served steps ran 1.25-1.4x their lone time. Here a thread
-   that finishes its range takes what is left of the others' (served c = 64: +11% output tok/s in
+   runs ~240 regions: at 64 requests, served steps ran well past their lone time. Here a thread
+   that finishes its range takes what is left of the others' (served c = 64: more output tok/s in
    one interleaved A/B, two repeats each; `bench/compare.py --vx-variant
    static=VX_CPU_WORK_STEALING=0`). */
 #include "vx_kernels.h"

@@ -44,8 +44,8 @@ VX_INLINE __m512 vx_exp2_16(__m512 x) {
 }
 /* vx_exp2_16 with a degree-3 polynomial (fitted for relative error on [-1/2, 1/2]: 7.5e-5 at
    most, 50x below the bf16 rounding every probability gets before P V), for the softmax's
-   probabilities, whose exps are about a third of this kernel's time: 10% less time for a
-   2,048-token prompt than the degree-6 one. The running-max correction keeps vx_exp2_16 (it
+   probabilities, whose exps are a large part of this kernel's time (measured shorter than the
+   degree-6 one for a 2,048-token prompt). The running-max correction keeps vx_exp2_16 (it
    compounds over the chunks of a row). */
 VX_INLINE __m512 vx_exp2_16_p(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
@@ -78,7 +78,7 @@ VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
     for (int g = 0; g < 2; g++)
         for (int s = 0; s < DV; s++) {
             /* 16 keys' dim pairs as rows, transposed in registers (16 scatters a tile were
-               ~9% of the kernel for 128-token prompts) */
+               a measurable share of the kernel for 128-token prompts) */
             __m512 r[16];
             for (int n = 0; n < 16; n++) {
                 const vx_bf16* p = kr[16 * g + n];

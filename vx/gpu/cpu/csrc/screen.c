@@ -5,7 +5,7 @@
    GEMV sources; `vx.gpu.cpu.screen.ScreenedHead` calls it).
 
    Why it exists: at batch 1 a decode step only streams weights, and SmolLM2's bf16 LM head is a
-   fifth of them (57 MB of ~270: ~1.4 ms of a ~7 ms step on a 2-core Zen 5). The int8 copy is
+   fifth of them (57 MB of ~270), and the step's time follows the bytes. The int8 copy is
    half the bytes; `vx.gpu.cpu.screen` states the search and the bound it rests on.
 
    `vx_screen_i8`: y [M, N] fp32, y[m, n] = s[n] * (x[m] . W[n]) for bf16 x [M, K] (row stride

@@ -8,11 +8,11 @@
    Why: two cores meet once a step instead of at each of ~300 parallel regions. The rows are cut
    by each thread's measured speed, but a host process that wakes on a Worker thread's core
    (each step's tokens: the front, the EngineCore, a local load generator) slows that thread's
-   part by a few ms at random: served at c = 64 on two Zen 5 cores, the parts ended on average
-   ~4 ms apart in ~45 ms steps. So a thread done with its rows asks the other for work, and the
-   other, at its next layer boundary, hands over half of its rows for the rest of the layers
-   (rows do not interact in a decode step: each row's state between layers is its x and
-   residual rows, and the attention reads only its own request's K/V). */
+   part at random: served at c = 64 on two Zen 5 cores, the parts seldom ended together and
+   one core sat idle at the step's end. So a thread done with its rows asks the other for
+   work, and the other, at its next layer boundary, hands over half of its rows for the rest
+   of the layers (rows do not interact in a decode step: each row's state between layers is
+   its x and residual rows, and the attention reads only its own request's K/V). */
 #include "vx_kernels.h"
 /* 1 (the default): a thread done with its part takes rows from the other (two parts); 0: each
    part runs its own rows only (A/B, tests); 2 (tests): as 1, and the thread with more rows
@@ -25,12 +25,13 @@ static int vx_split_handovers_last;
 int vx_split_handovers(void) { return vx_split_handovers_last; }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 /* The split's row cuts follow each thread's speed: the threads are pinned, one per core, and
-   a core shared with the host processes (or slowed by its host) runs its part 5-30% slower for
-   tens of steps at a time (2-core Zen 5, 64 rows: the parts' times differed by a median 1.6-3.3
-   ms a step, one side for runs of 10-40 steps). vx_split_speed[t]: thread t's cost units a
-   second, smoothed over steps (0: not yet measured). */
-#define VX_SPLIT_ROW_COST 400  /* a row's GEMM work in keys of attention (SmolLM2 on 2-core
-                                  Zen 5: 0.7 ms of GEMMs a row, 1.7 us a key over all layers) */
+   a core shared with the host processes (or slowed by its host) runs its part slower for
+   tens of steps at a time (measured on a 2-core Zen 5 at 64 rows: the same side stayed
+   behind step after step). vx_split_speed[t]: thread t's cost units a second, smoothed over
+   steps (0: not yet measured). */
+#define VX_SPLIT_ROW_COST 400  /* a row's GEMM work in keys of attention (the ratio of a row's
+                                  GEMM time to a key's attention time over all layers,
+                                  measured for SmolLM2 on a 2-core Zen 5) */
 static double vx_split_speed[VX_WS_MAX];
 static int vx_split_adapt = 1;
 /* 1: cuts follow the measured speeds (the default); 0: even cuts. Either way the speeds
