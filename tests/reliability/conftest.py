@@ -103,14 +103,16 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.models import SERVED, make_tiny_model
 
-    # 1024 positions: G8's stalled streams need more output than loopback's socket buffers hold.
+    # 8,192 positions: G8's stalled streams need more output than loopback's socket buffers hold
+    # (the shared server caps requests at 1,024), and G7's long streams must outlast the drain
+    # budget however fast the fused step makes the tiny model.
     # SERVED: bf16 weights and head size 32, so the servers run the default path (the fused
     # CPU step, the LM head's C argmax).
     return str(
         make_tiny_model(
             tmp_path_factory.mktemp("reliability-tiny"),
             arch="llama",
-            max_position_embeddings=1024,
+            max_position_embeddings=8192,
             **SERVED,
         )
     )
