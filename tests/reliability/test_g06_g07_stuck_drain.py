@@ -6,7 +6,7 @@ an error event that says what happened, and the tree is torn down (the stopped w
 
 G7: SIGTERM under short and long streams with `--drain-timeout D`: /health 503 at once, a new
 request gets 503 with Retry-After (not a refused connection), the short streams finish cleanly,
-the long ones (1,000 tokens: more than the tiny model makes in D) are cut by the deadline: at
+the long ones (8,000 tokens: more than the tiny model makes in D) are cut by the deadline: at
 least one, each with a terminal error event that reaches the client between D and D + 2 s after
 the signal, as many as the front logs it failed; the front exits 0 within D + 5 s, and nothing
 is left behind. With `--drain-timeout 0` a busy server exits within 4 s, every stream ended by
