@@ -13,8 +13,8 @@ permutation of the blocks; the caches are block-major in memory, as the Worker's
 (argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
 "new fast noAMX" is the working tree's fast kernel with its AMX q.k turned off.
 Kernels: the portable and AVX512-BF16 kernels of `--baseline` (that revision's `vx` tree is
-extracted into a temporary directory, its own `vx.gpu.kv_cache` gives the library's source,
-which is built there) and of the working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
+extracted into a temporary directory, its own `vx.gpu.cpu.library`, or `vx.gpu.kv_cache` before
+that module existed, gives the library's source, which is built there) and of the working tree. Each cell is the median over `--repeats` runs of the mean ms per step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vx.gpu import kv_cache  # noqa: E402
+from vx.gpu.cpu import library  # noqa: E402
 
 LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 16
 #: The last commit with the first AVX512-BF16 kernel (one horizontal reduce per key and head).
@@ -49,8 +49,9 @@ ARGTYPES = [
 
 def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
     """Build `rev`'s kernel library: its `vx` tree is extracted into `tmp` and its own
-    `vx.gpu.kv_cache` (imported in a child process) gives the source and flags, however that
-    revision assembled them (one literal once, several modules' sources since)."""
+    `vx.gpu.cpu.library` (imported in a child process; `vx.gpu.kv_cache` in revisions before it)
+    gives the source and flags, however that revision assembled them (one literal once, several
+    modules' sources since)."""
     tree = os.path.join(tmp, "rev")
     os.makedirs(tree)
     archive = subprocess.run(
@@ -58,7 +59,12 @@ def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
     ).stdout
     subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
     show = (  # a source string until the C moved into vx/gpu/csrc, the files from then on
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import vx.gpu.kv_cache as k; "
+        "import importlib, json, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "try:\n"
+        "    k = importlib.import_module('vx.gpu.cpu.library')\n"
+        "except ModuleNotFoundError:  # revisions before it: the build was in vx.gpu.kv_cache\n"
+        "    k = importlib.import_module('vx.gpu.kv_cache')\n"
         "print(json.dumps([getattr(k, '_DECODE_KERNEL_SOURCE', None), "
         "list(getattr(k, '_KERNEL_SOURCES', [])), getattr(k, 'CSRC', ''), list(k._CFLAGS)]))"
     )
@@ -77,7 +83,7 @@ def baseline_lib(rev: str, tmp: str) -> ctypes.CDLL:
 
 def kernels(rev: str, tmp: str) -> dict[str, object]:
     found = {}
-    for tag, lib in (("old", baseline_lib(rev, tmp)), ("new", kv_cache.load_cpu_kernels())):
+    for tag, lib in (("old", baseline_lib(rev, tmp)), ("new", library.load_cpu_kernels())):
         assert lib is not None
         if tag == "old" and hasattr(lib, "vx_fast_amx"):
             lib.vx_fast_amx(1)  # its own switch (the new library's is set per timing)
@@ -88,7 +94,7 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
             found[f"{tag} fast"] = lib.vx_decode_attention_bf16_avx2  # AVX2 builds' fast kernel
     for fn in found.values():
         fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
-    lib = kv_cache.load_cpu_kernels()
+    lib = library.load_cpu_kernels()
     if "new fast" in found and hasattr(lib, "vx_fast_amx") and lib.vx_fast_amx(-1):
         found["new fast noAMX"] = found["new fast"]  # timed with AMX off (see time_step)
     return found
@@ -125,7 +131,7 @@ def layer_args(
 
 def time_step(fn, args: list[tuple], min_s: float = 0.2, amx: bool = True) -> float:
     """Mean ms per step (one call per layer) over enough steps to take `min_s`."""
-    lib = kv_cache.load_cpu_kernels()
+    lib = library.load_cpu_kernels()
     if hasattr(lib, "vx_fast_amx"):
         lib.vx_fast_amx(int(amx))
     for a in args:  # warm-up

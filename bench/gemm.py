@@ -37,8 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vx.gpu import kv_cache  # noqa: E402
-from vx.gpu.cpu import vnni as cpu_vnni  # noqa: E402
+from vx.gpu.cpu import library, vnni as cpu_vnni  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -165,7 +164,7 @@ def main() -> None:
         for _ in range(LAYERS)
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        new_lib = kv_cache.load_cpu_kernels()
+        new_lib = library.load_cpu_kernels()
         assert new_lib is not None and new_lib.vx_has_gemv(), "no C GEMM on this machine"
         kernels = {
             "old C": c_kernel(*baseline_lib(a.baseline, tmp)),

@@ -35,7 +35,7 @@ def test_worker_binds_each_openmp_thread_to_its_own_core() -> None:
     with fewer threads than cores nothing is bound."""
     code = (
         "import os, sys, torch; torch.set_num_threads(int(sys.argv[1]))\n"
-        "from vx.gpu.kv_cache import load_cpu_kernels\n"
+        "from vx.gpu.cpu.library import load_cpu_kernels\n"
         "from vx.gpu.worker import _bind_omp_threads\n"
         "if load_cpu_kernels() is None: print('skip'); raise SystemExit\n"
         "_bind_omp_threads()\n"

@@ -17,7 +17,8 @@ from tests.models import make_tiny_model
 from vx.config import BLOCK_SIZE
 from vx.gpu.attention.paged import build_attention_metadata
 from vx.gpu.cpu import vnni as cpu_vnni
-from vx.gpu.kv_cache import allocate_kv_caches, load_cpu_kernels
+from vx.gpu.cpu.library import load_cpu_kernels
+from vx.gpu.kv_cache import allocate_kv_caches
 
 
 class PagedDriver:

@@ -99,7 +99,7 @@ def _bind_omp_threads() -> None:
     `VX_CPU_BIND_THREADS=0` leaves the threads free."""
     import torch
 
-    from vx.gpu.kv_cache import load_cpu_kernels
+    from vx.gpu.cpu.library import load_cpu_kernels
 
     lib = load_cpu_kernels()
     cpus = sorted(os.sched_getaffinity(0))

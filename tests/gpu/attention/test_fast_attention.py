@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vx.gpu.attention.paged import build_attention_metadata, paged_attention
-from vx.gpu.kv_cache import (
+from vx.gpu.cpu.library import (
     decode_kernel_fn,
     fast_decode_attention,
     load_cpu_kernels,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from vx.gpu.attention import paged as attention
 from vx.gpu.attention.paged import build_attention_metadata, paged_attention
-from vx.gpu.kv_cache import load_cpu_kernels, prefill_kernel_available
+from vx.gpu.cpu.library import load_cpu_kernels, prefill_kernel_available
 
 
 @pytest.fixture(params=["native", "amx-off"])

@@ -15,8 +15,7 @@ import ctypes
 import os
 import re
 
-from vx.gpu import kv_cache
-from vx.gpu.cpu import abi as cpu_abi
+from vx.gpu.cpu import abi as cpu_abi, library
 
 _PROTOTYPE = re.compile(r"^(int64_t|int|void)\s+(vx_\w+)\(([^)]*)\);", re.M)
 
@@ -44,7 +43,7 @@ def _ctypes_kind(t: type | None) -> str:
 
 def header_prototypes() -> dict[str, tuple[str, list[str]]]:
     """{function: (result kind, [argument kinds])} of every prototype in vx_kernels.h."""
-    with open(os.path.join(kv_cache.CSRC, "vx_kernels.h")) as f:
+    with open(os.path.join(library.CSRC, "vx_kernels.h")) as f:
         text = re.sub(r"/\*.*?\*/", " ", f.read(), flags=re.S)
     found = {}
     for ret, name, args in _PROTOTYPE.findall(text):

@@ -26,7 +26,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from vx.gpu.kv_cache import load_cpu_kernels
+from vx.gpu.cpu.library import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,

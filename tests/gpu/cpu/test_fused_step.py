@@ -17,7 +17,7 @@ import torch
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
 from vx.gpu.cpu.fused_step import FusedDecode
-from vx.gpu.kv_cache import load_cpu_kernels, prefill_kernel_available
+from vx.gpu.cpu.library import load_cpu_kernels, prefill_kernel_available
 from vx.gpu.loader import load_model
 
 pytestmark = pytest.mark.timeout(300)

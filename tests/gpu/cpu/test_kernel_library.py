@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from vx.gpu import kv_cache
+from vx.gpu.cpu import library
 from vx.gpu.cpu.emulate import emulating
 
 pytestmark = pytest.mark.skipif(
@@ -33,14 +33,14 @@ BROKEN_LINE = "int vx_broken_on_purpose = ;"
 
 
 def use_broken_sources(into: str) -> None:
-    """Points `kv_cache`'s build at a copy of the C sources in `into` whose last kernel file
-    (included last by vx_kernels.c) ends with `BROKEN_LINE`."""
+    """Points `vx.gpu.cpu.library`'s build at a copy of the C sources in `into` whose last
+    kernel file (included last by vx_kernels.c) ends with `BROKEN_LINE`."""
     csrc = os.path.join(into, "csrc")
-    shutil.copytree(kv_cache.CSRC, csrc)
+    shutil.copytree(library.CSRC, csrc)
     with open(os.path.join(csrc, "greedy_step.c"), "a") as f:
         f.write(BROKEN_LINE + "\n")
-    kv_cache.CSRC = csrc
-    kv_cache._KERNEL_SOURCES = [os.path.join(csrc, "vx_kernels.c")]
+    library.CSRC = csrc
+    library._KERNEL_SOURCES = [os.path.join(csrc, "vx_kernels.c")]
 
 
 def _cpu_flags() -> set[str]:
@@ -83,8 +83,8 @@ def expected_kernels() -> dict[str, int]:
 def test_library_builds_with_the_expected_kernels() -> None:
     if os.environ.get("VX_CPU_ATTENTION_KERNEL", "1") == "0":
         pytest.skip("VX_CPU_ATTENTION_KERNEL=0 turns the kernel library off")
-    lib = kv_cache.load_cpu_kernels()
-    assert lib is not None, f"the CPU kernel library did not build: {kv_cache.kernel_build_error()}"
+    lib = library.load_cpu_kernels()
+    assert lib is not None, f"the CPU kernel library did not build: {library.kernel_build_error()}"
     want = expected_kernels()
     got = {
         name: int(getattr(lib, name)(-1) if name == "vx_fast_amx" else getattr(lib, name)())
@@ -96,7 +96,7 @@ def test_library_builds_with_the_expected_kernels() -> None:
 @pytest.fixture
 def own_library(monkeypatch, tmp_path):
     """The kernel library's module state and cache folder to this test alone."""
-    monkeypatch.setattr(kv_cache, "_kernel_state", {})
+    monkeypatch.setattr(library, "_kernel_state", {})
     monkeypatch.setenv("VX_CACHE", str(tmp_path))
     monkeypatch.delenv("VX_CPU_ATTENTION_KERNEL", raising=False)
 
@@ -105,12 +105,12 @@ def own_library(monkeypatch, tmp_path):
 def test_a_rejected_source_is_reported_with_the_compilers_error(
     own_library, monkeypatch, caplog, tmp_path
 ) -> None:
-    monkeypatch.setattr(kv_cache, "CSRC", kv_cache.CSRC)
-    monkeypatch.setattr(kv_cache, "_KERNEL_SOURCES", kv_cache._KERNEL_SOURCES)
+    monkeypatch.setattr(library, "CSRC", library.CSRC)
+    monkeypatch.setattr(library, "_KERNEL_SOURCES", library._KERNEL_SOURCES)
     use_broken_sources(str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="vx.gpu.kv_cache"):
-        assert kv_cache.load_cpu_kernels() is None
-    error = kv_cache.kernel_build_error()
+    with caplog.at_level(logging.WARNING, logger="vx.gpu.cpu.library"):
+        assert library.load_cpu_kernels() is None
+    error = library.kernel_build_error()
     assert error is not None and "error:" in error, error
     assert "expected expression" in error, error  # GCC's and Clang's words for `= ;`
     assert "greedy_step.c" in error, error  # the file and line, through vx_kernels.c
@@ -125,9 +125,9 @@ def test_first_compiler_error() -> None:
         "k.c:4:21: error: expected expression before ';' token\n"
         "k.c:9:1: error: something later\n"
     )
-    assert kv_cache.first_compiler_error(stderr) == "k.c:4:21: error: expected expression before ';' token"
-    assert kv_cache.first_compiler_error("cc: fatal error: no input files\n").endswith("no input files")
-    assert kv_cache.first_compiler_error("") == "(the compiler printed nothing)"
+    assert library.first_compiler_error(stderr) == "k.c:4:21: error: expected expression before ';' token"
+    assert library.first_compiler_error("cc: fatal error: no input files\n").endswith("no input files")
+    assert library.first_compiler_error("") == "(the compiler printed nothing)"
 
 
 @pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from vx.gpu import kv_cache
+from vx.gpu.cpu import library
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
@@ -27,7 +27,7 @@ def _own_kernel_caches(monkeypatch):
     tests (and the Worker's code under them) read, or their C paths silently go missing."""
     from vx.gpu.cpu import ops as cpu_ops, vnni as cpu_vnni, widen as cpu_widen
 
-    for module, name in ((kv_cache, "_kernel_state"), (kv_cache, "_fast_state"),
+    for module, name in ((library, "_kernel_state"), (library, "_fast_state"),
                          (cpu_ops, "_gemv_state"), (cpu_vnni, "_state"),
                          (cpu_widen, "_state")):  # fmt: skip
         monkeypatch.setattr(module, name, dict(getattr(module, name)))
@@ -35,11 +35,11 @@ def _own_kernel_caches(monkeypatch):
 
 def _build(march: str, tmp_path, monkeypatch):
     """The kernel library built for `march` instead of this CPU (its own cache directory)."""
-    flags = [f if f != "-march=native" else f"-march={march}" for f in kv_cache.CFLAGS]
-    assert flags != kv_cache.CFLAGS
+    flags = [f if f != "-march=native" else f"-march={march}" for f in library.CFLAGS]
+    assert flags != library.CFLAGS
     monkeypatch.setenv("VX_CACHE", str(tmp_path))
-    monkeypatch.setattr(kv_cache, "_CFLAGS", flags)
-    return kv_cache._build_kernels()  # binds every symbol the callers may look up
+    monkeypatch.setattr(library, "_CFLAGS", flags)
+    return library._build_kernels()  # binds every symbol the callers may look up
 
 
 def _avx2_build(tmp_path, monkeypatch):
@@ -204,7 +204,7 @@ def test_avx2_int8_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
     from vx.gpu.layers.quantization import quantize_int8
 
     lib = _avx2_build(tmp_path, monkeypatch)
-    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_widen, "_state", {})
     g = torch.Generator().manual_seed(1)
     for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (4, 130, 96), (8, 33, 576),
@@ -243,7 +243,7 @@ def test_avx2_int4_gemm_is_the_dequantized_gemm(tmp_path, monkeypatch) -> None:
     from vx.gpu.layers.quantization import dequantize_int4, quantize_int4
 
     lib = _avx2_build(tmp_path, monkeypatch)
-    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_widen, "_state", {})
     g = torch.Generator().manual_seed(2)
     for m, n, k in [(1, 96, 64), (2, 97, 576), (3, 5, 1536), (5, 130, 128), (24, 64, 192)]:
@@ -393,7 +393,7 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
 
     lib = _avx2_build(tmp_path, monkeypatch)
     # every caller takes this build, and the weights get the AVX2 path's fp32 copies
-    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_ops, "_gemv_state", {})
     monkeypatch.setattr(cpu_widen, "_state", {})
     monkeypatch.setenv("VX_CPU_WIDEN", "1")
@@ -420,7 +420,7 @@ def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch)
     from vx.gpu.cpu import screen as cpu_screen, widen as cpu_widen
 
     lib = _avx2_build(tmp_path, monkeypatch)
-    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_widen, "_state", {})
     monkeypatch.setattr(cpu_screen, "MAX_ROWS", 4)
     check_screen(lib, "vx_screen_i8_avx2", "vx_gemv_bf16_avx2", 4)
@@ -442,7 +442,7 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
     from vx.gpu.cpu import fused_step as cpu_decode, ops as cpu_ops, widen as cpu_widen
 
     lib = _avx2_build(tmp_path, monkeypatch)
-    monkeypatch.setattr(kv_cache, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_ops, "_gemv_state", {})
     monkeypatch.setattr(cpu_widen, "_state", {})
     monkeypatch.setenv("VX_CPU_WIDEN", "1")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from vx.gpu.cpu.library import set_work_stealing
 from vx.gpu.cpu.ops import (
     GEMV_MAX_ROWS_INT8,
     bf16_max_rows,
@@ -18,7 +19,6 @@ from vx.gpu.cpu.ops import (
     skinny_argmax,
     skinny_gemm,
 )
-from vx.gpu.kv_cache import set_work_stealing
 from vx.gpu.layers.linear import RMSNorm, silu_and_mul
 from vx.gpu.layers.quantization import linear, quantize_int8
 

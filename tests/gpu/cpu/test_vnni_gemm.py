@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vx.gpu.cpu import vnni as cpu_vnni
+from vx.gpu.cpu.library import load_cpu_kernels
 from vx.gpu.cpu.ops import bf16_max_rows
-from vx.gpu.kv_cache import load_cpu_kernels
 
 
 @pytest.fixture()
@@ -106,7 +106,7 @@ def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
 def test_same_whichever_thread_takes_a_panel(vnni, rows: int) -> None:
     """Panels are handed out by `vx_ws` (static ranges, stealing, mostly ownerless ranges):
     bit-identical outputs in every mode."""
-    from vx.gpu.kv_cache import set_work_stealing
+    from vx.gpu.cpu.library import set_work_stealing
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(16 * 41, 576, generator=g).bfloat16()  # 14 panels, the last one of 2

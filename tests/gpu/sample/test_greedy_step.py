@@ -12,7 +12,7 @@ import torch
 from tests.gpu.test_model_runner import Sim, make_runner
 from tests.models import make_tiny_model
 from vx.gpu.cpu.fused_step import FusedDecode
-from vx.gpu.kv_cache import load_cpu_kernels
+from vx.gpu.cpu.library import load_cpu_kernels
 from vx.gpu.sample import greedy
 from vx.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ The KV layout is `vx.gpu.kv_cache`'s: ``[num_kv_heads, num_blocks, block_size, h
 
 CPU path (no per-request Python loop for decodes):
 
-- decodes: one call of a small C kernel (`vx.gpu.kv_cache`'s, compiled once per machine
+- decodes: one call of a small C kernel (`vx.gpu.cpu.library`'s, compiled once per machine
   with the system C compiler and loaded with ctypes) reads every decode row's K/V straight from
   the paged cache, in fp32, parallel over (request, kv head) on torch's own OpenMP pool. Without
   a compiler (or with ``VX_CPU_ATTENTION_KERNEL=0``) a torch fallback gathers the blocks into a
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from vx.config import BLOCK_SIZE
 from vx.gpu.attention.metadata import AttentionMetadata, PrefillChunk
-from vx.gpu.kv_cache import (
+from vx.gpu.cpu.library import (
     cpu_decode_kernel_available,
     decode_kernel_fn,
     fast_decode_attention,

@@ -1,6 +1,6 @@
 """The C ABI of vx's CPU kernel library: every exported function's ctypes types, in one table.
 
-Runs in: each Worker process (`vx.gpu.kv_cache` binds the table when it loads the library).
+Runs in: each Worker process (`vx.gpu.cpu.library` binds the table when it loads the library).
 
 Invariants: `KERNEL_ABI` declares exactly the functions of ``vx/gpu/cpu/csrc/vx_kernels.h``, in the
 same kinds (a C pointer is ``c_void_p``, ``int64_t`` ``c_int64``, ``int`` and ``int32_t``

@@ -6,7 +6,7 @@ mode: the emulated kernels run far slower than the portable ones).
 Why: the AVX-512 BF16 and AMX kernels are the ones most of vx's CPU users on Intel servers
 run, and a test machine without them (an AVX2 runner, say) cannot execute them, so without
 this they would ship untested there.
-`vx.gpu.kv_cache` then compiles the same kernel source with `__AVX512F__`, `__AVX512BF16__`,
+`vx.gpu.cpu.library` then compiles the same kernel source with `__AVX512F__`, `__AVX512BF16__`,
 `__AMX_TILE__` and their kin defined, and with ``vx/gpu/cpu/csrc/emulate/immintrin.h`` in place of
 the compiler's `<immintrin.h>`: SIMDe (`simde_py`, a dev dependency) supplies the AVX-512
 intrinsics in portable C, and the few it lacks (bf16 conversions, scatter, masked gather and store) and

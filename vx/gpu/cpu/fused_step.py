@@ -7,7 +7,7 @@ it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight
 per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
-library of `vx.gpu.kv_cache`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
+library of `vx.gpu.cpu.library`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
 module path when it answers None.
 
 Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
@@ -41,11 +41,11 @@ import numpy as np
 import torch
 
 from vx import envs
+from vx.gpu.cpu.library import fast_decode_attention, load_cpu_kernels
 from vx.gpu.cpu.ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
 from vx.gpu.cpu.row_plan import vnni_wins
 from vx.gpu.cpu.vnni import VNNI_MIN_ROWS
 from vx.gpu.cpu.widen import PANEL_FROM_ROWS
-from vx.gpu.kv_cache import fast_decode_attention, load_cpu_kernels
 
 __all__ = ["FusedDecode"]
 

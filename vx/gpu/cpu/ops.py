@@ -2,7 +2,7 @@
 small batch, bf16 or int8 weights) and the fused RMSNorm and SiLU-mul (bf16).
 
 Runs in: each Worker process. The C sources are `vx/gpu/cpu/csrc/gemv.c` and `vx/gpu/cpu/csrc/eltwise.c`, built into the same
-library as the decode attention (`vx.gpu.kv_cache.load_cpu_kernels`). Every entry point
+library as the decode attention (`vx.gpu.cpu.library.load_cpu_kernels`). Every entry point
 answers "not here" (False / None) where the library, the CPU or the tensor does not fit, and
 the caller keeps its torch path (as everywhere with `VX_CPU_ATTENTION_KERNEL=0`, which
 turns the library off).
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from vx.gpu.cpu.library import load_cpu_kernels
 
 __all__ = [
     "AMX_MAX_ROWS",
@@ -50,8 +52,6 @@ def gemv_kernels():
     """The loaded C library when it has the skinny GEMM (AVX-512 CPUs), else None (then
     oneDNN / torch's int8 kernel take every size)."""
     if "lib" not in _gemv_state:
-        from vx.gpu.kv_cache import load_cpu_kernels
-
         lib = load_cpu_kernels()
         if lib is not None and not lib.vx_has_gemv():
             lib = None
@@ -155,8 +155,6 @@ def eltwise_kernels():
     """The loaded C library for the element-wise kernels (RMSNorm, SiLU-mul, rotary: portable
     C, on every CPU the library builds on), else None (then the torch ops)."""
     if "eltwise" not in _gemv_state:
-        from vx.gpu.kv_cache import load_cpu_kernels
-
         _gemv_state["eltwise"] = load_cpu_kernels()
     return _gemv_state["eltwise"]
 

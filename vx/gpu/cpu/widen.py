@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from vx import envs
 from vx.gpu.cpu.compact import CompactWeight
 from vx.gpu.cpu.emulate import emulating
+from vx.gpu.cpu.library import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ _state: dict[str, object] = {}
 def _skinny_rows() -> int:
     """Rows up to which vx's AVX2 skinny GEMM takes the bf16 weight here (0: not built)."""
     if "skinny" not in _state:
-        from vx.gpu.kv_cache import load_cpu_kernels
-
         lib = load_cpu_kernels()
         rows = 0 if lib is None else int(lib.vx_gemv_avx2_max_rows())
         _state["skinny"] = rows

@@ -2,7 +2,7 @@
    AVX512-BF16 one with AMX for q.k where the CPU has it), and the KV write through a slot
    mapping; with the AMX switches (`vx_amx_on`) the later files share.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` compiles the library once per machine and
+   Runs in: the Worker process (`vx.gpu.cpu.library` compiles the library once per machine and
    loads it with ctypes). */
 /* One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
    Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);

@@ -1,6 +1,6 @@
 /* The bf16 decode attention for CPUs with AVX2 and no AVX-512.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library and hands it
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library and hands it
    out as the "fast" bf16 decode kernel where it was built).
 
    Why it exists: the portable kernel (decode_attention.c) widens every K and V row to

@@ -2,7 +2,7 @@
    for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
    attention takes them).
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the same library as the decode
    attention and the skinny GEMM; `vx.gpu.cpu.fused_step` fills its structs and calls it).
 
    Why it exists: at batch 1 a SmolLM2 step need only stream its weights, yet it took far

@@ -1,6 +1,6 @@
 /* The element-wise CPU kernels: RMSNorm (with the residual add), and SiLU-mul.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before the
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library, before the
    GEMMs; `vx.gpu.cpu.ops` calls them on the module path, the fused step in C).
 
    Portable C for any x86-64 level (the compiler vectorises the loops for the CPU it builds for),

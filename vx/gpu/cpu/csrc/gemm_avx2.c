@@ -2,7 +2,7 @@
    y = x @ W.T + bias for bf16 rows x and bf16 W laid out in panels of 16 output columns, widened
    to fp32 in registers.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library;
    `vx.gpu.cpu.widen.WideWeight` calls it for more rows than `vx_gemv_bf16_avx2` takes: decode
    batches from 5 rows, prompts, the LM head's logits).
 

@@ -1,6 +1,6 @@
 /* The CPU skinny GEMM (decode at small batch): y = x @ W.T * scale + bias.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the same library as the decode
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the same library as the decode
    attention kernel; `vx.gpu.layers.quantization` calls it).
 
    Why it exists: at 1-8 rows a decode step only streams the weights, and both oneDNN's packed bf16

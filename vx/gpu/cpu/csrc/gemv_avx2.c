@@ -2,7 +2,7 @@
    AMD EPYC before Zen 4): y = x @ W.T + bias for 1-24 rows of x, W bf16 or (`--quantization int8`)
    int8 with per-row scales; and the LM head's int8 screen.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library;
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library;
    `vx.gpu.cpu.widen.WideWeight` calls it for the rows its wide copy is not worth).
 
    Why it exists: at one to a few rows a decode step only streams the weights. torch's bf16 GEMV

@@ -1,7 +1,7 @@
 /* The one- and two-row bf16 GEMM on the compact copy of a weight
    (`vx.gpu.cpu.compact`), for CPUs with AVX2 and no AVX-512.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library after the
    AVX2 skinny GEMM, whose tile frame it shares; `vx.gpu.cpu.compact.CompactWeight` and the fused
    step's `vx_linear_apply` call it).
 

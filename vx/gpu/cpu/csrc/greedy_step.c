@@ -1,7 +1,7 @@
 /* The whole greedy decode step: a decode-only step too small to split, in one
    call on the pool: the embeddings, every layer, the final RMSNorm and the LM head's argmax.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library after the
    split step's source, whose `vx_greedy_tail` and `vx_greedy_inputs` it takes; `vx.gpu.cpu.fused_step.FusedDecode` calls
    `vx_llama_greedy_whole`).
 

@@ -1,6 +1,6 @@
 /* The bf16 prefill attention for CPUs with AVX2 and no AVX-512.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library, before
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library, before
    prefill_amx.c, whose `vx_prefill_attention_bf16` hands chunks to it where AMX is
    absent). It uses the AVX2 helpers of eltwise.c (`vx_ld8_bf16`).
 

@@ -1,7 +1,7 @@
 /* The LM head's int8 screen on AVX512-BF16, and of the screen's candidate
    selection on every CPU.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library after the
    GEMV sources; `vx.gpu.cpu.screen.ScreenedHead` calls it).
 
    Why it exists: at batch 1 a decode step only streams weights, and SmolLM2's bf16 LM head is a

@@ -2,7 +2,7 @@
    thread, each running every layer (decode_step.c's `vx_llama_layers`) for its own
    rows, with the rows a slower thread has not reached handed to a thread that is done.
 
-   Runs in: the Worker process (`vx.gpu.kv_cache` builds it into the kernel library after the
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library after the
    fused step's source; `vx.gpu.cpu.fused_step.FusedDecode` calls `vx_llama_decode_split`).
 
    Why: two cores meet once a step instead of at each of ~300 parallel regions. The rows are cut

@@ -1,4 +1,4 @@
-/* vx's CPU kernel library as one translation unit: `vx.gpu.kv_cache` compiles this file alone.
+/* vx's CPU kernel library as one translation unit: `vx.gpu.cpu.library` compiles this file alone.
 
    Invariant: the order below is the dependency order. Besides vx_kernels.h, a file may use
    the static helpers and macros of the files above it (the work sharing `vx_ws` of

@@ -1,7 +1,7 @@
 /* vx's CPU kernel library: the helpers every kernel file shares, and the exported functions.
 
    Built as one translation unit (vx_kernels.c includes each kernel file in a fixed order);
-   `vx.gpu.kv_cache` compiles it and `vx.gpu.cpu.abi` binds the functions declared below with
+   `vx.gpu.cpu.library` compiles it and `vx.gpu.cpu.abi` binds the functions declared below with
    ctypes (a test checks that table against these prototypes).
 
    Invariants: every exported symbol is a `vx_*` function declared here, with the C types its
