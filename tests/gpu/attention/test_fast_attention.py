@@ -1,6 +1,7 @@
 """The fast CPU decode attention kernels (`set_fast_decode_attention`, the default for bf16;
-`VX_CPU_ATTENTION_KERNEL=portable` turns them off): AVX512-BF16 (and AMX), or AVX2 where the
-CPU has no AVX-512. Each must match an fp32 reference like the portable kernel does.
+`VX_CPU_ATTENTION_KERNEL=portable` at the library's load turns them off): AVX512-BF16 (and
+AMX), or AVX2 where the CPU has no AVX-512. Each must match an fp32 reference like the
+portable kernel does.
 
 Runs in: the test process.
 """
@@ -12,10 +13,12 @@ import pytest
 import torch
 
 from vx.gpu.attention.paged import build_attention_metadata, paged_attention
+from vx.gpu.cpu import library
 from vx.gpu.cpu.library import (
     decode_kernel_fn,
     fast_decode_attention,
     load_cpu_kernels,
+    prefill_kernel_available,
     set_fast_decode_attention,
     set_work_stealing,
 )
@@ -34,15 +37,35 @@ def _reset():
     set_fast_decode_attention(None)
 
 
-def test_default_is_the_portable_kernel(monkeypatch) -> None:
+def test_the_fast_kernel_is_the_default_and_chosen_once(monkeypatch) -> None:
+    """``VX_CPU_ATTENTION_KERNEL`` picks the kernels once; a later change of the environment
+    does not switch them mid-run. `set_fast_decode_attention(None)` decides again (as a new
+    process would), a bool overrides."""
     monkeypatch.delenv("VX_CPU_ATTENTION_KERNEL", raising=False)
+    set_fast_decode_attention(None)
     assert fast_decode_attention()
     monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "portable")
+    assert fast_decode_attention()  # decided already
+    set_fast_decode_attention(None)
     assert not fast_decode_attention()
     monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "fast")
+    set_fast_decode_attention(None)
     assert fast_decode_attention()
     set_fast_decode_attention(False)
     assert not fast_decode_attention()
+
+
+def test_the_library_load_decides_the_kernels(monkeypatch) -> None:
+    """The load reads ``VX_CPU_ATTENTION_KERNEL`` for both the library and its attention
+    kernels: ``portable`` at the load keeps the portable kernel after the variable changes."""
+    monkeypatch.setattr(library, "_kernel_state", {})
+    monkeypatch.setattr(library, "_fast_state", {})
+    monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "portable")
+    if load_cpu_kernels() is None:
+        pytest.skip(f"no kernel library here: {library.kernel_build_error()}")
+    monkeypatch.setenv("VX_CPU_ATTENTION_KERNEL", "fast")
+    assert not fast_decode_attention()
+    assert not prefill_kernel_available()
 
 
 CASES = [

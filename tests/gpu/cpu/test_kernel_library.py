@@ -97,6 +97,7 @@ def test_library_builds_with_the_expected_kernels() -> None:
 def own_library(monkeypatch, tmp_path):
     """The kernel library's module state and cache folder to this test alone."""
     monkeypatch.setattr(library, "_kernel_state", {})
+    monkeypatch.setattr(library, "_fast_state", {})
     monkeypatch.setenv("VX_CACHE", str(tmp_path))
     monkeypatch.delenv("VX_CPU_ATTENTION_KERNEL", raising=False)
 

@@ -60,9 +60,18 @@ def test_chunk_rows_without_a_tuned_shape_or_when_off(monkeypatch) -> None:
     rp._plans.clear()  # tune() does this when it adds a shape
     assert rp.chunk_rows(576, 1536, 576) < 576
     rp._plans.clear()
-    monkeypatch.setenv("VX_CPU_ROW_PLAN", "0")
+    monkeypatch.setattr(rp, "_enabled", False)  # a process started with VX_CPU_ROW_PLAN=0
     assert rp.chunk_rows(576, 1536, 576) == 576
     assert rp.tune([]) == 0
+
+
+def test_the_switch_is_read_once(monkeypatch) -> None:
+    monkeypatch.setenv("VX_CPU_ROW_PLAN", "0")
+    assert not rp.enabled()
+    monkeypatch.setenv("VX_CPU_ROW_PLAN", "1")
+    assert not rp.enabled()  # kept for the process's life
+    rp.clear()  # as a new process
+    assert rp.enabled()
 
 
 def _packed_or_skip(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

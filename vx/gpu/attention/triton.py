@@ -56,8 +56,11 @@ __all__ = [
 ]
 
 
-def _interpreting() -> bool:
-    return envs.TRITON_INTERPRET
+#: Whether triton's interpreter runs the kernels below: ``TRITON_INTERPRET`` at this import,
+#: when `triton.jit` makes each kernel interpreted or compiled for the module's life (a
+#: later change of the variable does not switch them; tests/gpu/test_triton.py reloads this
+#: module after setting it).
+_INTERPRETING: bool = envs.TRITON_INTERPRET
 
 
 def _require_triton() -> None:
@@ -318,7 +321,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) ->
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_table.stride(0),
         scale,
         GROUP=hq // hkv, D=d, BLOCK_SIZE=bs, BLOCK_M=md.tile_block_m, BLOCK_D=max(_np2(d), 16),
-        DOT_FP32=_interpreting(), IEEE=_interpreting() or q.dtype == torch.float32,
+        DOT_FP32=_INTERPRETING, IEEE=_INTERPRETING or q.dtype == torch.float32,
     )  # fmt: skip
     return out
 

@@ -27,7 +27,11 @@ Invariants:
 - `load_cpu_kernels` builds and loads at most once per process (until `set_cpu_decode_kernel`
   resets it): every later call returns the same library, or the same None, and
   `kernel_build_error` says why it is None (the compiler's first error, a missing compiler or
-  symbol).
+  symbol);
+- whether the fast attention kernels run is decided once, from the same read of
+  ``VX_CPU_ATTENTION_KERNEL`` as the load (or on the first ask, if that comes first), and kept:
+  the attention asks every layer of every step, and a process takes one path for its life
+  (`set_fast_decode_attention` overrides it, or with None decides it again, for tests).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ _CFLAGS = CFLAGS
 #: "forced": `set_cpu_decode_kernel`'s choice; "lib": the loaded library (None: none), once
 #: asked; "error": why it is None.
 _kernel_state: dict[str, object] = {}
-#: "fast": `set_fast_decode_attention`'s choice.
+#: "fast": whether the fast attention kernels run, once decided.
 _fast_state: dict[str, bool] = {}
 
 
@@ -93,9 +97,11 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     warning says why, and `kernel_build_error` keeps it)."""
     if "lib" in _kernel_state:
         return _kernel_state["lib"]  # type: ignore[return-value]
+    setting = envs.VX_CPU_ATTENTION_KERNEL  # one read decides the library and its kernels
+    _fast_state.setdefault("fast", setting != "portable")
     enabled = _kernel_state.get("forced")
     if enabled is None:
-        enabled = envs.VX_CPU_ATTENTION_KERNEL != "0"
+        enabled = setting != "0"
     lib = None
     if enabled:
         try:
@@ -144,9 +150,10 @@ def set_work_stealing(mode: int) -> None:
 
 def set_fast_decode_attention(enabled: bool | None) -> None:
     """Use the AVX512-BF16 decode kernel for bf16 caches (True), the portable one (False), or
-    what ``VX_CPU_ATTENTION_KERNEL`` says (None): the fast kernel unless it is ``portable``.
-    Its results differ from the portable kernel's in fp32 summation order only (bf16 outputs
-    within one ulp); the bf16 agreement with HF holds with either."""
+    what ``VX_CPU_ATTENTION_KERNEL`` says (None: decided again on the next ask): the fast
+    kernel unless it is ``portable``. Its results differ from the portable kernel's in fp32
+    summation order only (bf16 outputs within one ulp); the bf16 agreement with HF holds with
+    either."""
     _fast_state.clear()
     if enabled is not None:
         _fast_state["fast"] = enabled
@@ -154,10 +161,11 @@ def set_fast_decode_attention(enabled: bool | None) -> None:
 
 def fast_decode_attention() -> bool:
     """Whether the fast attention kernels run: `set_fast_decode_attention`'s choice, else
-    what ``VX_CPU_ATTENTION_KERNEL`` says."""
+    what ``VX_CPU_ATTENTION_KERNEL`` said when the library loaded (or at this first ask, if it
+    comes before the load)."""
     fast = _fast_state.get("fast")
     if fast is None:
-        return envs.VX_CPU_ATTENTION_KERNEL != "portable"
+        fast = _fast_state["fast"] = envs.VX_CPU_ATTENTION_KERNEL != "portable"
     return fast
 
 

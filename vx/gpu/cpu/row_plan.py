@@ -21,7 +21,9 @@ slice of x, so the result is a row-wise product as before; row results may diffe
 whole call's in the last bf16 bit, as they already do between steps of other sizes (oneDNN's
 reduction order follows its blocking). A chunked plan is taken only when its estimate beats
 the whole call's by `MIN_GAIN`; shapes never tuned, rows past `GRID_MAX` and
-`VX_CPU_ROW_PLAN=0` keep the whole call.
+`VX_CPU_ROW_PLAN=0` keep the whole call. ``VX_CPU_ROW_PLAN`` is read once, by the load's
+`tune` (or the first `chunk_rows`, if that comes first), and kept for the process's life:
+`chunk_rows` asks on every new row count of a step.
 """
 
 from __future__ import annotations
@@ -66,14 +68,22 @@ _vnni_wins: dict[tuple[int, int, int], bool] = {}
 #: The first grid size timed for the AMX VNNI GEMM: below it (the skinny GEMM's rows) it is
 #: taken without asking (`vx.gpu.cpu.vnni`).
 VNNI_FROM = 224
+#: Whether row plans are on (``VX_CPU_ROW_PLAN``), once decided; None: not asked yet.
+_enabled: bool | None = None
 
 
 def enabled() -> bool:
-    return envs.VX_CPU_ROW_PLAN
+    """Whether row plans are on: ``VX_CPU_ROW_PLAN`` at the first ask, kept."""
+    global _enabled
+    if _enabled is None:
+        _enabled = bool(envs.VX_CPU_ROW_PLAN)
+    return _enabled
 
 
 def clear() -> None:
-    """Forget every tuned shape (tests)."""
+    """Forget every tuned shape, and whether plans are on (tests: as a new process)."""
+    global _enabled
+    _enabled = None
     _times.clear()
     _plans.clear()
     _vnni_times.clear()
