@@ -10,7 +10,7 @@ the weights), driven by `bench/forward.py`'s `Driver` (hand-made SchedulerOutput
 Cases: a decode step (`--decodes` rows, each with ~`--kv` keys), a prefill step (`--prompts`
 prompts of `--prompt-len` tokens) and the two mixed in one step. Each case alternates, step by
 step, the ModelRunner as served (whatever it takes: the fused C step, the split decode step,
-the one-call greedy step) with the module path (`LlamaModel.fused_decode` set aside for that
+the one-call greedy step) with the module path (the runner's `fused_step` set aside for that
 step: every layer's ops from Python, each one timed).
 
 The module path calls the same kernels as the fused step with the same rows (that is what
@@ -69,7 +69,7 @@ class OpTimer:
         self._handles: list[Any] = []
         self._patched: list[tuple[Any, str, Any]] = []
         inner = runner.model.model
-        self.model = inner
+        self.runner = runner
         for layer in inner.layers:
             attn = layer.self_attn
             self._time_module(attn.qkv_proj, "qkv")
@@ -134,15 +134,15 @@ class OpTimer:
     def module_path(self) -> Iterator[dict[str, float]]:
         """One step on the module path, timed: yields the dict the step's op times land in
         (complete once the block ends)."""
-        saved = self.model.fused_decode
-        self.model.fused_decode = None
+        saved = self.runner.fused_step
+        self.runner.fused_step = None
         self.times = defaultdict(float)
         self.active = True
         try:
             yield self.times
         finally:
             self.active = False
-            self.model.fused_decode = saved
+            self.runner.fused_step = saved
 
 
 def breakdown(times: dict[str, float], step: float) -> dict[str, float]:

@@ -4,10 +4,13 @@ Runs in: the test process.
 
 `PagedDriver` plays the ModelRunner's part for model tests: it hands out KV blocks (shuffled,
 so block tables are not contiguous), orders each step decodes-first as `vx.gpu.attention.paged`
-requires, builds the real `AttentionMetadata` and runs `model.forward` + `compute_logits`.
+requires, builds the real `AttentionMetadata` and runs the forward the ModelRunner would run (the
+fused CPU step's `forward` where it builds, else the model's) + `compute_logits`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from tests.models import make_tiny_model
 from vx.config import BLOCK_SIZE
 from vx.gpu.attention.paged import build_attention_metadata
 from vx.gpu.cpu import vnni as cpu_vnni
+from vx.gpu.cpu.fused_step import FusedDecode
 from vx.gpu.cpu.library import load_cpu_kernels
 from vx.gpu.kv_cache import allocate_kv_caches
 
@@ -26,11 +30,22 @@ class PagedDriver:
 
     `step({req_id: new_token_ids})` appends the tokens of each request (a prefill chunk or one
     decode token), runs one flat forward over all of them and returns {req_id: float32 logits
-    [vocab] of its last new token}.
+    [vocab] of its last new token}. `forward`: the forward to run (`model` itself: the module
+    path); by default the one the ModelRunner picks at load (`FusedDecode.build`).
     """
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int = 256,
+        seed: int = 0,
+        forward: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
+        if forward is None:
+            fused = FusedDecode.build(model.model)
+            forward = model if fused is None else fused.forward
+        self.forward = forward
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_caches(
             model.num_layers, num_blocks, model.num_kv_heads, model.head_dim,
@@ -82,7 +97,7 @@ class PagedDriver:
             num_decodes=num_decodes,
         )
         keep = torch.tensor(np.cumsum(query_lens) - 1) if keep_last else None
-        hidden = self.model(
+        hidden = self.forward(
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.kv_caches,

@@ -47,7 +47,7 @@ def test_profile_times_every_op_of_the_module_path_and_restores_the_model(tmp_pa
     model = runner.model.model
     from vx.gpu.cpu.fused_step import FusedDecode
 
-    assert (model.fused_decode is None) == (FusedDecode.build(model) is None)
+    assert (runner.fused_step is None) == (FusedDecode.build(model) is None)
     assert llama_mod.apply_rotary is rotary and layers_mod.silu_and_mul is silu
     assert all("apply_silu" not in getattr(m.gate_up_proj.vnni, "__dict__", {}) for m in mlps)
     assert all("apply_rope" not in getattr(layer.self_attn.qkv_proj.vnni, "__dict__", {})

@@ -4,7 +4,8 @@ Runs in: each Worker process (one per tensor-parallel rank; only rank 0's output
 
 A step: apply the diff to the persistent `InputBatch`; flatten the scheduled tokens of every
 request into one batch (decodes first, as `vx.gpu.attention.paged` requires) with numpy array ops
-(no per-token Python); build the `AttentionMetadata` once; run the model; compute logits only
+(no per-token Python); build the `AttentionMetadata` once; run the model (on CPU, through the
+fused C step `load_model` chose, `fused_step`, where it built); compute logits only
 at the last scheduled token of each request whose chunk reaches the end of its known tokens
 (the others are mid-prefill and get an empty token list); sample; append the sampled tokens to
 the persistent rows (so the next step, even one scheduled before this output arrived, finds
@@ -17,6 +18,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +36,9 @@ from vx.gpu.kv_cache import (
 )
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from vx.gpu.cpu.fused_step import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +93,11 @@ class ModelRunner:
         self.sampler = None
         #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
         self.cuda_graphs = None
+        #: The fused CPU step (vx.gpu.cpu.fused_step), chosen once by `load_model` once the
+        #: weights are final: its `forward` stands in for the model's, and its greedy decode
+        #: step for the forward and the head's argmax. None (GPU, not bf16, no C kernels,
+        #: `VX_CPU_DECODE_STEP=0`): the model's own forward runs every step.
+        self.fused_step: FusedDecode | None = None
         #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise; a step
         #: with one of them in its batch leaves the fused step and the C argmax (`_poisoned`).
         self._poison_seed = poison_seed("worker")
@@ -101,6 +111,7 @@ class ModelRunner:
     # ───────────────────────── start-up ─────────────────────────
 
     def load_model(self) -> None:
+        from vx.gpu.cpu.fused_step import FusedDecode
         from vx.gpu.cpu.pages import collapse_weights
         from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
         from vx.gpu.cpu.vnni import amx_vnni_rows
@@ -131,6 +142,8 @@ class ModelRunner:
                 [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
                  if mod.packed and mod.vnni is not None and mod.vnni.amx]
             )  # fmt: skip
+        # After the copies above are final: the C step's descriptions point at them.
+        self.fused_step = FusedDecode.build(self.model.model)
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)
@@ -256,6 +269,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(so)
         model = self._model
         forward = model if self.cuda_graphs is None else self.cuda_graphs.forward
+        if self.fused_step is not None:  # CPU only (`load_model`): never beside CUDA graphs
+            forward = self.fused_step.forward
         sample_idx = inputs.sample_idx
         last = inputs.query_start[sample_idx] + inputs.query_lens[sample_idx] - 1
         wants_prompt_logprobs = self._wants_prompt_logprobs(inputs)
@@ -266,9 +281,12 @@ class ModelRunner:
         if not wants_prompt_logprobs and last.size < inputs.input_ids.shape[0]:
             keep = last_rows
         fused = None
-        cpu = self.device.type == "cpu"
-        if cpu and not wants_prompt_logprobs and not self._poisoned(inputs.rows):
-            fused = fused_greedy_step(model, batch, inputs, self.kv_caches)
+        if (
+            self.fused_step is not None
+            and not wants_prompt_logprobs
+            and not self._poisoned(inputs.rows)
+        ):
+            fused = fused_greedy_step(self.fused_step, model, batch, inputs, self.kv_caches)
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
             hidden, sampled = fused
         else:

@@ -1,7 +1,7 @@
 """The fused CPU step (vx.gpu.cpu.fused_step) against the module path: bit-identical logits.
 
-Each case runs the same bf16 model through two PagedDrivers over the same requests: one with the
-fused step, one with it switched off (the per-layer modules). Decode steps of 1, 2 (VDPBF16PS),
+Each case runs the same bf16 model through two PagedDrivers over the same requests: one through the
+fused step's `forward`, one through the model's own (the per-layer modules). Decode steps of 1, 2 (VDPBF16PS),
 3-64 and 65-192 rows (AMX, one and two calls per GEMM) take the fused one, and so do prefill and
 mixed steps of up to 192 rows (with AMX VNNI copies, up to 2,048) where the C prefill attention
 takes the chunks (AMX, head size a multiple of 32); it must give the very same logits.
@@ -48,11 +48,19 @@ def _load(tmp_path, case: str):
 
 
 class _Counting:
-    """Wraps FusedDecode.run: counts the steps it took."""
+    """Wraps FusedDecode.run: counts the steps it took. The entry points are FusedDecode's,
+    calling this `run`; every other attribute is the wrapped step's."""
+
+    forward, greedy_decode, greedy_step = (
+        FusedDecode.forward, FusedDecode.greedy_decode, FusedDecode.greedy_step
+    )
 
     def __init__(self, fused: FusedDecode) -> None:
         self.fused, self.taken, self.parts, self.kept = fused, 0, [], []
         self.handovers: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.fused, name)
 
     def run(self, *args, **kwargs):
         out = self.fused.run(*args, **kwargs)
@@ -62,9 +70,6 @@ class _Counting:
         split = self.fused.last_parts and out is not None
         self.handovers.append(load_cpu_kernels().vx_split_handovers() if split else 0)
         return out
-
-    def kept_rows(self, *args):
-        return self.fused.kept_rows(*args)
 
 
 def _prefill_fused(model, rows: int, max_rows: int) -> bool:
@@ -78,14 +83,19 @@ def _prefill_fused(model, rows: int, max_rows: int) -> bool:
     )
 
 
-def _step_both(
-    model, counting: _Counting, a: PagedDriver, b: PagedDriver, step: dict, keep_last=False
-) -> dict:
+def _drivers(model, fused, num_blocks: int) -> tuple[PagedDriver, PagedDriver]:
+    """Two drivers of `model`: one through `fused`'s forward (a FusedDecode or a wrapper of
+    it), one through the model's own (the module path)."""
+    return (
+        PagedDriver(model, num_blocks=num_blocks, forward=fused.forward),
+        PagedDriver(model, num_blocks=num_blocks, forward=model),
+    )
+
+
+def _step_both(a: PagedDriver, b: PagedDriver, step: dict, keep_last=False) -> dict:
     """One step through `a` with the fused path offered and `b` without: equal logits (of each
     request's last row only, with `keep_last`)."""
-    model.model.fused_decode = counting
     la = a.step_all(step, keep_last)
-    model.model.fused_decode = None
     lb = b.step_all(step, keep_last)
     for r in step:
         assert la[r].shape[0] == (1 if keep_last else len(step[r])), r
@@ -105,10 +115,10 @@ def _compare(
                                generator=g).tolist()
         for i in range(batch)
     }  # fmt: skip
-    a, b = PagedDriver(model, num_blocks=batch * 4 + 8), PagedDriver(model, num_blocks=batch * 4 + 8)
+    a, b = _drivers(model, counting, batch * 4 + 8)
     step = prompts
     for i in range(steps + 1):
-        la = _step_both(model, counting, a, b, step)
+        la = _step_both(a, b, step)
         if i == 0:
             rows = sum(len(p) for p in prompts.values())
             assert counting.taken == _prefill_fused(model, rows, fused.max_rows()), rows
@@ -213,9 +223,9 @@ def test_fused_mixed_steps_equal_module_path(tmp_path, case: str, keep_last: boo
         {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
         {"c": tok(5)},
     ]
-    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
+    a, b = _drivers(model, counting, 40)
     for step in steps:
-        _step_both(model, counting, a, b, step, keep_last)
+        _step_both(a, b, step, keep_last)
     assert counting.taken == len(steps) and all(counting.kept) == keep_last
 
 
@@ -257,10 +267,10 @@ def test_kept_rows_torchs_int8_kernel_takes_go_the_module_path(tmp_path, monkeyp
     g = torch.Generator().manual_seed(3)
     tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
     first = {f"r{i}": tok(1) for i in range(9)}
-    a, b = PagedDriver(model, num_blocks=40), PagedDriver(model, num_blocks=40)
-    _step_both(model, counting, a, b, first, keep_last=True)
+    a, b = _drivers(model, counting, 40)
+    _step_both(a, b, first, keep_last=True)
     taken = counting.taken
-    _step_both(model, counting, a, b, {**first, "p": tok(3)}, keep_last=True)
+    _step_both(a, b, {**first, "p": tok(3)}, keep_last=True)
     assert counting.taken == taken  # 12 rows, 10 kept: not offered
 
 
@@ -278,7 +288,7 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
     answers = []
 
     class _AmxOffAtRun:
-        kept_rows = staticmethod(fused.kept_rows)
+        forward, kept_rows, _model = FusedDecode.forward, staticmethod(fused.kept_rows), model.model
 
         def run(self, *args, **kwargs):
             lib.vx_fast_amx(0)
@@ -290,10 +300,8 @@ def test_fused_step_hands_back_prefills_the_kernel_declines_now(tmp_path) -> Non
             return out
 
     prompt = {"a": list(range(3, 40))}
-    a, b = PagedDriver(model, num_blocks=8), PagedDriver(model, num_blocks=8)
-    model.model.fused_decode = _AmxOffAtRun()
+    a, b = _drivers(model, _AmxOffAtRun(), 8)
     la = a.step_all(prompt)
-    model.model.fused_decode = None
     lb = b.step_all(prompt)
     mlp = model.model.layers[0].mlp
     if amx and (mlp.down_proj.vnni is None or getattr(mlp.gate_up_proj.vnni, "silu", False)):
@@ -315,22 +323,21 @@ def test_runner_prefill_steps_take_the_fused_step(tmp_path) -> None:
     path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
     runs = {}
     for fused_on in (True, False):
-        runner = make_runner(path, dtype="bfloat16")
-        model = runner._model.model
+        runner = make_runner(path, dtype="bfloat16")  # builds the fused step, at load
         sim = Sim(runner)
         sim.add("a", list(range(5, 45)))
         sim.add("b", list(range(7, 30)))
-        sim.step({"a": 1})  # builds the fused step
+        sim.step({"a": 1})
         counting = None
         if fused_on:
-            fused = model.fused_decode
+            fused = runner.fused_step
             if fused is None or not _prefill_fused(runner._model, 64, fused.max_rows()):
                 pytest.skip(
                     "the fused step takes no prefill chunks here (AVX2, or no C prefill kernel)"
                 )
-            model.fused_decode = counting = _Counting(model.fused_decode)
+            runner.fused_step = counting = _Counting(fused)
         else:
-            model.fused_decode = None
+            runner.fused_step = None
         plans = ({"a": 39, "b": 16}, {"a": 1, "b": 7}, {"a": 1, "b": 1})
         outs = [sim.step(plan) for plan in plans]
         runs[fused_on] = [o.sampled_token_ids for o in outs]
@@ -354,11 +361,11 @@ def test_amx_fused_step_takes_prompt_steps_past_192_rows(tmp_path, monkeypatch) 
     counting = _Counting(fused)
     g = torch.Generator().manual_seed(8)
     tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
-    a, b = PagedDriver(model, num_blocks=80), PagedDriver(model, num_blocks=80)
-    _step_both(model, counting, a, b, {"p": tok(130), "q": tok(120)})
+    a, b = _drivers(model, counting, 80)
+    _step_both(a, b, {"p": tok(130), "q": tok(120)})
     assert counting.taken == 1
     monkeypatch.setattr(cpu_decode, "vnni_wins", lambda n, k, m: False)
-    _step_both(model, counting, a, b, {"p": tok(100), "q": tok(110)})
+    _step_both(a, b, {"p": tok(100), "q": tok(110)})
     assert counting.taken == 1  # declined: the module path ran it
 
 

@@ -7,8 +7,12 @@ it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight
 per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
-library of `vx.gpu.cpu.library`); `LlamaModel.forward` asks `FusedDecode.run` first and takes the
-module path when it answers None.
+library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it
+once, after the weights are loaded and processed (`FusedDecode.build`, None where it does not
+apply), and then calls `FusedDecode.forward` in place of the model's forward each step; that asks
+`run` first and takes the module path (`LlamaModel.run_layers`) when it answers None. Why at
+load: the C descriptions point at the final weight copies, and the choice of path is the
+Worker's, not the model family's.
 
 Invariants: the C code calls the very kernels the module path calls, with the same routing, so a
 fused step is bit-identical to the module path (tests/gpu/cpu/test_fused_step.py checks it); asked
@@ -179,7 +183,17 @@ def _screen_head(screen: Any) -> int | None:
 
 
 class FusedDecode:
-    """One model's C layer descriptions; `run` takes a step or answers None."""
+    """One model's C layer descriptions, and the step functions that use them.
+
+    Entry points: `build` (once, after loading; None where the step does not apply), `forward`
+    (the model's forward, with every layer in one C call where `run` takes the step),
+    `greedy_decode_takes` / `greedy_decode` (a greedy decode step, its LM head's argmax
+    included, in one C call; `vx.gpu.sample.greedy.fused_greedy_step`).
+
+    Invariants: built for a `LlamaModel` (the decoder stack: `embed`, `layers`, `run_layers`,
+    `final_norm`) whose weights are final: the descriptions hold their pointers, so the
+    weights must not move after `build`; every entry point gives the module path's bits.
+    """
 
     def __init__(
         self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int, avx2_rows: int
@@ -229,10 +243,13 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model: Any) -> FusedDecode | None:
-        """For a `LlamaModel` after its weights were processed; None where it does not apply."""
+        """For a `LlamaModel` after its weights were processed; None where it does not apply
+        (not on CPU, not bf16, no C kernels, `VX_CPU_DECODE_STEP=0`, ...)."""
         from vx.gpu.attention.paged import paged_attention
 
         if not envs.VX_CPU_DECODE_STEP:
+            return None
+        if model.norm.weight.device.type != "cpu":  # before the C library is built or loaded
             return None
         lib = load_cpu_kernels()
         kind = 0 if lib is None else lib.vx_has_decode_step()
@@ -466,3 +483,47 @@ class FusedDecode:
         if done is None:
             return None
         return done[0], (out if out.min() >= 0 else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model's forward (`LlamaModel.forward`: the same arguments, the same bits), with
+        every layer in one C call (`run`) where it takes the step, else the model's own layer
+        loop; the embedding and the final norm are the model's either way."""
+        model = self._model
+        x, rope = model.embed(input_ids, positions)
+        kept = self.kept_rows(keep, x.shape[0])
+        done = None
+        # A `keep` it cannot take (rows torch's int8 kernel would take past the attention):
+        # the module path, whose last layer runs on those rows alone (the same routing).
+        if keep is None or kept is not None:
+            done = self.run(x, rope, kv_caches, md, keep=kept)
+        if done is None:  # `run` wrote nothing: the module path takes the step
+            done = model.run_layers(x, rope, kv_caches, md, keep)
+        return model.final_norm(*done)
+
+    def greedy_decode_takes(self, lm_head: Any, rows: int) -> bool:
+        """Whether `greedy_decode` may take a step of this many rows with this LM head (a
+        `ParallelLMHead`): other steps need not be offered."""
+        return self.greedy_takes(rows, lm_head.argmax_weight(rows), lm_head.argmax_screen(rows))
+
+    def greedy_decode(
+        self,
+        lm_head: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: Any,
+    ) -> tuple[torch.Tensor, np.ndarray | None] | None:
+        """`greedy_step` with `lm_head`'s argmax copies (its VNNI copy and its int8 screen for
+        this many rows): (final hidden states [T, hidden], argmax tokens [T] or None), or None
+        with nothing written where that does not take the step: the caller then runs `forward`
+        and the head's `greedy_ids`, which give the same."""
+        t = input_ids.shape[0]
+        head, screen = lm_head.argmax_weight(t), lm_head.argmax_screen(t)
+        return self.greedy_step(input_ids, positions, kv_caches, md, head, screen)

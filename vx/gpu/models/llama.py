@@ -11,6 +11,13 @@ The forward pass is flat over tokens: `input_ids`/`positions` are [T] for every 
 of every request, and attention goes through `vx.gpu.attention.paged.paged_attention`, which writes
 k/v into the paged cache and attends through the block tables in `attn_metadata`. No Python
 loop runs per request, and nothing reads a tensor value back to the host.
+
+This file is the family only (embedding, rotary, decoder layers of attention + MLP + norms, LM
+head, weight loading), with no CPU or CUDA branch: which kernel an op takes on which device is
+the layers' business (`vx.gpu.layers`). Other ways of running a step are the Worker's, picked
+once at start-up (`vx.gpu.model_runner`): the fused CPU step (`vx.gpu.cpu.fused_step`) replaces
+`LlamaModel.run_layers` between `embed` and `final_norm`; CUDA graphs (`vx.gpu.cuda_graphs`)
+replay `forward`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from vx.gpu.cpu.fused_step import FusedDecode
 from vx.gpu.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -39,7 +45,6 @@ __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausa
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
-_UNBUILT = object()  # LlamaModel.fused_decode before the first forward
 
 # HF tensor name suffix -> (fused parameter suffix, shard id)
 _STACKED = {
@@ -208,6 +213,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack: embedding, layers, final norm.
+
+    A forward is three stages, each a method, so that a runner may replace the middle one (the
+    fused CPU step runs every layer in one C call, `vx.gpu.cpu.fused_step`) and keep the others:
+    `embed` -> `run_layers` -> `final_norm`. Invariant: `forward` is exactly those three.
+    """
+
     def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
@@ -219,7 +231,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
-        self.fused_decode: FusedDecode | None | object = _UNBUILT
 
     def forward(
         self,
@@ -231,32 +242,38 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] final hidden states, or [len(keep), hidden] for the rows `keep` of T:
         the last layer then runs its o_proj, MLP and norms on those rows alone (as llama.cpp
-        does for the rows it needs no output of; the fused C step too, `FusedDecode.kept_rows`).
-        Every layer writes every row's K/V."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary.lookup(positions)  # cos, sin [T, 1, D/2], shared by every layer
-        if self.fused_decode is _UNBUILT:  # after loading: the weights are final by now
-            self.fused_decode = FusedDecode.build(self) if x.device.type == "cpu" else None
-        kept = None if self.fused_decode is None else self.fused_decode.kept_rows(keep, x.shape[0])
-        # A `keep` it cannot take (rows torch's int8 kernel would take past the attention):
-        # the module path, whose last layer runs on those rows alone (the same routing).
-        if self.fused_decode is not None and (keep is None or kept is not None):
-            fused = self.fused_decode.run(x, rope, kv_caches, attn_metadata, keep=kept)
-            if fused is not None:  # all layers in one C call
-                h, residual = fused
-                if h.shape[0] == 0:
-                    return h
-                return self.norm(h, residual)[0]
+        does for the rows it needs no output of). Every layer writes every row's K/V."""
+        x, rope = self.embed(input_ids, positions)
+        return self.final_norm(*self.run_layers(x, rope, kv_caches, attn_metadata, keep))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """[T] ids and positions -> (embeddings [T, hidden], the rotary's cos, sin for the
+        positions, shared by every layer)."""
+        return self.embed_tokens(input_ids), self.rotary.lookup(positions)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_caches: list[KVCache],
+        attn_metadata: Any,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over `embed`'s output: (last MLP output, residual), [T, hidden]
+        each, or the rows `keep` only (see `forward`)."""
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(
                 rope, x, residual, kv_cache, attn_metadata, keep if i == last else None
             )
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last residual add and RMSNorm: the final hidden states (none for no rows)."""
         if x.shape[0] == 0:
             return x
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -319,32 +336,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
-
-    def greedy_decode(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: Any,
-    ) -> tuple[torch.Tensor, np.ndarray] | None:
-        """A decode-only step's (final hidden states [T, hidden], argmax tokens [T]) in one C
-        call (`FusedDecode.greedy_step`), or None with nothing written where that does not
-        take it: the caller runs `forward` and `greedy_ids` instead, which give the same."""
-        fused = self.model.fused_decode
-        t = input_ids.shape[0]
-        head, screen = self.lm_head.argmax_weight(t), self.lm_head.argmax_screen(t)
-        if not isinstance(fused, FusedDecode):
-            return None
-        return fused.greedy_step(input_ids, positions, kv_caches, attn_metadata, head, screen)
-
-    def greedy_decode_takes(self, rows: int) -> bool:
-        """Whether `greedy_decode` may take a step of this many rows (False before the first
-        step builds the fused step): other steps need not be offered."""
-        fused = self.model.fused_decode
-        if not isinstance(fused, FusedDecode):
-            return False
-        lm = self.lm_head
-        return fused.greedy_takes(rows, lm.argmax_weight(rows), lm.argmax_screen(rows))
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""

@@ -19,13 +19,16 @@ c = 64 on a 2-core Zen 5.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.sample.metadata import argmax_only, min_tokens_masked
+
+if TYPE_CHECKING:
+    from vx.gpu.cpu.fused_step import FusedDecode
 
 __all__ = ["fused_greedy_step", "greedy_tokens"]
 
@@ -51,27 +54,28 @@ def greedy_tokens(
 
 
 def fused_greedy_step(
-    model: Any, batch: InputBatch, inputs: Any, kv_caches: list
+    fused: FusedDecode | None, model: Any, batch: InputBatch, inputs: Any, kv_caches: list
 ) -> tuple[torch.Tensor, np.ndarray | None] | None:
     """A decode-only step whose every row is sampled and greedy, through the layers, the final
-    norm and the LM head's argmax in one C call (`LlamaForCausalLM.greedy_decode`): (final
+    norm and the LM head's argmax in one C call (`fused`, the model's fused CPU step:
+    `FusedDecode.greedy_decode` with `model.lm_head`; None: never taken): (final
     hidden states, [T] int64 tokens, or None where the head's int8 screen gave none: the
     caller forms the logits from the states), or None with nothing written (the caller runs
     the model and `greedy_tokens`, which give the same). Why: at 64 rows on a 2-core Zen 5
     the step otherwise opened four parallel regions (embedding, step, norm, head), and a host
     process waking at the step's start kept the second thread out of each in turn; at one
     row, the Python around the C calls left the second core idle."""
-    greedy_decode = getattr(model, "greedy_decode", None)
     t = inputs.input_ids.shape[0]
-    if not FUSED_STEP or greedy_decode is None or len(inputs.sample_idx) != t:
+    if not FUSED_STEP or fused is None or len(inputs.sample_idx) != t:
         return None
     # before the rows' params: steps it would decline stop here
-    if len(inputs.req_ids) != t or not model.greedy_decode_takes(t):
+    if len(inputs.req_ids) != t or not fused.greedy_decode_takes(model.lm_head, t):
         return None
     params = _argmax_params(batch, inputs.rows)
     if params is None:
         return None
-    done = greedy_decode(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
+    md = inputs.attn_metadata
+    done = fused.greedy_decode(model.lm_head, inputs.input_ids, inputs.positions, kv_caches, md)
     if done is None:
         return None
     hidden, ids = done
