@@ -123,6 +123,31 @@ async def test_completion_echo_and_logprobs(tokenizer: Tokenizer) -> None:
         assert h.engine.adds()[0].sampling_params.prompt_logprobs == 2
 
 
+async def test_completion_stream_echo_logprobs_per_choice(tokenizer: Tokenizer) -> None:
+    """Streamed with echo, each choice's first chunk carries the prompt's logprob rows (the
+    stream then drops them), and the rows of the rest follow in order."""
+    async with running_app(tokenizer, step_s=0.001) as h, h.http() as c:
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": "one two", "max_tokens": 3, "echo": True, "logprobs": 2, "n": 2,
+                  "stream": True},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        n_prompt = len(tokenizer.encode("one two"))
+        tokens: dict[int, list[str]] = {0: [], 1: []}
+        values: dict[int, list[Any]] = {0: [], 1: []}
+        for event in sse_events(r.text)[:-1]:
+            for choice in event["choices"]:
+                lp = choice["logprobs"]
+                if lp is not None:
+                    tokens[choice["index"]] += lp["tokens"]
+                    values[choice["index"]] += lp["token_logprobs"]
+        for i in (0, 1):
+            assert len(tokens[i]) == n_prompt + 3
+            assert values[i][0] is None and values[i][1] == -2.0
+            assert values[i][n_prompt:] == [-0.5, -0.5, -0.5]
+
+
 async def test_completion_stream(tokenizer: Tokenizer) -> None:
     async with running_app(tokenizer, step_s=0.001) as h, h.http() as c:
         r = await c.post(

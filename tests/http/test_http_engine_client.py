@@ -28,10 +28,15 @@ async def test_slow_reader_gets_merged_deltas() -> None:
         stream.put(_out("r", [i]))
     stream.put(_out("r", [100], "length"))
     assert len(stream._queue) == 2  # bounded: everything else merged into the newest delta
-    first, second = await stream.get(), await stream.get()
+    first = await stream.get()
     assert first.new_token_ids == [0]
-    assert second.new_token_ids == list(range(1, 101)) and second.finish_reason == "length"
-    assert len(second.logprobs) == 100
+    rest = [await stream.get()]  # the merged delta, in pieces of at most DELIVER_MAX_TOKENS
+    while not rest[-1].finished:
+        rest.append(await stream.get())
+    assert [len(d.new_token_ids) for d in rest] == [64, 36]
+    assert [t for d in rest for t in d.new_token_ids] == list(range(1, 101))
+    assert rest[-1].finish_reason == "length"
+    assert sum(len(d.logprobs) for d in rest) == 100
     stream.put(_out("r", [7]))  # after the final delta nothing is accepted
     with pytest.raises(anyio.EndOfStream):
         await stream.get()
@@ -219,41 +224,62 @@ async def test_cancel_never_loses_a_queued_delta() -> None:
         stream.get_nowait()
 
 
-def test_a_reader_far_behind_gets_every_token_and_row_exactly() -> None:
+@pytest.mark.parametrize(
+    ("widths", "vocab", "max_bytes"),
+    [
+        ((1, 2, 3, 4), 50_000, None),  # rows of every width: a segment per run of one width
+        ((21,), 50_000, 170),  # 20 logprobs, ids in 2 bytes: 2 + 2 + 21 * (2 + 4) = 130
+        ((21,), 150_000, 220),  # a vocabulary past 65,536: ids in 4 bytes (180)
+    ],
+)
+def test_a_reader_far_behind_gets_every_token_and_row_exactly(
+    widths: tuple[int, ...], vocab: int, max_bytes: int | None
+) -> None:
     """Past `PACK_FROM_TOKENS` undelivered tokens the mailbox packs tokens, ranks and logprob
-    rows into 4-byte arrays; what the reader gets is what the engine sent, in order, with the
-    fp32 logprobs exact, and rows of any width."""
+    rows into arrays of 2- or 4-byte numbers; what the reader gets is what the engine sent, in
+    order, with the fp32 logprobs exact, and rows of any width. Packed, a token with its row
+    costs its numbers plus a share of its segment's objects, about 200 bytes a segment (Python
+    lists: over a kilobyte)."""
     import sys
 
     import torch
 
-    from vx.http.engine_client import PACK_FROM_TOKENS
+    from vx.http.engine_client import DELIVER_MAX_TOKENS, PACK_FROM_TOKENS
 
     g = torch.Generator().manual_seed(0)
     s = RequestStream("r", 0)
     sent_tokens, sent_ids, sent_vals, sent_ranks = [], [], [], []
-    n = 3 * PACK_FROM_TOKENS + 5
+    n = 40 * PACK_FROM_TOKENS + 5
     for i in range(n):
-        k = 1 + i % 4  # rows of 1 to 4 entries
+        k = widths[i % len(widths)]
         vals = torch.randn(k, generator=g).log_softmax(0).tolist()  # fp32 values, as the Worker's
-        ids = torch.randint(0, 50_000, (k,), generator=g).tolist()
+        ids = torch.randint(0, vocab, (k,), generator=g).tolist()
+        rank = torch.randint(1, vocab + 1, (), generator=g).item()
         out = messages.EngineCoreOutput(
             request_id="r", new_token_ids=[ids[0]],
-            new_logprobs=messages.Logprobs(token_ids=[ids], logprobs=[vals], ranks=[i % 7 + 1]),
+            new_logprobs=messages.Logprobs(token_ids=[ids], logprobs=[vals], ranks=[rank]),
             finish_reason="length" if i == n - 1 else None,
         )  # fmt: skip
         s.put(out)
         sent_tokens.append(ids[0])
         sent_ids.append(ids)
         sent_vals.append(vals)
-        sent_ranks.append(i % 7 + 1)
-    delta = s.get_nowait()  # every output merged into one
-    assert delta._ids is not None  # packed
-    assert delta.new_token_ids == sent_tokens
-    assert delta.logprob_token_ids == sent_ids
-    assert delta.logprobs == sent_vals
-    assert delta.ranks == sent_ranks
-    assert delta.finish_reason == "length"
-    # packed, a token with its row of 4 takes under 60 bytes (Python lists: several hundred)
-    size = sum(sys.getsizeof(a) for a in (delta._ids, delta._lp_ids, delta._lp_vals, delta._ends))
-    assert size / n < 60, size / n
+        sent_ranks.append(rank)
+    # every output merged, then handed out in pieces of at most DELIVER_MAX_TOKENS packed tokens
+    deltas = []
+    while not deltas or not deltas[-1].finished:
+        deltas.append(s.get_nowait())
+    assert len(deltas) == -(-n // DELIVER_MAX_TOKENS)
+    assert all(len(d.new_token_ids) <= DELIVER_MAX_TOKENS for d in deltas)
+    with pytest.raises(anyio.EndOfStream):
+        s.get_nowait()
+    assert [t for d in deltas for t in d.new_token_ids] == sent_tokens
+    assert [r for d in deltas for r in d.logprob_token_ids] == sent_ids
+    assert [r for d in deltas for r in d.logprobs] == sent_vals
+    assert [r for d in deltas for r in d.ranks] == sent_ranks
+    assert deltas[-1].finish_reason == "length"
+    if max_bytes is not None:
+        segs = [g for d in deltas for g in d._segments]
+        size = sum(sys.getsizeof(x) for g in segs for x in (g, g.ints, g.vals))
+        packed = sum(g.n for g in segs)
+        assert size / packed < max_bytes, size / packed

@@ -116,6 +116,9 @@ class CompletionGeneration(Generation):
                 logprobs, c.lp_text_offset = self._logprobs(
                     c, rows, c.lp_text_offset, with_prompt=first and self.echo
                 )
+            # The prompt's rows go out with the first chunk alone: a stream holds them no
+            # longer (a stalled one would, for every choice, until its stall abort).
+            c.prompt_logprobs = None
         if not (prefix or text or logprobs or finish_reason):
             return None
         choice = {

@@ -59,29 +59,72 @@ class OutputObserver(Protocol):
 
 
 #: Undelivered tokens from which a merged delta keeps its tokens and logprob rows packed in
-#: 4-byte arrays rather than Python lists (a quarter of their bytes or less): only a reader that
-#: fell behind (a client that stopped reading) pays for packing, and the front then holds less
-#: than the JSON it owes that client.
-PACK_FROM_TOKENS = 16
+#: arrays of 2- or 4-byte numbers (`_Segment`) rather than Python lists (a tenth of their bytes
+#: or less): only a reader that fell behind (a client that stopped reading) pays for packing,
+#: and the front then holds well under the JSON it owes that client.
+PACK_FROM_TOKENS = 8
+
+
+#: The most packed tokens one delivery hands a reader that fell behind: the rest stay packed
+#: until its next call. A reader unpacks what it takes into Python lists and formats it into
+#: one event, several times the packed bytes, so a reader that stalled, then moved on,
+#: must not take thousands of tokens at once.
+DELIVER_MAX_TOKENS = 64
+
+
+class _Segment:
+    """A run of packed tokens whose logprob rows share one width (`width` 0: no rows).
+
+    `ints` holds the `n` token ids, then their ranks, then the rows' token ids (row-major), in
+    2 bytes each where all fit, else 4; `vals` the rows' logprobs. Each pack makes new
+    segments, sized exactly, rather than growing one array: a long stall then leaves no trail
+    of outgrown buffers in the allocator.
+    Invariant: `len(ints) == n * (1 + (width > 0) + width)` and `len(vals) == n * width`.
+    """
+
+    __slots__ = ("ints", "n", "vals", "width")
+
+    def __init__(
+        self, ids: list[int], rows_ids: list[list[int]], rows_vals: list[list[float]],
+        ranks: list[int], width: int,
+    ) -> None:  # fmt: skip
+        self.n, self.width = len(ids), width
+        ints = [*ids, *ranks, *(i for row in rows_ids for i in row)]
+        # The narrowest type that holds them: 2 bytes for every id of a vocabulary of up to
+        # 65,536 tokens.
+        narrow = not ints or (min(ints) >= 0 and max(ints) < 1 << 16)
+        self.ints = array.array("H" if narrow else "i", ints)
+        self.vals = array.array("f", [v for row in rows_vals for v in row])
+
+    @property
+    def ids(self) -> list[int]:
+        return self.ints[: self.n].tolist()
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.ints[self.n : 2 * self.n].tolist() if self.width else []
+
+    def rows(self, vals: bool) -> list[list[Any]]:
+        w = self.width
+        flat, start = (self.vals, 0) if vals else (self.ints, 2 * self.n)
+        if not w:
+            return []
+        return [flat[start + i * w : start + (i + 1) * w].tolist() for i in range(self.n)]
 
 
 class RequestDelta:
     """Everything a request gained since the consumer last looked (merged engine outputs).
 
     Logprob row i belongs to token i: the sampled token first, then the top-k. Past
-    `PACK_FROM_TOKENS` tokens the older tokens, ranks and rows live in flat arrays (`_packed`),
-    the newer ones in lists; the public attributes read both, oldest first. Invariant: 4-byte
-    floats hold the logprobs exactly, since the Worker computes them in fp32.
+    `PACK_FROM_TOKENS` tokens the older tokens, ranks and rows live in packed segments
+    (`_Segment`), the newer ones in lists; the public attributes read both, oldest first.
+    Invariant: 4-byte floats hold the logprobs exactly, since the Worker computes them in fp32.
     """
 
     __slots__ = (
-        "_ends",
-        "_ids",
-        "_lp_ids",
-        "_lp_vals",
-        "_ranks",
         "_row_ids",
         "_row_vals",
+        "_segments",
         "_tail_ranks",
         "_tail_tokens",
         "error",
@@ -96,11 +139,7 @@ class RequestDelta:
         self._row_ids: list[list[int]] = []
         self._row_vals: list[list[float]] = []
         self._tail_ranks: list[int] = []
-        self._ids: array.array | None = None  # packed: None until the first pack
-        self._lp_ids = array.array("i")
-        self._lp_vals = array.array("f")
-        self._ends = array.array("q")  # row i of the packed rows ends at _ends[i]
-        self._ranks = array.array("i")
+        self._segments: list[_Segment] = []
         self.prompt_logprobs: messages.Logprobs | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -113,26 +152,38 @@ class RequestDelta:
 
     @property
     def new_token_ids(self) -> list[int]:
-        return self._tail_tokens if self._ids is None else [*self._ids, *self._tail_tokens]
+        if not self._segments:
+            return self._tail_tokens
+        return [t for s in self._segments for t in s.ids] + self._tail_tokens
 
     @property
     def logprob_token_ids(self) -> list[list[int]]:
-        return self._rows(self._lp_ids) + self._row_ids
+        return [r for s in self._segments for r in s.rows(False)] + self._row_ids
 
     @property
     def logprobs(self) -> list[list[float]]:
-        return self._rows(self._lp_vals) + self._row_vals
+        return [r for s in self._segments for r in s.rows(True)] + self._row_vals
 
     @property
     def ranks(self) -> list[int]:
-        return [*self._ranks, *self._tail_ranks]
+        return [r for s in self._segments for r in s.ranks] + self._tail_ranks
 
-    def _rows(self, flat: array.array) -> list[list[Any]]:
-        ends, start, rows = self._ends, 0, []
-        for end in ends:
-            rows.append(flat[start:end].tolist())
-            start = end
-        return rows
+    def take_head(self, max_tokens: int) -> RequestDelta | None:
+        """Split off the oldest packed segments, `max_tokens` tokens or fewer (at least one
+        segment), when more than that many are held; else None, and the delta stays whole.
+        The head carries the prompt logprobs; the finish stays with the rest."""
+        segments = self._segments
+        if not segments or sum(g.n for g in segments) + len(self._tail_tokens) <= max_tokens:
+            return None
+        k, n = 1, segments[0].n
+        while k < len(segments) and n + segments[k].n <= max_tokens:
+            n += segments[k].n
+            k += 1
+        head = RequestDelta()
+        head._segments, self._segments = segments[:k], segments[k:]
+        head.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        head.num_cached_tokens = self.num_cached_tokens
+        return head
 
     def merge(self, out: messages.EngineCoreOutput) -> None:
         self._tail_tokens.extend(out.new_token_ids)
@@ -151,20 +202,23 @@ class RequestDelta:
             self._pack()
 
     def _pack(self) -> None:
-        """Move the list-held tokens, ranks and rows to the packed arrays."""
-        if self._ids is None:
-            self._ids = array.array("i")
-        self._ids.extend(self._tail_tokens)
-        self._tail_tokens = []
-        if self._row_ids:
-            end = len(self._lp_ids)
-            for ids, vals in zip(self._row_ids, self._row_vals, strict=True):
-                self._lp_ids.extend(ids)
-                self._lp_vals.extend(vals)
-                end += len(ids)
-                self._ends.append(end)
-            self._ranks.extend(self._tail_ranks)
-            self._row_ids, self._row_vals, self._tail_ranks = [], [], []
+        """Move the list-held tokens, ranks and rows to new segments (one per row width)."""
+        tokens, ids, vals, ranks = (
+            self._tail_tokens, self._row_ids, self._row_vals, self._tail_ranks,
+        )  # fmt: skip
+        self._tail_tokens, self._row_ids, self._row_vals, self._tail_ranks = [], [], [], []
+        if not ids:
+            self._segments.append(_Segment(tokens, [], [], [], 0))
+            return
+        # One row a token (the Worker's invariant); a width changes only between requests'
+        # parameters, so this splits nothing in practice.
+        a = 0
+        while a < len(ids):
+            w, b = len(ids[a]), a + 1
+            while b < len(ids) and len(ids[b]) == w:
+                b += 1
+            self._segments.append(_Segment(tokens[a:b], ids[a:b], vals[a:b], ranks[a:b], w))
+            a = b
 
 
 class RequestStream:
@@ -233,6 +287,9 @@ class RequestStream:
 
     def get_nowait(self) -> RequestDelta:
         if self._queue:
+            head = self._queue[0].take_head(DELIVER_MAX_TOKENS)
+            if head is not None:
+                return head
             delta = self._queue.popleft()
             if delta.finished:
                 self._delivered_final = True
