@@ -20,7 +20,8 @@ from vx.gpu.cpu.ops import (
     skinny_gemm,
 )
 from vx.gpu.layers.linear import RMSNorm, silu_and_mul
-from vx.gpu.layers.quantization import linear, quantize_int8
+from vx.gpu.layers.linear_method import SkinnyLinear, TorchLinear, chain
+from vx.gpu.layers.quantization import quantize_int8
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -89,7 +90,7 @@ def test_skinny_gemm_routing() -> None:
     assert not gemv_fits(x[:1].float(), w)
     assert not gemv_fits(x[:1, :560], w[:, :560])
     for rows in (1, 3, top, top + 1):
-        got = linear(x[:rows], w, None, packed=False, plain=w)
+        got = chain(SkinnyLinear(w), TorchLinear(w)).apply(x[:rows], None)
         want = torch.nn.functional.linear(x[:rows], w)
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
 

@@ -8,6 +8,7 @@ import torch
 from vx.gpu.cpu import row_plan as rp
 from vx.gpu.cpu.ops import AMX_MAX_ROWS
 from vx.gpu.layers import quantization as q
+from vx.gpu.layers.linear_method import OneDnnLinear
 
 SIZES = rp.GRID_MAX // rp.GRID_STEP
 
@@ -89,7 +90,7 @@ def test_a_planned_linear_is_the_row_wise_product(bias: bool) -> None:
     rp._times[(n, k)] = _times(starved=(256, 1024))
     assert rp.chunk_rows(n, k, m) < m  # this call is cut
     x = torch.randn(m, k).bfloat16()
-    got = q.linear(x, packed, b, packed=True)
+    got = OneDnnLinear(packed).apply(x, b)
     whole = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
     ref = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
@@ -98,7 +99,7 @@ def test_a_planned_linear_is_the_row_wise_product(bias: bool) -> None:
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
     # a step of at most AMX_MAX_ROWS rows never asks the plan (vx's own GEMM's rows)
     rp._plans.clear()
-    q.linear(x[:AMX_MAX_ROWS], packed, b, packed=True)
+    OneDnnLinear(packed).apply(x[:AMX_MAX_ROWS], b)
     assert not rp._plans
 
 

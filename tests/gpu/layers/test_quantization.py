@@ -218,6 +218,7 @@ def test_prepack_lays_weights_out_for_the_rows_onednn_sees(monkeypatch) -> None:
     ones, so its packed layout is picked for those; elsewhere for one row (small decode
     batches). Either layout multiplies the same (within bf16 accumulation order)."""
     from vx.gpu.layers import quantization as q
+    from vx.gpu.layers.linear_method import OneDnnLinear
 
     monkeypatch.setattr(q, "bf16_max_rows", lambda: q.AMX_MAX_ROWS)
     large = q.prepack_batch_hint()
@@ -231,5 +232,5 @@ def test_prepack_lays_weights_out_for_the_rows_onednn_sees(monkeypatch) -> None:
     want = x.float() @ w.float().T
     for rows in (1, large):
         monkeypatch.setattr(q, "prepack_batch_hint", lambda rows=rows: rows)
-        got = q.linear(x, q.prepack(w), None, packed=True).float()
+        got = OneDnnLinear(q.prepack(w)).apply(x, None).float()
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())

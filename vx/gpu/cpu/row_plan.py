@@ -1,7 +1,7 @@
 """The row plan of the prepacked linears: how many rows each oneDNN call takes.
 
 Runs in: each Worker process on CPU (`ModelRunner.load_model` tunes it once; every prepacked
-`vx.gpu.layers.quantization.linear` call of more than `AMX_MAX_ROWS` rows asks it).
+`vx.gpu.layers.linear_method.OneDnnLinear` call of more than `AMX_MAX_ROWS` rows asks it).
 
 Why: oneDNN's bf16 AMX matmul picks its blocking from (rows, N, K) and, for some of them,
 leaves all the work to one of the threads. On a 2-core Sapphire Rapids, SmolLM2's o projection

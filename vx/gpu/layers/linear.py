@@ -2,8 +2,9 @@
 
 The vocabulary-parallel embedding and LM head live in `vx.gpu.layers.vocab`.
 
-Rotary lives in `vx.gpu.layers.rotary` and the CPU linear kernels (prepacking, weight-only int8/int4)
-in `vx.gpu.layers.quantization`; both are re-exported here.
+Rotary lives in `vx.gpu.layers.rotary` (re-exported here). How a linear's weight is multiplied
+(the forms it keeps and the kernels that take which rows) is its method chain, chosen once after
+loading (`vx.gpu.layers.linear_method`); a linear's forward is `self.method.apply`.
 
 Runs in: each Worker process.
 
@@ -28,22 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul, gemv_kernels
-from vx.gpu.cpu.vnni import (
-    VnniWeight,
-    amx_vnni_rows,
-    amx_vnni_wanted,
-    silu_packable,
-    vnni_wanted,
-)
-from vx.gpu.cpu.widen import WideWeight, widen_wanted
+from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul
+from vx.gpu.cpu.vnni import amx_vnni_rows
 from vx.gpu.layers import triton_ops
-from vx.gpu.layers.quantization import (
-    QuantizedWeight,
-    cpu_prepack_enabled,
-    linear as _linear,
-    prepack as _prepack,
-)
+from vx.gpu.layers.linear_method import LinearMethod, TorchLinear, WeightForms
+from vx.gpu.layers.quantization import cpu_prepack_enabled
 from vx.gpu.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 __all__ = [
@@ -89,53 +79,10 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _process_linear(layer: nn.Module) -> None:
-    """After loading: quantize a copy (if asked), then prepack the dense weight (on CPU bf16)."""
-    if layer.quantization is not None:
-        layer.quant = QuantizedWeight(layer.weight.data, layer.quantization)
-    # a quantized layer's own kernels take the rows a compact copy would (vx.gpu.cpu.compact)
-    compact = layer.quant is None
-    if widen_wanted(layer.weight, compact=compact):  # no bf16 arithmetic here (vx.gpu.cpu.widen)
-        layer.wide = WideWeight(layer.weight.data, compact=compact)
-    if layer.quant is None and vnni_wanted(layer.weight):
-        # AVX512-BF16 without AMX: the skinny GEMM on the plain weight for one row, vx's VNNI
-        # GEMM from VNNI_MIN_ROWS (vx.gpu.cpu.vnni); no oneDNN copy.
-        layer.plain = layer.weight.data if gemv_kernels() is not None else None
-        layer.vnni = VnniWeight(layer.weight.data)
-        return
-    if (
-        layer.quant is None
-        and getattr(layer, "silu_pairs", False)
-        and layer.bias is None
-        and silu_packable(layer.weight)
-    ):
-        # AMX, a gate-up read through `silu_and_mul`: the GEMM with the SiLU-mul in its
-        # epilogue from 8 rows (vx.gpu.cpu.vnni), the skinny GEMM on the plain weight below;
-        # no oneDNN copy (measured ahead of oneDNN's GEMM then the SiLU through 2,048 rows,
-        # on a 2-core Sapphire Rapids)
-        layer.vnni = VnniWeight(layer.weight.data, amx=True, silu=True)
-        layer.plain = layer.weight.data if gemv_kernels() is not None else None
-        return
-    if layer.quant is None and amx_vnni_wanted(layer.weight):
-        # AMX: vx's AMX GEMM over the VNNI copy takes the middle rows (vx.gpu.cpu.vnni), the
-        # skinny GEMM the fewest (plain, kept below) and oneDNN the most (packed, below).
-        layer.vnni = VnniWeight(layer.weight.data, amx=True)
-    w = layer.weight
-    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and gemv_kernels() is not None:
-        # The unpacked weight stays for the skinny GEMM (decode batches up to 64 rows, past
-        # the quantized path's), at the cost of a second copy of the dense weights where
-        # oneDNN's is made below. NOTE: not tied to oneDNN's bf16: under the emulation
-        # (`VX_CPU_EMULATE=1`) an AVX2 host has the AVX-512 kernels without it.
-        layer.plain = layer.weight.data
-    if cpu_prepack_enabled(layer.weight):
-        layer.weight = nn.Parameter(_prepack(layer.weight), requires_grad=False)
-        layer.packed = True
-
-
 # ───────────────────────────── linears ─────────────────────────────
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(WeightForms, nn.Module):
     """y = x @ W.T + b with W's rows (output features) split evenly across ranks.
 
     The weight may hold several logical matrices stacked along the output dim (`output_sizes`,
@@ -161,12 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.output_sizes = list(output_sizes)
         self.output_sizes_per_rank = self._sizes_per_rank()
-        self.packed = False  # weight in oneDNN's blocked layout (see cpu_prepack_enabled)
-        self.quantization = quantization
-        self.quant: QuantizedWeight | None = None  # built after loading when quantization
-        self.plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
-        self.wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
-        self.vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
+        self.quantization = quantization  # weight-only, applied after loading
         out = sum(self.output_sizes_per_rank)
         # torch.empty: the loader fills every element, so no init cost at start-up.
         self.weight = nn.Parameter(
@@ -180,13 +122,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.method: LinearMethod = TorchLinear(self.weight)  # until loaded
 
     def _sizes_per_rank(self) -> list[int]:
         return [_divide(s, self.tp_size, "output features") for s in self.output_sizes]
 
     def process_weights_after_loading(self) -> None:
         """Called once by the loader after every weight is in place."""
-        _process_linear(self)
+        self._process()
 
     def _shard_rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
         """This rank's rows of logical matrix `shard_id` (a full HF tensor)."""
@@ -210,9 +153,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The output stays sharded: the next RowParallelLinear consumes it as is.
-        return _linear(
-            x, self.weight, self.bias, self.packed, self.quant, self.plain, self.wide, self.vnni
-        )
+        return self.method.apply(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -312,7 +253,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return loaded.narrow(0, (self.tp_rank // self.kv_replicas) * n, n)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(WeightForms, nn.Module):
     """y = x @ W.T + b with W's columns (input features) split; partial sums are all-reduced.
 
     The input arrives already sharded (from a ColumnParallelLinear). The bias is added once,
@@ -334,12 +275,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size_per_rank = _divide(input_size, tp_size, "input features")
-        self.packed = False
         self.quantization = quantization
-        self.quant: QuantizedWeight | None = None
-        self.plain: torch.Tensor | None = None
-        self.wide: WideWeight | None = None
-        self.vnni: VnniWeight | None = None
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_rank, dtype=dtype, device=device),
             requires_grad=False,
@@ -352,29 +288,19 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.method: LinearMethod = TorchLinear(self.weight)  # until loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = self.input_size_per_rank
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def process_weights_after_loading(self) -> None:
-        _process_linear(self)
+        self._process()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _linear(
-                x,
-                self.weight,
-                self.bias,
-                self.packed,
-                self.quant,
-                self.plain,
-                self.wide,
-                self.vnni,
-            )
-        out = _all_reduce(
-            _linear(x, self.weight, None, self.packed, self.quant, self.plain, self.wide, self.vnni)
-        )
+            return self.method.apply(x, self.bias)
+        out = _all_reduce(self.method.apply(x, None))
         return out + self.bias if self.bias is not None else out
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from vx import envs
 from vx.gpu.cpu.emulate import emulating
@@ -36,11 +35,8 @@ from vx.gpu.cpu.ops import (
     gemv_kernels,
     skinny_gemm,
 )
-from vx.gpu.cpu.row_plan import chunk_rows
-from vx.gpu.cpu.vnni import VnniWeight, vnni_takes
 from vx.gpu.cpu.widen import (
     Int4Avx2,
-    WideWeight,
     avx2_int8_gemm,
     avx2_int8_rows,
     pack_int8_avx2,
@@ -53,7 +49,6 @@ __all__ = [
     "QUANTIZATIONS",
     "QuantizedWeight",
     "cpu_prepack_enabled",
-    "linear",
     "prepack",
     "prepack_batch_hint",
     "quantize_int4",
@@ -236,39 +231,3 @@ class QuantizedWeight:
             a = self.avx2_int4
             avx2 = a.q.nbytes + a.s.nbytes + a.z.nbytes
         return self.qweight.nbytes + avx2 + self.scales.nbytes
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: bool,
-    quant: QuantizedWeight | None = None,
-    plain: torch.Tensor | None = None,
-    wide: WideWeight | None = None,
-    vnni: VnniWeight | None = None,
-) -> torch.Tensor:
-    """y = x @ W.T + b through the quantized copy (small x), vx's skinny GEMM on the plain
-    (unpacked) weight (small x), the fp32 copy (CPUs without bf16 arithmetic), the VNNI copy
-    (AVX512-BF16 without AMX), the packed weight, or F.linear."""
-    if quant is not None and x.shape[0] <= quant.max_rows:
-        return quant.apply(x, bias)
-    if wide is not None and x.shape[0] >= wide.min_rows:
-        return wide.apply(x, bias)
-    if vnni_takes(vnni, x, plain):
-        return vnni.apply(x, bias)  # type: ignore[union-attr]
-    if plain is not None and gemv_fits(x, plain):
-        return skinny_gemm(x, plain, None, bias)
-    if packed:
-        m, (n, k) = x.shape[0], weight.shape
-        c = chunk_rows(n, k, m) if m > AMX_MAX_ROWS and x.dim() == 2 else m
-        if c >= m:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        # calls of rows oneDNN spreads over every thread (vx.gpu.cpu.row_plan)
-        y = torch.empty(m, n, dtype=x.dtype)
-        for a in range(0, m, c):
-            y[a : a + c] = torch.ops.mkldnn._linear_pointwise(
-                x[a : a + c], weight, bias, "none", [], ""
-            )
-        return y
-    return F.linear(x, weight, bias)

@@ -89,7 +89,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         t, h = x.shape[0], x.shape[1]
         c, s = cos.reshape(t, -1), sin.reshape(t, -1)
         # The kernel indexes cos/sin by position; these are already looked up: row i is i.
-        ops.rotary_embedding(triton_ops.row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s)
+        ops.rotary_embedding(
+            triton_ops.row_index(t, x.device), x[:, : h // 2], x[:, h // 2 :], c, s
+        )
         return x
     if x.device.type == "cpu" and x.shape[0]:
         from vx.gpu.cpu.ops import fused_rotary

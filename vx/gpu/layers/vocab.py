@@ -3,12 +3,13 @@ LM head's copies and greedy paths.
 
 Runs in: each Worker process.
 
-The vocabulary is split into contiguous per-rank ranges (Megatron, as `vx.gpu.layers.linear`' linears
-split their features); with `tp_size == 1` the embedding is one `F.embedding` and the head one
-GEMM, no collective called. On CPU the head keeps the copies `vx.gpu.layers.linear`' linears keep (the
-plain weight for the skinny GEMM, oneDNN's or the VNNI packed copy, an fp32 or int8 copy where
-the CPU wants one) and, for greedy rows, takes the token without forming the logits where a C
-path can.
+The vocabulary is split into contiguous per-rank ranges (Megatron, as the linears of
+`vx.gpu.layers.linear` split their features); with `tp_size == 1` the embedding is one
+`F.embedding` and the head one GEMM, no collective called. The head's logits come from a method
+chain chosen once after loading, of the links the linears use (`vx.gpu.layers.linear_method`:
+the plain weight for the skinny GEMM, oneDNN's or the VNNI packed copy, an fp32 or int8 copy
+where the CPU wants one); for greedy rows it takes the token without forming the logits where a
+C path can.
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.cpu.ops import gemv_fits, gemv_kernels, skinny_argmax, skinny_gemm
+from vx.gpu.cpu.ops import gemv_kernels, skinny_argmax
 from vx.gpu.cpu.screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenedHead, screen_wanted
 from vx.gpu.cpu.vnni import VNNI_MIN_ROWS, VnniWeight, vnni_takes, vnni_wanted
 from vx.gpu.cpu.widen import WideWeight, widen_wanted
 from vx.gpu.layers.linear import _all_gather_last_dim, _all_reduce
-from vx.gpu.layers.quantization import (
-    QuantizedWeight,
-    cpu_prepack_enabled,
-    linear as _linear,
-    prepack as _prepack,
+from vx.gpu.layers.linear_method import (
+    LinearMethod,
+    OneDnnLinear,
+    QuantizedLinear,
+    SkinnyLinear,
+    TorchLinear,
+    VnniLinear,
+    WeightForms,
+    WideLinear,
+    chain,
 )
+from vx.gpu.layers.quantization import QuantizedWeight, cpu_prepack_enabled, prepack
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
 
@@ -79,54 +86,72 @@ class VocabParallelEmbedding(nn.Module):
         return _all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection; shares `weight` with the embedding when tied."""
+class ParallelLMHead(WeightForms, VocabParallelEmbedding):
+    """The output projection; shares `weight` with the embedding when tied.
+
+    Its method chain (chosen once, after loading) asks, in order: the quantized copy (few rows),
+    the VNNI copy, the skinny GEMM on the plain weight, the fp32 copies, then oneDNN's copy (a
+    copy when tied: the tied weight is also the embedding's lookup table) or `F.linear`.
+    """
 
     tied = False
-    packed = False  # `weight` itself is oneDNN-packed (an untied head)
-    packed_copy: torch.Tensor | None = None  # a packed copy of a tied weight
     quantization: str | None = None
-    quant: QuantizedWeight | None = None
-    plain: torch.Tensor | None = None  # the unpacked weight, for the skinny GEMM
-    wide: WideWeight | None = None  # wide copies (CPUs without bf16 arithmetic)
     screen: ScreenedHead | None = None  # an int8 copy for exact greedy tokens (one row)
-    vnni: VnniWeight | None = None  # a VNNI-packed copy (AVX512-BF16 without AMX)
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.method: LinearMethod = TorchLinear(self.weight)  # until loaded
+
+    @property
+    def packed(self) -> bool:
+        """Whether `weight` itself is in oneDNN's layout (an untied head)."""
+        return not self.tied and self.method.find(OneDnnLinear) is not None
+
+    @property
+    def packed_copy(self) -> torch.Tensor | None:
+        """oneDNN's copy of a tied weight, or None."""
+        m = self.method.find(OneDnnLinear)
+        return m.packed if m is not None and self.tied else None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.method = TorchLinear(self.weight)
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
-        if self.quantization is not None:
-            self.quant = QuantizedWeight(self.weight.data, self.quantization)
-        if widen_wanted(self.weight, compact=False):
+        w = self.weight
+        quant = QuantizedWeight(w.data, self.quantization) if self.quantization else None
+        wide = None
+        if widen_wanted(w, compact=False):
             # no compact copy: the embedding's rows compress poorly, and the screen is leaner
-            self.wide = WideWeight(self.weight.data, compact=False)
+            wide = WideWeight(w.data, compact=False)
             # Where the logits of a few rows come from the AVX2 skinny GEMM on the bf16 weight,
             # the greedy tokens can come from half its bytes (vx.gpu.cpu.screen).
             if (
-                self.quant is None
+                quant is None
                 and self.tp_size == 1
-                and self.wide.skinny_rows >= SCREEN_MAX_ROWS
-                and screen_wanted(self.weight)
+                and wide.skinny_rows >= SCREEN_MAX_ROWS
+                and screen_wanted(w)
             ):
-                self.screen = ScreenedHead(self.weight.data)
-        if self.quant is None and vnni_wanted(self.weight):  # instead of a oneDNN copy
-            if gemv_kernels() is not None:
-                self.plain = self.weight.data
-            self.vnni = VnniWeight(self.weight.data)
+                self.screen = ScreenedHead(w.data)
+        plain = vnni = packed = None
+        if quant is None and vnni_wanted(w):  # instead of a oneDNN copy
+            plain = w.data if gemv_kernels() is not None else None
+            vnni = VnniWeight(w.data)
+        elif cpu_prepack_enabled(w):
+            plain = w.data if gemv_kernels() is not None else None  # free when tied
+            packed = prepack(w)
+        self.method = chain(
+            QuantizedLinear(quant) if quant is not None else None,
+            VnniLinear(vnni, plain) if vnni is not None else None,
+            SkinnyLinear(plain) if plain is not None else None,
+            WideLinear(wide) if wide is not None else None,
+            OneDnnLinear(packed) if packed is not None else TorchLinear(w),
+        )
+        if packed is not None and not self.tied:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        if plain is not None:
             self._screen_plain()
-            return
-        if not cpu_prepack_enabled(self.weight):
-            return
-        if gemv_kernels() is not None:
-            self.plain = self.weight.data  # free when tied: it is the embedding table
-            self._screen_plain()
-        if self.tied:  # a copy: the tied weight is also the embedding's lookup table
-            self.packed_copy = _prepack(self.weight)
-        else:
-            self.weight = nn.Parameter(_prepack(self.weight), requires_grad=False)
-            self.packed = True
 
     def _screen_plain(self) -> None:
         """Where one row's logits come from the AVX-512 skinny GEMM on `plain` (`compute_logits`
@@ -176,20 +201,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
-        if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
-            logits = self.quant.apply(hidden, None)
-        elif vnni_takes(self.vnni, hidden, self.plain):
-            logits = self.vnni.apply(hidden, None)  # type: ignore[union-attr]
-        elif self.plain is not None and gemv_fits(hidden, self.plain):
-            logits = skinny_gemm(hidden, self.plain, None, None)
-        elif self.wide is not None and hidden.shape[0] >= self.wide.min_rows:
-            logits = self.wide.apply(hidden, None)  # rounded to bf16, as the bf16 GEMM's
-        elif self.packed:
-            logits = _linear(hidden, self.weight, None, True)
-        elif self.packed_copy is not None:
-            logits = _linear(hidden, self.packed_copy, None, True)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = self.method.apply(hidden, None)
         if self.tp_size > 1:
             logits = _all_gather_last_dim(logits, self.tp_size)
         if logits.shape[-1] != self.vocab_size:

@@ -17,7 +17,7 @@
    `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
    VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
    VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
-   `vx.gpu.layers.quantization.linear` routes them. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+   the linear's method chain routes them (`vx.gpu.layers.linear_method`). Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
    path of `vx.gpu.cpu.widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
    weights (1-2 rows on their compact copy, `vx.gpu.cpu.compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
    roundings per output), as `vx.gpu.layers.rotary.apply_rotary`.

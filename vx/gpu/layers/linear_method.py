@@ -1,0 +1,296 @@
+"""How one linear's weight is multiplied: a chain of methods, chosen once at load.
+
+Runs in: each Worker process.
+
+A layer's weight may be kept in several forms, each with its own kernel and the rows it suits:
+a weight-only quantized copy (`QuantizedWeight`, few rows), fp32 copies on CPUs without bf16
+arithmetic (`WideWeight`), a VNNI-packed copy (`VnniWeight`: vx's AVX512-BF16 or AMX GEMM),
+the plain bf16 weight for vx's skinny GEMM (decode batches), oneDNN's blocked layout, or the
+weight as it is for `F.linear` (CUDA, fp32, anything else). `select_linear_method` decides
+once, after loading, from the device, the dtype and the CPU's ISA, which forms a layer keeps
+and in which order they are asked; the result is a chain (`LinearMethod`) whose links only
+compare the rows of x against their ranges. The chain's last link takes every x.
+
+The same links make the LM head's chain (`vx.gpu.layers.vocab`), in its own order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vx.gpu.cpu.ops import AMX_MAX_ROWS, gemv_fits, gemv_kernels, skinny_gemm
+from vx.gpu.cpu.row_plan import chunk_rows
+from vx.gpu.cpu.vnni import (
+    VnniWeight,
+    amx_vnni_wanted,
+    silu_packable,
+    vnni_takes,
+    vnni_wanted,
+)
+from vx.gpu.cpu.widen import WideWeight, widen_wanted
+from vx.gpu.layers.quantization import QuantizedWeight, cpu_prepack_enabled, prepack
+
+__all__ = [
+    "LinearMethod",
+    "OneDnnLinear",
+    "QuantizedLinear",
+    "SkinnyLinear",
+    "TorchLinear",
+    "VnniLinear",
+    "WeightForms",
+    "WideLinear",
+    "chain",
+    "select_linear_method",
+]
+
+M = TypeVar("M", bound="LinearMethod")
+
+
+class LinearMethod:
+    """One way to compute y = x @ W.T + b, for the x it `takes`; other x go to `next`.
+
+    Invariant: following `next` from any link reaches a link whose `takes` is always True.
+    """
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next: LinearMethod | None = None
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return True
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m: LinearMethod = self
+        while not m.takes(x):
+            assert m.next is not None
+            m = m.next
+        return m.run(x, bias)
+
+    def __iter__(self) -> Iterator[LinearMethod]:
+        m: LinearMethod | None = self
+        while m is not None:
+            yield m
+            m = m.next
+
+    def find(self, kind: type[M]) -> M | None:
+        """The first link of this kind in the chain, or None."""
+        return next((m for m in self if isinstance(m, kind)), None)
+
+    def __repr__(self) -> str:
+        return " -> ".join(type(m).__name__ for m in self)
+
+
+class QuantizedLinear(LinearMethod):
+    """The weight-only int8 / int4 copy, for x of at most `quant.max_rows` rows."""
+
+    __slots__ = ("quant",)
+
+    def __init__(self, quant: QuantizedWeight) -> None:
+        super().__init__()
+        self.quant = quant
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.quant.max_rows
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.quant.apply(x, bias)
+
+
+class WideLinear(LinearMethod):
+    """The fp32 (or compact) copies of a CPU without bf16 arithmetic, from `wide.min_rows`."""
+
+    __slots__ = ("wide",)
+
+    def __init__(self, wide: WideWeight) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] >= self.wide.min_rows
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.wide.apply(x, bias)
+
+
+class VnniLinear(LinearMethod):
+    """vx's VNNI GEMM (AVX512-BF16) or AMX GEMM over a VNNI-packed copy, for the rows
+    `vnni_takes` gives it; a gate-up's SiLU copy takes none here (its caller asks it)."""
+
+    __slots__ = ("plain", "vnni")
+
+    def __init__(self, vnni: VnniWeight, plain: torch.Tensor | None) -> None:
+        super().__init__()
+        self.vnni, self.plain = vnni, plain
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return vnni_takes(self.vnni, x, self.plain)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.vnni.apply(x, bias)
+
+
+class SkinnyLinear(LinearMethod):
+    """vx's skinny GEMM on the plain bf16 weight, for the few rows `gemv_fits` gives it."""
+
+    __slots__ = ("plain",)
+
+    def __init__(self, plain: torch.Tensor) -> None:
+        super().__init__()
+        self.plain = plain
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return gemv_fits(x, self.plain)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return skinny_gemm(x, self.plain, None, bias)
+
+
+class OneDnnLinear(LinearMethod):
+    """oneDNN's GEMM on the weight in its blocked layout (`packed`, an opaque mkldnn tensor);
+    takes every x, in calls of the rows `vx.gpu.cpu.row_plan` spreads over every thread."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        super().__init__()
+        self.packed = packed
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.packed
+        m, (n, k) = x.shape[0], w.shape
+        c = chunk_rows(n, k, m) if m > AMX_MAX_ROWS and x.dim() == 2 else m
+        if c >= m:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        y = torch.empty(m, n, dtype=x.dtype)
+        for a in range(0, m, c):
+            y[a : a + c] = torch.ops.mkldnn._linear_pointwise(x[a : a + c], w, bias, "none", [], "")
+        return y
+
+
+class TorchLinear(LinearMethod):
+    """`F.linear` on the weight as loaded (CUDA, fp32, and wherever nothing else applies);
+    takes every x."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+def chain(*links: LinearMethod | None) -> LinearMethod:
+    """The links given (None skipped), each one's `next` the one after it."""
+    present = [m for m in links if m is not None]
+    for a, b in zip(present, present[1:], strict=False):
+        a.next = b
+    return present[0]
+
+
+def select_linear_method(layer: Any) -> tuple[LinearMethod, torch.Tensor | None]:
+    """A linear's chain after loading, and its weight in oneDNN's layout when the chain ends
+    there (the caller then keeps that in place of the plain weight), else None.
+
+    `layer` has `weight`, `bias`, `quantization` and, for a [gate; up] read through
+    `silu_and_mul`, `silu_pairs`. The forms kept, by machine:
+    - weight-only quantization: the quantized copy first (few rows), then the dense chain;
+    - no bf16 arithmetic (AVX2): the fp32 copies (`widen_wanted`), then the weight as it is;
+    - AVX512-BF16 without AMX: the VNNI copy, the skinny GEMM on the plain weight for one row;
+      no oneDNN copy;
+    - AMX: the skinny GEMM for the fewest rows, vx's AMX GEMM over a VNNI copy for the middle
+      rows and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
+      epilogue (`VnniWeight(silu=True)`, asked by `silu_and_mul`) and no oneDNN copy;
+    - elsewhere (CUDA, fp32): `F.linear`.
+    """
+    w = layer.weight
+    quant = QuantizedWeight(w.data, layer.quantization) if layer.quantization else None
+    # a quantized layer's own kernels take the rows a compact copy would (vx.gpu.cpu.compact)
+    compact = quant is None
+    wide = WideWeight(w.data, compact=compact) if widen_wanted(w, compact=compact) else None
+    head = (
+        QuantizedLinear(quant) if quant is not None else None,
+        WideLinear(wide) if wide is not None else None,
+    )
+    skinny = gemv_kernels() is not None
+    if quant is None and vnni_wanted(w):
+        plain = w.data if skinny else None
+        vnni = VnniLinear(VnniWeight(w.data), plain)
+        return chain(*head, vnni, SkinnyLinear(plain) if plain is not None else None,
+                     TorchLinear(w)), None  # fmt: skip
+    if (
+        quant is None
+        and getattr(layer, "silu_pairs", False)
+        and layer.bias is None
+        and silu_packable(w)
+    ):
+        # On AMX the epilogue GEMM from 8 rows and the skinny GEMM below were measured ahead
+        # of oneDNN's GEMM then the SiLU through 2,048 rows: no oneDNN copy.
+        plain = w.data if skinny else None
+        vnni = VnniLinear(VnniWeight(w.data, amx=True, silu=True), plain)
+        return chain(*head, vnni, SkinnyLinear(plain) if plain is not None else None,
+                     TorchLinear(w)), None  # fmt: skip
+    vnni = None
+    if quant is None and amx_vnni_wanted(w):
+        vnni = VnniWeight(w.data, amx=True)
+    # The plain weight stays for the skinny GEMM where oneDNN's copy is made too. NOTE: not
+    # tied to oneDNN's bf16: under the emulation (`VX_CPU_EMULATE=1`) an AVX2 host has the
+    # AVX-512 kernels without it.
+    plain = w.data if w.device.type == "cpu" and w.dtype == torch.bfloat16 and skinny else None
+    packed = prepack(w) if cpu_prepack_enabled(w) else None
+    return chain(
+        *head,
+        VnniLinear(vnni, plain) if vnni is not None else None,
+        SkinnyLinear(plain) if plain is not None else None,
+        OneDnnLinear(packed) if packed is not None else TorchLinear(w),
+    ), packed
+
+
+class WeightForms:
+    """What a linear's method chain (`self.method`, chosen once by `select_linear_method`)
+    keeps besides the weight, read-only: the fused C step and the tests look at them."""
+
+    method: LinearMethod
+
+    def _process(self) -> None:
+        """After loading: choose the chain; oneDNN's copy, when made, replaces the weight."""
+        method, packed = select_linear_method(self)
+        self.method = method
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
+    @property
+    def quant(self) -> QuantizedWeight | None:
+        m = self.method.find(QuantizedLinear)
+        return None if m is None else m.quant
+
+    @property
+    def wide(self) -> WideWeight | None:
+        m = self.method.find(WideLinear)
+        return None if m is None else m.wide
+
+    @property
+    def vnni(self) -> VnniWeight | None:
+        m = self.method.find(VnniLinear)
+        return None if m is None else m.vnni
+
+    @property
+    def plain(self) -> torch.Tensor | None:
+        """The unpacked bf16 weight of the skinny GEMM."""
+        m = self.method.find(SkinnyLinear)
+        return None if m is None else m.plain
+
+    @property
+    def packed(self) -> bool:
+        """Whether `weight` is in oneDNN's blocked layout."""
+        return self.method.find(OneDnnLinear) is not None
