@@ -115,9 +115,29 @@ def _literals(rev: str, path: str) -> dict[str, object]:
 
 
 def baseline_lib(rev: str, tmp: str) -> tuple[ctypes.CDLL, int]:
-    """`rev`'s C kernel library, built as its `vx.gpu.kv_cache` built it, and the rows per AMX
-    call its kernel takes. For revisions from before the C moved into ``vx/gpu/csrc`` (the
-    baselines here), when it lived in string literals of ``vx/gpu/cpu_*_source.py``."""
+    """`rev`'s C kernel library, built as that revision built it, and the rows per AMX call its
+    kernel takes: from ``vx/gpu/cpu/csrc`` (with this tree's flags) or, for revisions from
+    before the C moved there, from string literals of ``vx/gpu/cpu_*_source.py``."""
+    has_csrc = (
+        subprocess.run(
+            ["git", "-C", ROOT, "cat-file", "-e", f"{rev}:vx/gpu/cpu/csrc/vx_kernels.c"],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    if has_csrc:
+        archive = subprocess.run(
+            ["git", "-C", ROOT, "archive", rev, "vx/gpu/cpu/csrc"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        csrc, so = os.path.join(tmp, "vx/gpu/cpu/csrc"), os.path.join(tmp, "old.so")
+        subprocess.run(
+            ["cc", *library._CFLAGS, "-I", csrc, "-o", so, os.path.join(csrc, "vx_kernels.c")],
+            check=True,
+        )
+        with open(os.path.join(csrc, "gemv.c")) as f:
+            gemv_c = f.read()
+        return ctypes.CDLL(so), 192 if "#define VX_AMX_MAX_ROWS 192" in gemv_c else 64
     kern = _literals(rev, "vx/gpu/cpu_kernel_source.py")
     gemv = _literals(rev, "vx/gpu/cpu_gemv_source.py")["GEMV_KERNEL_SOURCE"]
     # The library's sources in `vx.gpu.kv_cache`'s order; a revision before a file existed

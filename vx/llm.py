@@ -206,7 +206,9 @@ class LLM:
             conversations = [conversations]  # type: ignore[list-item]
         items: list[tuple[str | None, list[int]]] = []
         for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=True
+            )
             items.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(items, sampling_params, use_tqdm=use_tqdm)
 
@@ -251,7 +253,9 @@ class LLM:
                 raise ValueError(
                     f"prompt ({len(ids)} tokens) plus max_tokens exceeds max_model_len {max_len}"
                 )
-            result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids)
+            result = RequestOutput(
+                request_id=str(next(self._ids)), prompt=text, prompt_token_ids=ids
+            )
             results.append(result)
             for i in range(params.n):
                 out = CompletionOutput(index=i, text="", token_ids=[], finish_reason=None)
@@ -259,13 +263,14 @@ class LLM:
                 request_id = f"{result.request_id}-{i}"
                 engine = min(range(len(self._load)), key=self._load.__getitem__)
                 self._load[engine] += 1
-                pending[request_id] = _Pending(out, params, engine)
+                choice = params.for_choice(i)  # seed + i, as over HTTP
+                pending[request_id] = _Pending(out, choice, engine)
                 self._send(
                     engine,
                     messages.AddRequest(
                         request_id=request_id,
                         prompt_token_ids=ids,
-                        sampling_params=params,
+                        sampling_params=choice,
                         eos_token_id=eos,
                         arrival_time=time.time(),
                     ),
@@ -345,7 +350,9 @@ class LLM:
     ) -> None:
         """Truncate at the first stop string; abort the engine request when one matches."""
         out = p.output
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=p.params.skip_special_tokens)
+        text = self.tokenizer.decode(
+            out.token_ids, skip_special_tokens=p.params.skip_special_tokens
+        )
         hits = [(text.find(s), s) for s in p.params.stop if s in text]
         if not hits:
             return
@@ -354,4 +361,6 @@ class LLM:
         out.finish_reason = messages.FinishReason.STOP
         out.stop_reason = stop
         if not finished:
-            self._send(engine, messages.AbortRequests(request_ids=[request_id], cause="stop_string"))
+            self._send(
+                engine, messages.AbortRequests(request_ids=[request_id], cause="stop_string")
+            )

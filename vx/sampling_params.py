@@ -63,6 +63,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def all_stop_token_ids(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids)
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` of a request's n: with a seed, choice i samples with
+        seed + i (wrapped to 64 bits; vLLM's parallel sampling does the same), so the n choices
+        differ, a repeated request gives every one of them back, and choice i of any n is the
+        request with seed + i alone, over HTTP and in `vx.LLM` alike. Without a seed every
+        choice draws from the engine's stream."""
+        if self.seed is None or index == 0:
+            return self
+        return msgspec.structs.replace(self, seed=(self.seed + index + 2**63) % 2**64 - 2**63)
+
     def validate(self) -> None:
         """Raise ValueError with a clear message for any value out of range."""
         if self.n < 1:
@@ -82,9 +92,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-            )
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError("seed must fit in 64 bits")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -178,6 +178,22 @@ def test_stop_string_and_n(llm: LLM) -> None:
     assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in out.outputs)
 
 
+def test_choice_i_samples_with_seed_plus_i(llm: LLM) -> None:
+    """n = 3 with seed 7 is three requests with seeds 7, 8 and 9 (as over HTTP): the choices
+    differ, and each is the request of its seed. PROMPTS[0] fills no KV block, so no prefix hit
+    changes the second call's steps."""
+    sp = SamplingParams.create(max_tokens=8, n=3, temperature=1.0, seed=7, ignore_eos=True)
+    (out,) = llm.generate([PROMPTS[0]], sp, use_tqdm=False)
+    choices = [o.token_ids for o in out.outputs]
+    alone = [
+        SamplingParams.create(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    each = [r.outputs[0].token_ids for r in llm.generate([PROMPTS[0]] * 3, alone, use_tqdm=False)]
+    assert len({tuple(c) for c in choices}) == 3, choices
+    assert choices == each
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -4,8 +4,8 @@ Runs in: the ApiServer process. Unknown fields are tolerated (as OpenAI and vLLM
 of the wrong type is a 400 naming it. Ranges are checked once, by `SamplingParams.validate`.
 
 `n > 1` fans out into n engine requests with ids `{id}-{i}`; when a seed is given, choice i
-is sampled with `seed + i` (vLLM's parallel sampling does the same), so the n choices differ
-from each other yet a repeated request reproduces all of them.
+is sampled with `seed + i` (`SamplingParams.for_choice`, as vLLM's parallel sampling), so the n
+choices differ from each other yet a repeated request reproduces all of them.
 """
 
 from __future__ import annotations
@@ -218,14 +218,8 @@ def build_sampling_params(
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The per-choice params: choice i samples with seed + i (wrapped to 64 bits)."""
-    if params.seed is None:
-        return [params] * n
-    out = []
-    for i in range(n):
-        seed = (params.seed + i + 2**63) % 2**64 - 2**63
-        out.append(msgspec.structs.replace(params, seed=seed))
-    return out
+    """The per-choice params (`SamplingParams.for_choice`: choice i samples with seed + i)."""
+    return [params.for_choice(i) for i in range(n)]
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:

@@ -151,3 +151,31 @@ def test_a_broken_kernel_source_fails_the_suite(tmp_path) -> None:
     assert "1 failed" in out, out[-3000:]
     assert "the CPU kernel library did not build" in out and "error:" in out, out[-3000:]
     assert "vx_broken_on_purpose" in out or "expected expression" in out, out[-3000:]
+
+
+#: One target per kind of CPU vx serves (docs/cpu-kernels.md): AVX2 only (Zen 3 and older),
+#: AVX512-BF16 without AMX (Cooper Lake, as Zen 4 and 5), AMX (Sapphire Rapids).
+ISA_TARGETS = ("haswell", "cooperlake", "sapphirerapids")
+
+
+@pytest.mark.parametrize("march", ISA_TARGETS)
+def test_the_sources_compile_without_warnings_for_every_isa(march: str) -> None:
+    """The library is built with -march=native, so one machine compiles one ISA's kernels:
+    each kind's must be free of warnings (and errors) with the library's flags, whichever kind
+    runs the suite. A syntax pass: the checks -Wall -Wextra make before code generation."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    probe = subprocess.run(
+        [cc, f"-march={march}", "-x", "c", "-fsyntax-only", "-"], input="", capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"{os.path.basename(cc)} does not know -march={march}")
+    flags = [f for f in library._CFLAGS if not f.startswith("-march=")]
+    proc = subprocess.run(
+        [cc, *flags, f"-march={march}", "-fsyntax-only", "-I", library.CSRC,
+         *library._KERNEL_SOURCES],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr

@@ -222,6 +222,9 @@ VX_INLINE void vx_fast_item(
         mx[g] = -INFINITY; sum[g] = 0.f;
         for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
     }
+#ifndef VX_HAS_AMX
+    (void)amx;  /* built without AMX (Zen 4 and 5): the q.k tiles are not compiled in */
+#endif
 #ifdef VX_HAS_AMX
     /* AMX: S^T[16 keys][16 heads] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
        layout tdpbf16ps takes (row r, column n: query head n's dims 2r, 2r+1; heads >= G zero) */
