@@ -63,6 +63,9 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prefixes")
     _bool_flag(p, "async-scheduling", True, "schedule step n+1 while step n runs")
+    _bool_flag(p, "batch-invariant", False,
+               "a request's tokens do not depend on its batch, the prefix cache or chunking "
+               "(AVX512-BF16 CPUs without AMX, bf16)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -144,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         step_timeout_s=args.step_timeout,
         num_threads=args.num_threads,
         enforce_eager=getattr(args, "enforce_eager", False),
+        batch_invariant=getattr(args, "batch_invariant", False),
     )
     config.validate()
     return config

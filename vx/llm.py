@@ -91,6 +91,7 @@ class LLM:
         device: str = "cpu",
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.92,
+        batch_invariant: bool = False,
     ) -> None:
         from vx.models_hub.device import resolve_scheduler_defaults  # no torch import
 
@@ -125,6 +126,7 @@ class LLM:
             device=device,
             num_threads=num_threads,
             enforce_eager=enforce_eager,
+            batch_invariant=batch_invariant,
         )
         self.config = resolve_engine_config(config)
         from transformers import AutoTokenizer

@@ -203,6 +203,8 @@ class EngineReady(_Msg):
     engine_pid: int
     worker_pids: list[int]
     async_scheduling: bool
+    #: `--batch-invariant` is on (the Workers loaded the invariant paths).
+    batch_invariant: bool = False
 
 
 class EngineDead(_Msg):

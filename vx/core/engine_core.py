@@ -340,6 +340,7 @@ def run_engine_core(
                     engine_pid=os.getpid(),
                     worker_pids=msgspec.msgpack.decode(worker_pids, type=list[int]),
                     async_scheduling=config.scheduler.async_scheduling,
+                    batch_invariant=config.batch_invariant,
                 )
             )
         )

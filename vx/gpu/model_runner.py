@@ -116,11 +116,14 @@ class ModelRunner:
         from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
         from vx.gpu.cpu.vnni import amx_vnni_rows
         from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vx.gpu.layers.linear_method import set_batch_invariant
         from vx.gpu.loader import load_model
         from vx.gpu.sample.sampler import Sampler
 
         m = self.config.model
         torch.manual_seed(m.seed)
+        # Decided before the weights are processed: each linear's method chain follows it.
+        set_batch_invariant(self.config.batch_invariant)
         self.model = load_model(
             m.path,
             dtype=m.dtype,
@@ -136,14 +139,18 @@ class ModelRunner:
             # the layers' linears only: the LM head takes one row a request
             linears = [mod for mod in self.model.modules()
                        if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
-            tune_row_plan([(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed])
+            tune_row_plan(
+                [(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed]
+            )
             last = amx_vnni_rows()[1]
             tune_vnni(
                 [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
                  if mod.packed and mod.vnni is not None and mod.vnni.amx]
             )  # fmt: skip
         # After the copies above are final: the C step's descriptions point at them.
-        self.fused_step = FusedDecode.build(self.model.model)
+        self.fused_step = FusedDecode.build(
+            self.model.model, batch_invariant=self.config.batch_invariant
+        )
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)
@@ -332,8 +339,17 @@ class ModelRunner:
         index = batch.req_id_to_index
         decodes: list[str] = []
         prefills: list[str] = []
+        invariant = self.config.batch_invariant
         for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == 1 else prefills).append(req_id)
+            # Batch-invariant: a prompt token takes the prefill attention even alone (the
+            # last one after a prefix hit, a chunk of one), as it does cold.
+            decode = n == 1 and (
+                not invariant
+                or req_id not in index
+                or batch.num_computed_tokens[index[req_id]]
+                >= batch.num_prompt_tokens[index[req_id]]
+            )
+            (decodes if decode else prefills).append(req_id)
         req_ids = decodes + prefills
         num_reqs = len(req_ids)
         try:

@@ -97,6 +97,7 @@ class Endpoints:
                 "version": vx.__version__,
                 "engine_pids": [r.engine_pid for r in ready],
                 "worker_pids": [pid for r in ready for pid in r.worker_pids],
+                "batch_invariant": all(r.batch_invariant for r in ready) if ready else False,
             }
         )
 

@@ -171,7 +171,8 @@ def startup_banner(
             f"KV {r.num_blocks} blocks x {r.block_size} tokens "
             f"({r.kv_cache_bytes / 2**30:.2f} GiB); max_model_len {r.max_model_len}, "
             f"max_num_seqs {r.max_num_seqs}, max_num_batched_tokens {r.max_num_batched_tokens}, "
-            f"async scheduling {'on' if r.async_scheduling else 'off'}"
+            f"async scheduling {'on' if r.async_scheduling else 'off'}, "
+            f"batch invariant {'on' if r.batch_invariant else 'off'}"
         )
     if not ready:
         lines.append(

@@ -134,6 +134,11 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     if avx2:
         wide = layer.wide
         w = wide.bf16 if wide is not None and wide.skinny_rows else None
+    elif layer.plain is None and layer.vnni is not None and not layer.vnni.amx:
+        # batch-invariant (`build(..., batch_invariant=True)`): no skinny GEMM, the step's
+        # `skinny_rows` is 0 and the VNNI copy takes every row; the plain weight is only the
+        # description's shape and bias check
+        w = layer.weight.data
     else:
         w = layer.plain
     bias = layer.bias
@@ -199,6 +204,7 @@ class FusedDecode:
         self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int, avx2_rows: int
     ) -> None:
         self._model, self._lib = model, lib
+        self.batch_invariant = False  # `build`'s
         self._layers = (_Layer * len(layers))(*layers)
         self._quant_rows = quant_rows
         self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
@@ -242,9 +248,10 @@ class FusedDecode:
         self._has_fast = bool(lib.vx_has_avx2_attention() if avx2_rows else lib.vx_has_fast_bf16())
 
     @classmethod
-    def build(cls, model: Any) -> FusedDecode | None:
+    def build(cls, model: Any, *, batch_invariant: bool = False) -> FusedDecode | None:
         """For a `LlamaModel` after its weights were processed; None where it does not apply
-        (not on CPU, not bf16, no C kernels, `VX_CPU_DECODE_STEP=0`, ...)."""
+        (not on CPU, not bf16, no C kernels, `VX_CPU_DECODE_STEP=0`, ...). `batch_invariant`:
+        the linears' VNNI copies take every row count (`vx.gpu.layers.linear_method`)."""
         from vx.gpu.attention.paged import paged_attention
 
         if not envs.VX_CPU_DECODE_STEP:
@@ -280,7 +287,9 @@ class FusedDecode:
             descs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None))
         if not descs:
             return None
-        return cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
+        step = cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
+        step.batch_invariant = batch_invariant
+        return step
 
     def max_rows(self) -> int:
         """The most rows a step may have here (the skinny GEMM's, or any number on the VNNI
@@ -355,7 +364,9 @@ class FusedDecode:
             int(self._has_fast and fast_decode_attention()),
             # as `linear` (AVX2: `WideWeight.apply`) routes
             PANEL_FROM_ROWS - 1 if self._avx2_rows
-            else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx else bf16_max_rows(),
+            else (0 if self.batch_invariant else VNNI_MIN_ROWS - 1)
+            if self._vnni_rows and not self._amx
+            else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
             _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),

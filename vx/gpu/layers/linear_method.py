@@ -36,6 +36,7 @@ from vx.gpu.cpu.widen import WideWeight, widen_wanted
 from vx.gpu.layers.quantization import QuantizedWeight, cpu_prepack_enabled, prepack
 
 __all__ = [
+    "BatchInvariantError",
     "LinearMethod",
     "OneDnnLinear",
     "QuantizedLinear",
@@ -44,11 +45,39 @@ __all__ = [
     "VnniLinear",
     "WeightForms",
     "WideLinear",
+    "batch_invariant",
     "chain",
+    "invariant_method",
     "select_linear_method",
+    "set_batch_invariant",
 ]
 
 M = TypeVar("M", bound="LinearMethod")
+
+#: Batch-invariant inference (`EngineConfig.batch_invariant`), set once by the Worker before
+#: the weights are processed: every row count takes one GEMM, so a row's bits do not depend on
+#: how many rows share its call.
+_batch_invariant = False
+
+
+class BatchInvariantError(ValueError):
+    """`--batch-invariant` on a machine, dtype or mode without a row-invariant GEMM."""
+
+
+def set_batch_invariant(on: bool) -> None:
+    global _batch_invariant
+    _batch_invariant = on
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
+
+def _not_invariant(what: str) -> BatchInvariantError:
+    return BatchInvariantError(
+        f"--batch-invariant is implemented for bf16 on CPUs with AVX512-BF16 and no AMX (one "
+        f"GEMM, vx's VNNI GEMM, for every row count); not for {what}"
+    )
 
 
 class LinearMethod:
@@ -214,6 +243,8 @@ def select_linear_method(layer: Any) -> tuple[LinearMethod, torch.Tensor | None]
     - elsewhere (CUDA, fp32): `F.linear`.
     """
     w = layer.weight
+    if _batch_invariant:
+        return invariant_method(layer), None
     quant = QuantizedWeight(w.data, layer.quantization) if layer.quantization else None
     # a quantized layer's own kernels take the rows a compact copy would (vx.gpu.cpu.compact)
     compact = quant is None
@@ -294,3 +325,16 @@ class WeightForms:
     def packed(self) -> bool:
         """Whether `weight` is in oneDNN's blocked layout."""
         return self.method.find(OneDnnLinear) is not None
+
+
+def invariant_method(layer: Any) -> LinearMethod:
+    """The batch-invariant chain: vx's VNNI GEMM for every row count (its sums run over k in
+    one order whatever the rows, `vx/gpu/cpu/csrc/gemm_vnni.c`), with no skinny GEMM beside it."""
+    w = layer.weight
+    if layer.quantization:
+        raise _not_invariant(f"--quantization {layer.quantization}")
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise _not_invariant(f"{w.dtype} on {w.device.type}")
+    if not vnni_wanted(w):
+        raise _not_invariant(f"a {tuple(w.shape)} weight on this CPU (no VNNI GEMM here)")
+    return chain(VnniLinear(VnniWeight(w.data), None), TorchLinear(w))

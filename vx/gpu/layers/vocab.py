@@ -35,7 +35,9 @@ from vx.gpu.layers.linear_method import (
     VnniLinear,
     WeightForms,
     WideLinear,
+    batch_invariant,
     chain,
+    invariant_method,
 )
 from vx.gpu.layers.quantization import QuantizedWeight, cpu_prepack_enabled, prepack
 
@@ -120,6 +122,9 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         w = self.weight
+        if batch_invariant():  # the VNNI GEMM for every row count, and no int8 screen
+            self.method = invariant_method(self)
+            return
         quant = QuantizedWeight(w.data, self.quantization) if self.quantization else None
         wide = None
         if widen_wanted(w, compact=False):
@@ -189,7 +194,9 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
         it takes another path (the screen, the skinny GEMM, none)."""
         if self.screen is not None and rows <= SCREEN_MAX_ROWS:
             return None
-        if self.tp_size != 1 or self.num_per_rank != self.vocab_size or rows < VNNI_MIN_ROWS:
+        if self.tp_size != 1 or self.num_per_rank != self.vocab_size:
+            return None
+        if rows < VNNI_MIN_ROWS and self.plain is not None:  # the skinny GEMM's row
             return None
         return self.vnni
 

@@ -1,0 +1,196 @@
+"""Batch-invariant inference (`--batch-invariant`), on the real engine (`vx.LLM`, bf16).
+
+A request's token ids and logprobs must be bit-identical whatever shares its steps: no other
+request or up to 63 of random lengths, a cold prefix cache or any number of its blocks cached
+(by itself or by other requests sharing part of its prompt), any chunk budget, async
+scheduling on or off. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy, both with
+logprobs. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
+AVX512-BF16 and no AMX; elsewhere the engine refuses it at start-up, with the reason (tested
+everywhere). Not covered: preemption (a recomputed output token's K/V comes through the prefill
+attention, the decode attention's arithmetic differs).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.models import SERVED, make_tiny_model  # noqa: E402
+from vx import LLM, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+logger = logging.getLogger(__name__)
+
+NEW_TOKENS = 24
+
+
+def _invariant_here() -> bool:
+    from vx.gpu.cpu import vnni
+
+    return vnni.vnni_wanted(torch.zeros(16, 32, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # vocab 512: the LM head's rows a multiple of 16, as the VNNI GEMM takes them
+    return make_tiny_model(
+        tmp_path_factory.mktemp("invariant"), vocab_size=512, max_position_embeddings=2048,
+        **SERVED,
+    )  # fmt: skip
+
+
+def _targets(rng: random.Random) -> list[list[int]]:
+    # 1 token, under a block, a few blocks and a ragged tail, the 2nd sharing the 3rd's head
+    long = [rng.randrange(3, 500) for _ in range(75)]
+    return [[7], long[:13], long, [rng.randrange(3, 500) for _ in range(40)]]
+
+
+PARAMS = [
+    SamplingParams.create(temperature=1.0, top_p=0.9, n=2, seed=7, logprobs=3,
+                          max_tokens=NEW_TOKENS, ignore_eos=True),
+    SamplingParams.create(temperature=0.0, logprobs=3, max_tokens=NEW_TOKENS, ignore_eos=True),
+]  # fmt: skip
+
+
+def _outputs(results: list[Any], count: int) -> list[Any]:
+    return [[(c.token_ids, c.logprobs) for c in r.outputs] for r in results[:count]]
+
+
+def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int,
+         rng: random.Random) -> list[Any]:  # fmt: skip
+    """The targets' outputs, generated beside `others` random requests (some of them sharing
+    a target's prompt head, so its cache state varies too)."""
+    prompts, plist = list(targets), [params] * len(targets)
+    for _ in range(others):
+        if rng.random() < 0.3:
+            t = rng.choice(targets)
+            head = t[: rng.randint(1, len(t))]
+            prompt = head + [rng.randrange(3, 500) for _ in range(rng.randint(0, 40))]
+        else:
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 300))]
+        prompts.append(prompt)
+        plist.append(
+            SamplingParams.create(temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(1 << 30),
+                                  max_tokens=rng.randint(1, 40), ignore_eos=True,
+                                  logprobs=rng.choice([None, 2]))
+        )  # fmt: skip
+    order = list(range(len(prompts)))
+    rng.shuffle(order)  # the targets anywhere in the batch
+    results = llm.generate([prompts[i] for i in order], [plist[i] for i in order],
+                           use_tqdm=False)  # fmt: skip
+    back = {i: r for i, r in zip(order, results, strict=True)}
+    return _outputs([back[i] for i in range(len(targets))], len(targets))
+
+
+def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str) -> None:
+    if not _invariant_here():
+        pytest.skip("batch-invariant mode is implemented for AVX512-BF16 CPUs without AMX")
+    rng = random.Random(0)
+    targets = _targets(rng)
+    reference: list[Any] | None = None
+    runs = 0
+    for kwargs in (
+        {"max_num_batched_tokens": 2048},
+        {"max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 64, "async_scheduling": False},
+    ):
+        with LLM(model, batch_invariant=True, num_threads=1, **kwargs) as llm:
+            for params in PARAMS:
+                # cold and alone (first run), then cached, then beside 1, 7 and 63 others
+                for others in (0, 0, 1, 7, 63):
+                    got = [_run(llm, [t], params, others, rng)[0] for t in targets]
+                    key = (params.temperature, tuple(map(len, targets)))
+                    if reference is None:
+                        reference = {}  # type: ignore[assignment]
+                    want = reference.setdefault(key, got)  # type: ignore[union-attr]
+                    assert got == want, (kwargs, params.temperature, others)
+                    runs += 1
+                # all targets in one batch, with others
+                got = _run(llm, targets, params, 20, rng)
+                want = reference[(params.temperature, tuple(map(len, targets)))]  # type: ignore[index]
+                assert got == want, (kwargs, params.temperature, "together")
+                runs += 1
+    seeded = reference[(1.0, tuple(map(len, targets)))]  # type: ignore[index]
+    assert all(len({tuple(c[0]) for c in choices}) == 2 for choices in seeded)  # n=2 differ
+    logger.info("batch invariant: %d runs x %d requests identical", runs, len(targets))
+
+
+def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
+    """fp32 has no row-invariant GEMM here (torch's takes it): the start-up fails and says so;
+    so does bf16 on a CPU without the VNNI GEMM."""
+    from vx.gpu.layers.linear_method import BatchInvariantError
+
+    kinds = ["float32"] + ([] if _invariant_here() else ["bfloat16"])
+    for dtype in kinds:
+        with pytest.raises(Exception, match="--batch-invariant is implemented for bf16") as e:
+            LLM(model, dtype=dtype, batch_invariant=True, num_threads=1)
+        assert e.type is not BatchInvariantError or "not for" in str(e.value)
+
+
+def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> None:
+    """`vx serve --batch-invariant`, the official client: the same seeded (n = 2) and greedy
+    completions, with logprobs, cold, after a prefix hit, streamed, and beside 63 concurrent
+    random requests, give the same tokens and logprobs; /version and the banner say it is on."""
+    if not _invariant_here():
+        pytest.skip("batch-invariant mode is implemented for AVX512-BF16 CPUs without AMX")
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from tests.e2e.server import VxServer
+
+    rng = random.Random(1)
+    # ids of the tokenizer's (384; the model's rows are padded to 512)
+    prompt = [rng.randrange(3, 380) for _ in range(65)]  # a hit leaves one token to compute
+    bodies = [
+        {"temperature": 1.0, "top_p": 0.9, "n": 2, "seed": 7},
+        {"temperature": 0.0},
+    ]
+    with VxServer(model, "--batch-invariant", "--served-model-name", "tiny") as srv:
+        assert httpx.get(srv.url + "/version", timeout=10).json()["batch_invariant"] is True
+        assert "batch invariant on" in srv.full_log()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+        def ask(body: dict[str, Any], stream: bool = False) -> list[Any]:
+            kw = dict(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, logprobs=3,
+                      extra_body={"ignore_eos": True}, **body)  # fmt: skip
+            if not stream:
+                r = client.completions.create(**kw)
+                return [(c.text, c.logprobs.token_logprobs, c.logprobs.top_logprobs)
+                        for c in sorted(r.choices, key=lambda c: c.index)]  # fmt: skip
+            parts: dict[int, list[Any]] = {}
+            for chunk in client.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    p = parts.setdefault(c.index, ["", [], []])
+                    p[0] += c.text
+                    if c.logprobs is not None:
+                        p[1] += c.logprobs.token_logprobs
+                        p[2] += c.logprobs.top_logprobs
+            return [tuple(parts[i]) for i in sorted(parts)]
+
+        def noise(i: int) -> None:
+            r = random.Random(100 + i)
+            client.completions.create(
+                model="tiny", prompt=[r.randrange(3, 380) for _ in range(r.randint(1, 300))],
+                max_tokens=r.randint(1, 40), temperature=1.0, seed=i,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+        for body in bodies:
+            cold = ask(body)
+            assert ask(body) == cold  # prefix hit
+            assert ask(body, stream=True) == cold
+            with concurrent.futures.ThreadPoolExecutor(64) as pool:
+                crowd = [pool.submit(noise, i) for i in range(63)]
+                beside = pool.submit(ask, body)
+                for f in crowd:
+                    f.result()
+                assert beside.result() == cold
+            if body.get("n") == 2:
+                assert cold[0][0] != cold[1][0]  # choice 1 samples with seed 8
