@@ -86,9 +86,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None
     enforce_eager: bool = False
     #: Batch-invariant inference (`--batch-invariant`): a request's tokens and logprobs do not
-    #: depend on the other requests in its steps, the prefix cache, the prompt's chunking or
-    #: preemption. Every row count takes one GEMM (the VNNI one), the LM head no int8 screen,
-    #: and every token the prefill attention; on CPUs with AVX512-BF16 and no AMX, in bf16.
+    #: depend on the other requests in its steps, the prefix cache or the prompt's chunking.
+    #: Every row count takes one GEMM (the VNNI one), the LM head no int8 screen, and prompt
+    #: tokens the prefill attention; on CPUs with AVX512-BF16 and no AMX, in bf16, only.
     batch_invariant: bool = False
 
     def validate(self) -> None:

@@ -339,12 +339,17 @@ class ModelRunner:
         index = batch.req_id_to_index
         decodes: list[str] = []
         prefills: list[str] = []
-        # Batch-invariant: every token takes the prefill attention, so a token's attention is
-        # the same arithmetic whether it is computed alone, in a chunk, after a prefix hit, or
-        # again after a preemption (the decode attention's differs).
-        one = 0 if self.config.batch_invariant else 1
+        invariant = self.config.batch_invariant
         for req_id, n in so.num_scheduled_tokens.items():
-            (decodes if n == one else prefills).append(req_id)
+            # Batch-invariant: a prompt token takes the prefill attention even alone (the
+            # last one after a prefix hit, a chunk of one), as it does cold.
+            decode = n == 1 and (
+                not invariant
+                or req_id not in index
+                or batch.num_computed_tokens[index[req_id]]
+                >= batch.num_prompt_tokens[index[req_id]]
+            )
+            (decodes if decode else prefills).append(req_id)
         req_ids = decodes + prefills
         num_reqs = len(req_ids)
         try:
