@@ -11,7 +11,9 @@ once, after loading, from the device, the dtype and the CPU's ISA, which forms a
 and in which order they are asked; the result is a chain (`LinearMethod`) whose links only
 compare the rows of x against their ranges. The chain's last link takes every x.
 
-The same links make the LM head's chain (`vx.gpu.layers.vocab`), in its own order.
+The same links make the LM head's chain (`vx.gpu.layers.vocab`), in its own order. With
+`--batch-invariant` (`set_batch_invariant`, before loading) the chain is the VNNI GEMM alone,
+for every row count (`invariant_method`).
 """
 
 from __future__ import annotations
