@@ -5,7 +5,7 @@ request or up to 63 of random lengths, a cold prefix cache or any number of its 
 (by itself or by other requests sharing part of its prompt), any chunk budget, async
 scheduling on or off. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy, both with
 logprobs. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
-AVX512-BF16 and no AMX; elsewhere the engine refuses it at start-up, with the reason (tested
+AVX512-BF16 (vx's VNNI GEMM) or AMX (vx's AMX GEMM); elsewhere the engine refuses it at start-up, with the reason (tested
 everywhere). Not covered: preemption (a recomputed output token's K/V comes through the prefill
 attention, the decode attention's arithmetic differs).
 """
@@ -32,7 +32,8 @@ NEW_TOKENS = 24
 def _invariant_here() -> bool:
     from vx.gpu.cpu import vnni
 
-    return vnni.vnni_wanted(torch.zeros(16, 32, dtype=torch.bfloat16))
+    w = torch.zeros(16, 32, dtype=torch.bfloat16)
+    return vnni.vnni_wanted(w) or vnni.amx_vnni_wanted(w)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int
 
 def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str) -> None:
     if not _invariant_here():
-        pytest.skip("batch-invariant mode is implemented for AVX512-BF16 CPUs without AMX")
+        pytest.skip("batch-invariant mode is implemented for bf16 on AVX512-BF16 or AMX CPUs")
     rng = random.Random(0)
     targets = _targets(rng)
     reference: list[Any] | None = None
@@ -137,7 +138,7 @@ def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> N
     completions, with logprobs, cold, after a prefix hit, streamed, and beside 63 concurrent
     random requests, give the same tokens and logprobs; /version and the banner say it is on."""
     if not _invariant_here():
-        pytest.skip("batch-invariant mode is implemented for AVX512-BF16 CPUs without AMX")
+        pytest.skip("batch-invariant mode is implemented for bf16 on AVX512-BF16 or AMX CPUs")
     import concurrent.futures
 
     import httpx

@@ -395,3 +395,45 @@ def test_split_cuts_follow_the_threads_speeds() -> None:
         assert cut([1000] * 8 + [0] * 56, [1e6, 1e6]) == 22
     finally:
         lib.vx_set_split_adapt(1)  # the speeds measured from here on
+
+
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+def test_batch_invariant_step_gives_a_row_the_same_bits_in_any_batch(
+    tmp_path, monkeypatch, case: str
+) -> None:
+    """`--batch-invariant` (`set_batch_invariant` before loading): every linear has one GEMM
+    for every row count (vx's AMX GEMM with AMX, else its VNNI GEMM), and the fused step
+    routes every row to it. A request's logits, prompt rows and decode rows, are then the same
+    bits stepped alone as beside 8 others of other lengths, through the fused step and the
+    module path alike."""
+    from vx.gpu.layers import linear_method
+
+    monkeypatch.setattr(linear_method, "_batch_invariant", True)
+    arch, overrides, _ = CASES[case]
+    path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
+    try:
+        model = load_model(path, dtype=torch.bfloat16, progress=False)
+    except linear_method.BatchInvariantError:
+        pytest.skip("no GEMM takes every row count here (AVX2)")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.vnni is not None and qkv.vnni.all_rows and qkv.plain is None and not qkv.packed
+    fused = FusedDecode.build(model.model, batch_invariant=True)
+    if fused is None:
+        pytest.skip("no fused CPU decode step here")
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(11)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    prompts = {f"r{i}": tok(n) for i, n in enumerate((2, 5, 9, 16, 17, 31, 33, 40, 64))}
+    together = PagedDriver(model, num_blocks=120, forward=counting.forward)
+    alone = PagedDriver(model, num_blocks=120, forward=counting.forward)
+    modules = PagedDriver(model, num_blocks=120, forward=model)
+    step = prompts
+    for _ in range(4):  # the prompts, then three decode steps
+        got = together.step_all(step)
+        for r, tokens in step.items():
+            want = alone.step_all({r: tokens})[r]
+            assert torch.equal(got[r], want), (r, len(tokens))
+        by_modules = modules.step_all(step)
+        assert all(torch.equal(got[r], by_modules[r]) for r in step)
+        step = {r: [int(x[-1].argmax())] for r, x in got.items()}
+    assert counting.taken > 0

@@ -217,3 +217,45 @@ def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
     monkeypatch.setenv("VX_CPU_AMX_VNNI", "0")
     monkeypatch.setattr(cpu_vnni, "_state", {})
     assert not cpu_vnni.amx_vnni_wanted(plain)
+
+
+def _invariant_linears(monkeypatch, amx: bool) -> None:
+    """With `--batch-invariant` (`set_batch_invariant`), a linear's and the LM head's chain is
+    one copy for every row count (`all_rows`: the AMX GEMM's with `amx`, else the VNNI GEMM's),
+    and a row's bits are the same whatever rows share its call."""
+    from vx.gpu.layers import linear_method
+    from vx.gpu.layers.linear import ColumnParallelLinear
+    from vx.gpu.layers.vocab import ParallelLMHead
+
+    monkeypatch.setattr(linear_method, "_batch_invariant", True)
+    g = torch.Generator().manual_seed(12)
+    lin = ColumnParallelLinear(
+        576, [960], bias=True, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    lin.weight.data.copy_(torch.randn(960, 576, generator=g))
+    lin.bias.data.copy_(torch.randn(960, generator=g))
+    lin.process_weights_after_loading()
+    head = ParallelLMHead(512, 576, dtype=torch.bfloat16, device=torch.device("cpu"))
+    head.weight.data.copy_(torch.randn(512, 576, generator=g))
+    head.process_weights_after_loading()
+    for layer in (lin, head):
+        v = layer.vnni
+        assert v is not None and v.all_rows and v.amx == amx
+        assert layer.plain is None and not layer.packed and head.screen is None
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    full, logits = lin(x), head.compute_logits(x)
+    _check(full, x, lin.weight, lin.bias)
+    for a, b in ((0, 1), (0, 2), (0, 3), (5, 12), (0, 16), (7, 40), (100, 101), (0, 257)):
+        assert torch.equal(lin(x[a:b]), full[a:b]), (a, b)
+        assert torch.equal(head.compute_logits(x[a:b]), logits[a:b]), (a, b)
+        ids = head.greedy_ids(x[a:b])  # where a kernel gives them: the logits' argmax
+        assert ids is None or (ids == logits[a:b].argmax(-1).numpy()).all()
+
+
+def test_batch_invariant_linears_take_the_vnni_gemm_for_every_row_count(vnni, monkeypatch):
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni, "amx": None})  # AMX's off
+    _invariant_linears(monkeypatch, amx=False)
+
+
+def test_batch_invariant_linears_take_the_amx_gemm_for_every_row_count(amx_vnni, monkeypatch):
+    _invariant_linears(monkeypatch, amx=True)

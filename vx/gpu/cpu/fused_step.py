@@ -134,10 +134,10 @@ def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
     if avx2:
         wide = layer.wide
         w = wide.bf16 if wide is not None and wide.skinny_rows else None
-    elif layer.plain is None and layer.vnni is not None and not layer.vnni.amx:
+    elif layer.plain is None and layer.vnni is not None and layer.vnni.all_rows:
         # batch-invariant (`build(..., batch_invariant=True)`): no skinny GEMM, the step's
-        # `skinny_rows` is 0 and the VNNI copy takes every row; the plain weight is only the
-        # description's shape and bias check
+        # `skinny_rows` is 0 and the VNNI (or AMX) copy takes every row; the plain weight is
+        # only the description's shape and bias check
         w = layer.weight.data
     else:
         w = layer.plain
@@ -364,8 +364,8 @@ class FusedDecode:
             int(self._has_fast and fast_decode_attention()),
             # as `linear` (AVX2: `WideWeight.apply`) routes
             PANEL_FROM_ROWS - 1 if self._avx2_rows
-            else (0 if self.batch_invariant else VNNI_MIN_ROWS - 1)
-            if self._vnni_rows and not self._amx
+            else 0 if self.batch_invariant  # the copies take every row (C: `vx_linear_apply`)
+            else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx
             else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
             bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),

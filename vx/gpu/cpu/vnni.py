@@ -126,9 +126,12 @@ def vnni_wanted(weight: torch.Tensor) -> bool:
 
 def vnni_takes(vnni: VnniWeight | None, x: torch.Tensor, plain: torch.Tensor | None) -> bool:
     """Whether x @ W.T goes to the VNNI copy `vnni`: 2-D bf16 x of at least `VNNI_MIN_ROWS`
-    rows, or any rows the skinny GEMM on `plain` does not take."""
+    rows, or any rows the skinny GEMM on `plain` does not take; any rows for an `all_rows`
+    copy (with AMX, the AMX GEMM's rows otherwise)."""
     if vnni is None or vnni.silu or x.dim() != 2 or x.dtype != torch.bfloat16:
         return False
+    if vnni.all_rows:
+        return True
     if vnni.amx:
         lo, hi = amx_vnni_rows()
         m = x.shape[0]
@@ -149,13 +152,18 @@ class VnniWeight:
     silu(x @ gate.T) * (x @ up.T) [M, I] with the roundings of `apply` then SiLU-mul (the same
     bits), and `apply` does not apply."""
 
-    def __init__(self, weight: torch.Tensor, amx: bool = False, silu: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, amx: bool = False, silu: bool = False, all_rows: bool = False
+    ) -> None:
         """amx: for `vx_gemm_amx_vnni` (see `amx_vnni_wanted`), else `vx_gemm_vnni_bf16`;
-        silu: a gate-up weight for `vx_gemm_amx_vnni_silu` (see `silu_packable`)."""
+        silu: a gate-up weight for `vx_gemm_amx_vnni_silu` (see `silu_packable`); all_rows:
+        the copy takes every row count (`--batch-invariant`: one GEMM, whose sums run over k in
+        one order whatever the rows, so a row's bits do not depend on the rows beside it)."""
         n, k = weight.shape
         self.n, self.k = n, k
         self.amx = amx
         self.silu = silu
+        self.all_rows = all_rows
         if silu and not (amx and silu_packable(weight)):
             raise ValueError(f"a {n} x {k} weight cannot be packed for the SiLU GEMM")
         lib = _amx_lib() if amx else _lib()

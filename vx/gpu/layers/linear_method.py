@@ -12,8 +12,8 @@ and in which order they are asked; the result is a chain (`LinearMethod`) whose 
 compare the rows of x against their ranges. The chain's last link takes every x.
 
 The same links make the LM head's chain (`vx.gpu.layers.vocab`), in its own order. With
-`--batch-invariant` (`set_batch_invariant`, before loading) the chain is the VNNI GEMM alone,
-for every row count (`invariant_method`).
+`--batch-invariant` (`set_batch_invariant`, before loading) the chain is one GEMM, vx's AMX or
+VNNI GEMM, for every row count (`invariant_method`).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def batch_invariant() -> bool:
 
 def _not_invariant(what: str) -> BatchInvariantError:
     return BatchInvariantError(
-        f"--batch-invariant is implemented for bf16 on CPUs with AVX512-BF16 and no AMX (one "
-        f"GEMM, vx's VNNI GEMM, for every row count); not for {what}"
+        f"--batch-invariant is implemented for bf16 on CPUs with AVX512-BF16 or AMX (one GEMM, "
+        f"vx's VNNI or AMX GEMM, for every row count); not for {what}"
     )
 
 
@@ -330,13 +330,20 @@ class WeightForms:
 
 
 def invariant_method(layer: Any) -> LinearMethod:
-    """The batch-invariant chain: vx's VNNI GEMM for every row count (its sums run over k in
-    one order whatever the rows, `vx/gpu/cpu/csrc/gemm_vnni.c`), with no skinny GEMM beside it."""
+    """The batch-invariant chain: one GEMM for every row count, with no skinny GEMM or oneDNN
+    beside it: vx's AMX GEMM where AMX is on, else its VNNI GEMM (AVX512-BF16). Each sums a
+    row's products over k in one order whatever the rows (`vx/gpu/cpu/csrc/gemm_vnni.c`,
+    `gemm_amx_vnni.c`: the AMX tiles' rows are independent, and x's last row block is
+    zero-padded), and its copy takes every row (`VnniWeight(all_rows=True)`)."""
     w = layer.weight
     if layer.quantization:
         raise _not_invariant(f"--quantization {layer.quantization}")
     if w.dtype != torch.bfloat16 or w.device.type != "cpu":
         raise _not_invariant(f"{w.dtype} on {w.device.type}")
-    if not vnni_wanted(w):
-        raise _not_invariant(f"a {tuple(w.shape)} weight on this CPU (no VNNI GEMM here)")
-    return chain(VnniLinear(VnniWeight(w.data), None), TorchLinear(w))
+    if amx_vnni_wanted(w):
+        vnni = VnniWeight(w.data, amx=True, all_rows=True)
+    elif vnni_wanted(w):
+        vnni = VnniWeight(w.data, all_rows=True)
+    else:
+        raise _not_invariant(f"a {tuple(w.shape)} weight on this CPU (no VNNI or AMX GEMM here)")
+    return chain(VnniLinear(vnni, None), TorchLinear(w))

@@ -182,7 +182,9 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
                 return ids  # else (more rows, too many candidates) as without the screen
         if self.tp_size == 1 and self.num_per_rank == self.vocab_size:  # as compute_logits
             if vnni_takes(self.vnni, hidden, self.plain):
-                return self.vnni.argmax(hidden)  # type: ignore[union-attr]
+                # the argmax kernel is the VNNI GEMM's; an AMX copy's (`--batch-invariant`)
+                # logits come from the AMX GEMM, and its tokens from them
+                return None if self.vnni.amx else self.vnni.argmax(hidden)  # type: ignore[union-attr]
         if self.tp_size > 1 or self.plain is None or self.num_per_rank != self.vocab_size:
             return None
         if self.quant is not None and hidden.shape[0] <= self.quant.max_rows:
@@ -197,6 +199,8 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
         if self.tp_size != 1 or self.num_per_rank != self.vocab_size:
             return None
         if rows < VNNI_MIN_ROWS and self.plain is not None:  # the skinny GEMM's row
+            return None
+        if self.vnni is not None and self.vnni.amx:  # as `greedy_ids`: from the logits
             return None
         return self.vnni
 

@@ -17,7 +17,8 @@
    `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
    VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
    VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
-   the linear's method chain routes them (`vx.gpu.layers.linear_method`). Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
+   the linear's method chain routes them (`vx.gpu.layers.linear_method`). With `skinny_rows` 0
+   (`--batch-invariant`) the VNNI or AMX copies take every row count. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
    path of `vx.gpu.cpu.widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
    weights (1-2 rows on their compact copy, `vx.gpu.cpu.compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
    roundings per output), as `vx.gpu.layers.rotary.apply_rotary`.
@@ -118,12 +119,16 @@ typedef struct vx_step {
     int64_t nkeep;
 } vx_step;
 
+/* Whether the AMX VNNI copies take T rows: the rows the linears route to them, or every row
+   count where skinny_rows is 0 (`--batch-invariant`: one GEMM for every row count). */
+#define VX_AV_TAKES(T, skinny_rows) \
+    ((skinny_rows) == 0 || ((T) >= vx_amx_vnni_rows(0) && (T) <= vx_amx_vnni_rows(1)))
 static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int quant_rows,
                            int skinny_rows, vx_bf16* y) {
 #if defined(__AVX512F__)
     if (L->q && T <= quant_rows)
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
-    if (L->vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+    if (L->vn && VX_STEP_AMX && VX_AV_TAKES(T, skinny_rows))
         return vx_gemm_amx_vnni(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
     if (T > 2 && VX_STEP_AMX)
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
@@ -165,7 +170,7 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
         }
         rc = -2;
 #if defined(__AVX512F__)
-        if (L->qkv.vn && VX_STEP_AMX && T >= vx_amx_vnni_rows(0) && T <= vx_amx_vnni_rows(1))
+        if (L->qkv.vn && VX_STEP_AMX && VX_AV_TAKES(T, s->skinny_rows))
             /* the rotary in the GEMM's epilogue: the same bits, no pass over q and k */
             rc = vx_gemm_amx_vnni_rope(s->h, H, (int)T, L->qkv.vn, L->qkv.bias, s->qkv, qkv_n,
                                        qkv_n, H, s->cos, s->sin, (Hq + Hkv) * D, (int)D);
