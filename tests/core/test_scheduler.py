@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from vx.core.request import RequestStatus
+from vx.core.scheduler import Scheduler
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
-from .helpers import EOS, make_add_request, make_scheduler
+from .helpers import EOS, make_add_request, make_config, make_scheduler
 
 COMMON = list(range(100, 148))
 
@@ -369,3 +371,34 @@ def test_small_steps_off_by_default() -> None:
     s = make_scheduler(64, max_num_batched_tokens=64)
     s.add_request(make_add_request("a", list(range(100))))
     assert s.schedule().total_num_scheduled_tokens == 64
+
+
+def test_batch_invariant_recomputes_outputs_one_a_step() -> None:
+    """`--batch-invariant`: a resumed request's chunk stops at its prompt's end, and its
+    recomputed output tokens come one a step (decode rows, as they were first computed); a
+    prompt is chunked as usual."""
+    config = msgspec.structs.replace(
+        make_config(max_num_batched_tokens=64, max_model_len=64), batch_invariant=True
+    )
+    s = Scheduler(config, 4)
+    s.add_request(make_add_request("a", list(range(16)), max_tokens=40, ignore_eos=True))
+    s.add_request(make_add_request("b", list(range(50, 66)), max_tokens=40, ignore_eos=True))
+    s.add_request(make_add_request("c", list(range(80, 90)), max_tokens=40, ignore_eos=True))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 16, "b": 16, "c": 10}
+    s.update_from_output(out, decode_all(out))
+    out = s.schedule()
+    assert out.preempted_req_ids == ["c"]
+    s.update_from_output(out, decode_all(out, 6))
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed.output_token_ids == [5]
+    assert out.num_scheduled_tokens["c"] == 10  # the prompt alone
+    s.update_from_output(out, result(out, {r: [7] for r in out.num_scheduled_tokens if r != "c"}))
+    assert s.requests["c"].output_token_ids == [5]  # nothing sampled mid-recompute
+    out = s.schedule()
+    assert out.num_scheduled_tokens["c"] == 1  # its output, as a decode row
+    s.update_from_output(out, decode_all(out, 8))
+    assert s.requests["c"].output_token_ids == [5, 8]
+    check(s)

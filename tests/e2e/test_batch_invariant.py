@@ -6,8 +6,8 @@ request or up to 63 of random lengths, a cold prefix cache or any number of its 
 scheduling on or off. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy, both with
 logprobs. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
 AVX512-BF16 (vx's VNNI GEMM) or AMX (vx's AMX GEMM); elsewhere the engine refuses it at start-up, with the reason (tested
-everywhere). Not covered: preemption (a recomputed output token's K/V comes through the prefill
-attention, the decode attention's arithmetic differs).
+everywhere). Preemption too: a recomputed output token is a decode row again (the scheduler
+schedules one a step past the prompt), so its K/V has the bits it had.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def _outputs(results: list[Any], count: int) -> list[Any]:
 
 
 def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int,
-         rng: random.Random) -> list[Any]:  # fmt: skip
+         rng: random.Random, last: bool = False) -> list[Any]:  # fmt: skip
     """The targets' outputs, generated beside `others` random requests (some of them sharing
-    a target's prompt head, so its cache state varies too)."""
+    a target's prompt head, so its cache state varies too); with `last`, the targets are
+    admitted last, so they are the first a short pool preempts."""
     prompts, plist = list(targets), [params] * len(targets)
     for _ in range(others):
         if rng.random() < 0.3:
@@ -82,6 +83,8 @@ def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int
         )  # fmt: skip
     order = list(range(len(prompts)))
     rng.shuffle(order)  # the targets anywhere in the batch
+    if last:
+        order = [i for i in order if i >= len(targets)] + list(range(len(targets)))
     results = llm.generate([prompts[i] for i in order], [plist[i] for i in order],
                            use_tqdm=False)  # fmt: skip
     back = {i: r for i, r in zip(order, results, strict=True)}
@@ -99,12 +102,15 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str)
         {"max_num_batched_tokens": 2048},
         {"max_num_batched_tokens": 16},
         {"max_num_batched_tokens": 64, "async_scheduling": False},
+        # a pool of 640 tokens: the crowds preempt the targets, which recompute their outputs
+        {"max_num_batched_tokens": 256, "num_blocks": 40},
     ):
+        preempting = "num_blocks" in kwargs
         with LLM(model, batch_invariant=True, num_threads=1, **kwargs) as llm:
             for params in PARAMS:
                 # cold and alone (first run), then cached, then beside 1, 7 and 63 others
                 for others in (0, 0, 1, 7, 63):
-                    got = [_run(llm, [t], params, others, rng)[0] for t in targets]
+                    got = [_run(llm, [t], params, others, rng, preempting)[0] for t in targets]
                     key = (params.temperature, tuple(map(len, targets)))
                     if reference is None:
                         reference = {}  # type: ignore[assignment]
@@ -116,6 +122,8 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str)
                 want = reference[(params.temperature, tuple(map(len, targets)))]  # type: ignore[index]
                 assert got == want, (kwargs, params.temperature, "together")
                 runs += 1
+            if preempting:
+                assert llm.call_utility("get_stats")["num_preempted_total"] > 0
     seeded = reference[(1.0, tuple(map(len, targets)))]  # type: ignore[index]
     assert all(len({tuple(c[0]) for c in choices}) == 2 for choices in seeded)  # n=2 differ
     logger.info("batch invariant: %d runs x %d requests identical", runs, len(targets))

@@ -65,7 +65,9 @@ class Scheduler:
     - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
       blocks at once and queues the id for the next output's `finished_req_ids`;
     - the preemption victim is always the tail of `running`; it goes to the front of `waiting`,
-      and nothing is admitted in a step that preempted.
+      and nothing is admitted in a step that preempted;
+    - with `batch_invariant`, no step's tokens of a request cross its prompt's end, and past it
+      a request takes one token a step (`_invariant_cap`).
     """
 
     def __init__(
@@ -81,6 +83,9 @@ class Scheduler:
         self.burst_step_tokens = sched.burst_step_tokens
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
         self.async_scheduling = sched.async_scheduling
+        #: `--batch-invariant`: a step's tokens of a request stay on one side of its prompt's
+        #: end, and past it come one a step (`_invariant_cap`).
+        self.batch_invariant = config.batch_invariant
         self.enable_caching = config.cache.enable_prefix_caching
         capacity = num_blocks * self.block_size
         limit = max_model_len or config.model.max_model_len or capacity
@@ -187,6 +192,8 @@ class Scheduler:
                 num_new = budget
             if 0 < threshold < num_new:
                 num_new = threshold
+            if self.batch_invariant:
+                num_new = _invariant_cap(request, num_computed, num_new)
             # Skip (not stop) when nothing is left to compute, or when the in-flight step's
             # tokens already take the request to its length limit (async scheduling).
             if num_new <= 0 or num_known >= request.max_num_tokens:
@@ -258,6 +265,8 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
+            if self.batch_invariant:
+                num_new = _invariant_cap(request, num_hit, num_new)
             if (
                 kv.allocate_slots(
                     request, num_new, num_hit, hit_blocks, full_sequence_must_fit=True
@@ -503,3 +512,13 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
         }
+
+
+def _invariant_cap(request: Request, num_computed: int, num_new: int) -> int:
+    """`num_new` tokens of `request` from `num_computed`, cut for batch-invariant inference:
+    up to its prompt's end while in the prompt, and one a step past it. A recomputed output
+    token (after preemption, or a prefix hit inside the outputs) is then a decode row, through
+    the decode attention as when it was first computed, never a row of a prefill chunk, whose
+    attention rounds otherwise (`vx.gpu.model_runner.ModelRunner.prepare_inputs`)."""
+    p = request.num_prompt_tokens
+    return min(num_new, p - num_computed) if num_computed < p else min(num_new, 1)
