@@ -5,7 +5,7 @@ request or up to 63 of random lengths, a cold prefix cache or any number of its 
 (by itself or by other requests sharing part of its prompt), any chunk budget, async
 scheduling on or off. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy, both with
 logprobs. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
-AVX512-BF16 (vx's VNNI GEMM) or AMX (vx's AMX GEMM); elsewhere the engine refuses it at start-up, with the reason (tested
+AMX (vx's AMX GEMM), AVX512-BF16 (its VNNI GEMM) or AVX2 (its panel GEMM); elsewhere the engine refuses it at start-up, with the reason (tested
 everywhere). Preemption too: a recomputed output token is a decode row again (the scheduler
 schedules one a step past the prompt), so its K/V has the bits it had.
 """
@@ -30,10 +30,17 @@ NEW_TOKENS = 24
 
 
 def _invariant_here() -> bool:
-    from vx.gpu.cpu import vnni
+    """Whether this CPU has a GEMM for every row count (`invariant_method` takes a weight)."""
+    from types import SimpleNamespace
 
-    w = torch.zeros(16, 32, dtype=torch.bfloat16)
-    return vnni.vnni_wanted(w) or vnni.amx_vnni_wanted(w)
+    from vx.gpu.layers.linear_method import BatchInvariantError, invariant_method
+
+    layer = SimpleNamespace(weight=torch.zeros(16, 32, dtype=torch.bfloat16), quantization=None)
+    try:
+        invariant_method(layer)
+    except BatchInvariantError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +100,7 @@ def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int
 
 def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str) -> None:
     if not _invariant_here():
-        pytest.skip("batch-invariant mode is implemented for bf16 on AVX512-BF16 or AMX CPUs")
+        pytest.skip("batch-invariant mode is implemented for bf16 on AMX, AVX512-BF16 or AVX2")
     rng = random.Random(0)
     targets = _targets(rng)
     reference: list[Any] | None = None
@@ -131,7 +138,7 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str)
 
 def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
     """fp32 has no row-invariant GEMM here (torch's takes it): the start-up fails and says so;
-    so does bf16 on a CPU without the VNNI GEMM."""
+    so does bf16 on a CPU without a GEMM for every row count."""
     from vx.gpu.layers.linear_method import BatchInvariantError
 
     kinds = ["float32"] + ([] if _invariant_here() else ["bfloat16"])
@@ -146,7 +153,7 @@ def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> N
     completions, with logprobs, cold, after a prefix hit, streamed, and beside 63 concurrent
     random requests, give the same tokens and logprobs; /version and the banner say it is on."""
     if not _invariant_here():
-        pytest.skip("batch-invariant mode is implemented for bf16 on AVX512-BF16 or AMX CPUs")
+        pytest.skip("batch-invariant mode is implemented for bf16 on AMX, AVX512-BF16 or AVX2")
     import concurrent.futures
 
     import httpx

@@ -397,15 +397,37 @@ def test_split_cuts_follow_the_threads_speeds() -> None:
         lib.vx_set_split_adapt(1)  # the speeds measured from here on
 
 
+def check_batch_invariant_step(model, fused: FusedDecode) -> None:
+    """A request's logits, prompt rows and decode rows, are the same bits stepped alone (its
+    prompt in chunks of 7 rows) as beside 8 others of other lengths (whole prompts), through
+    `fused` (built with `batch_invariant=True`) and the module path alike."""
+    counting = _Counting(fused)
+    g = torch.Generator().manual_seed(11)
+    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    # no chunk of one row: a lone prompt token takes the prefill attention in the runner
+    prompts = {f"r{i}": tok(n) for i, n in enumerate((2, 5, 9, 16, 17, 31, 33, 40, 62))}
+    together = PagedDriver(model, num_blocks=120, forward=counting.forward)
+    alone = PagedDriver(model, num_blocks=120, forward=counting.forward)
+    modules = PagedDriver(model, num_blocks=120, forward=model)
+    step = prompts
+    for _ in range(4):  # the prompts, then three decode steps
+        got = together.step_all(step)
+        for r, tokens in step.items():
+            parts = [alone.step_all({r: tokens[a : a + 7]})[r] for a in range(0, len(tokens), 7)]
+            assert torch.equal(got[r], torch.cat(parts)), (r, len(tokens))
+        by_modules = modules.step_all(step)
+        assert all(torch.equal(got[r], by_modules[r]) for r in step)
+        step = {r: [int(x[-1].argmax())] for r, x in got.items()}
+    assert counting.taken > 0
+
+
 @pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
 def test_batch_invariant_step_gives_a_row_the_same_bits_in_any_batch(
     tmp_path, monkeypatch, case: str
 ) -> None:
     """`--batch-invariant` (`set_batch_invariant` before loading): every linear has one GEMM
     for every row count (vx's AMX GEMM with AMX, else its VNNI GEMM), and the fused step
-    routes every row to it. A request's logits, prompt rows and decode rows, are then the same
-    bits stepped alone as beside 8 others of other lengths, through the fused step and the
-    module path alike."""
+    routes every row to it (`check_batch_invariant_step`)."""
     from vx.gpu.layers import linear_method
 
     monkeypatch.setattr(linear_method, "_batch_invariant", True)
@@ -414,26 +436,10 @@ def test_batch_invariant_step_gives_a_row_the_same_bits_in_any_batch(
     try:
         model = load_model(path, dtype=torch.bfloat16, progress=False)
     except linear_method.BatchInvariantError:
-        pytest.skip("no GEMM takes every row count here (AVX2)")
+        pytest.skip("no GEMM takes every row count here")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.vnni is not None and qkv.vnni.all_rows and qkv.plain is None and not qkv.packed
     fused = FusedDecode.build(model.model, batch_invariant=True)
     if fused is None:
         pytest.skip("no fused CPU decode step here")
-    counting = _Counting(fused)
-    g = torch.Generator().manual_seed(11)
-    tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
-    prompts = {f"r{i}": tok(n) for i, n in enumerate((2, 5, 9, 16, 17, 31, 33, 40, 64))}
-    together = PagedDriver(model, num_blocks=120, forward=counting.forward)
-    alone = PagedDriver(model, num_blocks=120, forward=counting.forward)
-    modules = PagedDriver(model, num_blocks=120, forward=model)
-    step = prompts
-    for _ in range(4):  # the prompts, then three decode steps
-        got = together.step_all(step)
-        for r, tokens in step.items():
-            want = alone.step_all({r: tokens})[r]
-            assert torch.equal(got[r], want), (r, len(tokens))
-        by_modules = modules.step_all(step)
-        assert all(torch.equal(got[r], by_modules[r]) for r in step)
-        step = {r: [int(x[-1].argmax())] for r, x in got.items()}
-    assert counting.taken > 0
+    check_batch_invariant_step(model, fused)

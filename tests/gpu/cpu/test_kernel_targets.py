@@ -408,6 +408,40 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+def test_avx2_batch_invariant_step(tmp_path, monkeypatch, case: str) -> None:
+    """`--batch-invariant` on the x86-64-v3 build: every linear and the LM head keep the panel
+    GEMM alone, for every row count, and a request's logits do not depend on the rows beside
+    it or on its prompt's chunking, through the fused step and the module path
+    (`test_fused_step.check_batch_invariant_step`)."""
+    import torch
+
+    from tests.gpu.cpu.test_fused_step import CASES, check_batch_invariant_step
+    from tests.models import make_tiny_model
+    from vx.gpu.cpu import ops as cpu_ops, vnni as cpu_vnni, widen as cpu_widen
+    from vx.gpu.cpu.fused_step import FusedDecode
+    from vx.gpu.layers import linear_method
+    from vx.gpu.loader import load_model
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(cpu_ops, "_gemv_state", {})
+    monkeypatch.setattr(cpu_widen, "_state", {})
+    monkeypatch.setattr(cpu_vnni, "_state", {})  # none here: this build has no VNNI GEMM
+    monkeypatch.setenv("VX_CPU_WIDEN", "1")
+    monkeypatch.setattr(linear_method, "_batch_invariant", True)
+    arch, overrides, _ = CASES[case]
+    path = make_tiny_model(tmp_path / "m", arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    for lin in (model.model.layers[0].self_attn.qkv_proj, model.lm_head):
+        assert lin.wide is not None and lin.wide.all_rows and lin.vnni is None
+    assert model.lm_head.screen is None
+    fused = FusedDecode.build(model.model, batch_invariant=True)
+    assert fused is not None and fused.max_rows() == 24
+    check_batch_invariant_step(model, fused)
+
+
 @pytest.mark.timeout(240)
 def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch) -> None:
     """The int8 screen of the LM head (vx.gpu.cpu.screen, from the x86-64-v3 build): its

@@ -363,8 +363,8 @@ class FusedDecode:
             md.decode_num_blocks * bs, self._quant_rows,
             int(self._has_fast and fast_decode_attention()),
             # as `linear` (AVX2: `WideWeight.apply`) routes
-            PANEL_FROM_ROWS - 1 if self._avx2_rows
-            else 0 if self.batch_invariant  # the copies take every row (C: `vx_linear_apply`)
+            0 if self.batch_invariant  # the copies take every row (C: `vx_linear_apply`)
+            else PANEL_FROM_ROWS - 1 if self._avx2_rows
             else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx
             else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),

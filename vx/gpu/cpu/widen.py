@@ -214,11 +214,14 @@ class WideWeight:
 
     Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
     and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
-    the caller should send here. `bf16` is the layer's own weight (no copy).
+    the caller should send here. `bf16` is the layer's own weight (no copy). With `all_rows`
+    (`--batch-invariant`; panels only) the panel GEMM takes every row count: each output is
+    its row's fp32 sum over k in order, so a row's bits do not depend on the rows beside it.
     """
 
-    def __init__(self, weight: torch.Tensor, *, compact: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, *, compact: bool = True, all_rows: bool = False) -> None:
         self.bf16 = weight.detach()
+        self.all_rows = all_rows
         # vx's panel GEMM where it is built and takes the shape (the bf16 values laid out in
         # its panels, widened in registers), else oneDNN's packed fp32 GEMM on an fp32 copy
         self.panels = pack_panels(self.bf16)
@@ -230,8 +233,10 @@ class WideWeight:
             self.weight = (
                 torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if self.packed else w
             )
+        if all_rows and self.panels is None:
+            raise ValueError("every row count on the panel GEMM, which does not take this weight")
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
-        self.min_rows = 1 if self.skinny_rows else WIDE_MIN_ROWS
+        self.min_rows = 1 if self.skinny_rows or all_rows else WIDE_MIN_ROWS
         # one and two rows: the same outputs from the compact copy's fewer bytes (`compact`
         # False: none, as for the LM head, whose rows the int8 screen serves)
         self.compact = (
@@ -240,6 +245,8 @@ class WideWeight:
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
+        if self.all_rows:
+            return self._panels(x, bias)
         if self.compact is not None and m <= self.compact.max_rows:
             y = self.compact.apply(x, bias)
             if y is not None:

@@ -77,8 +77,8 @@ def batch_invariant() -> bool:
 
 def _not_invariant(what: str) -> BatchInvariantError:
     return BatchInvariantError(
-        f"--batch-invariant is implemented for bf16 on CPUs with AVX512-BF16 or AMX (one GEMM, "
-        f"vx's VNNI or AMX GEMM, for every row count); not for {what}"
+        f"--batch-invariant is implemented for bf16 on CPUs with AMX, AVX512-BF16 or AVX2 (one "
+        f"GEMM, vx's AMX, VNNI or AVX2 panel GEMM, for every row count); not for {what}"
     )
 
 
@@ -331,19 +331,24 @@ class WeightForms:
 
 def invariant_method(layer: Any) -> LinearMethod:
     """The batch-invariant chain: one GEMM for every row count, with no skinny GEMM or oneDNN
-    beside it: vx's AMX GEMM where AMX is on, else its VNNI GEMM (AVX512-BF16). Each sums a
-    row's products over k in one order whatever the rows (`vx/gpu/cpu/csrc/gemm_vnni.c`,
-    `gemm_amx_vnni.c`: the AMX tiles' rows are independent, and x's last row block is
-    zero-padded), and its copy takes every row (`VnniWeight(all_rows=True)`)."""
+    beside it: vx's AMX GEMM where AMX is on, else its VNNI GEMM (AVX512-BF16), else (AVX2)
+    its panel GEMM. Each sums a row's products over k in one order whatever the rows
+    (`vx/gpu/cpu/csrc/gemm_vnni.c`, `gemm_amx_vnni.c`: the AMX tiles' rows are independent,
+    and x's last row block is zero-padded; `gemm_avx2.c`), and its copy takes every row
+    (`VnniWeight(all_rows=True)`, `WideWeight(all_rows=True)`)."""
     w = layer.weight
     if layer.quantization:
         raise _not_invariant(f"--quantization {layer.quantization}")
     if w.dtype != torch.bfloat16 or w.device.type != "cpu":
         raise _not_invariant(f"{w.dtype} on {w.device.type}")
     if amx_vnni_wanted(w):
-        vnni = VnniWeight(w.data, amx=True, all_rows=True)
-    elif vnni_wanted(w):
-        vnni = VnniWeight(w.data, all_rows=True)
-    else:
-        raise _not_invariant(f"a {tuple(w.shape)} weight on this CPU (no VNNI or AMX GEMM here)")
-    return chain(VnniLinear(vnni, None), TorchLinear(w))
+        return chain(VnniLinear(VnniWeight(w.data, amx=True, all_rows=True), None), TorchLinear(w))
+    if vnni_wanted(w):
+        return chain(VnniLinear(VnniWeight(w.data, all_rows=True), None), TorchLinear(w))
+    if widen_wanted(w, compact=False):
+        try:
+            wide = WideWeight(w.data, compact=False, all_rows=True)
+        except ValueError:  # no panel GEMM here, or not for this shape
+            raise _not_invariant(f"a {tuple(w.shape)} weight (no panel GEMM for it)") from None
+        return chain(WideLinear(wide), TorchLinear(w))
+    raise _not_invariant(f"a {tuple(w.shape)} weight on this CPU (no VNNI, AMX or panel GEMM)")
