@@ -64,8 +64,8 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "enable-prefix-caching", True, "reuse KV blocks of shared prefixes")
     _bool_flag(p, "async-scheduling", True, "schedule step n+1 while step n runs")
     _bool_flag(p, "batch-invariant", False,
-               "a request's tokens do not depend on its batch, the prefix cache or chunking "
-               "(AVX512-BF16 CPUs without AMX, bf16)")
+               "a request's tokens do not depend on its batch, the prefix cache, chunking or "
+               "preemption (CPU, bf16 or fp32, AVX2 and later)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])

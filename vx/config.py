@@ -86,9 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None
     enforce_eager: bool = False
     #: Batch-invariant inference (`--batch-invariant`): a request's tokens and logprobs do not
-    #: depend on the other requests in its steps, the prefix cache or the prompt's chunking.
-    #: Every row count takes one GEMM (the VNNI one), the LM head no int8 screen, and prompt
-    #: tokens the prefill attention; on CPUs with AVX512-BF16 and no AMX, in bf16, only.
+    #: depend on the other requests in its steps, the prefix cache, the prompt's chunking or
+    #: preemption. Every row count takes one GEMM (vx's AMX, VNNI or panel GEMM), the LM head
+    #: no int8 screen, prompt tokens the prefill attention and output tokens the decode
+    #: attention (fp32: every token); on CPUs, in bf16 or fp32, only.
     batch_invariant: bool = False
 
     def validate(self) -> None:

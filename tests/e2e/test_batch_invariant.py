@@ -3,8 +3,8 @@
 A request's token ids and logprobs must be bit-identical whatever shares its steps: no other
 request or up to 63 of random lengths, a cold prefix cache or any number of its blocks cached
 (by itself or by other requests sharing part of its prompt), any chunk budget, async
-scheduling on or off. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy, both with
-logprobs. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
+scheduling on or off, preemption. Seeded sampling (temperature 1, top-p 0.9, n = 2) and greedy,
+both with logprobs, in bf16 (the default) and fp32. The mode is implemented where one GEMM takes every row count: bf16 on CPUs with
 AMX (vx's AMX GEMM), AVX512-BF16 (its VNNI GEMM) or AVX2 (its panel GEMM); elsewhere the engine refuses it at start-up, with the reason (tested
 everywhere). Preemption too: a recomputed output token is a decode row again (the scheduler
 schedules one a step past the prompt), so its K/V has the bits it had.
@@ -98,7 +98,8 @@ def _run(llm: LLM, targets: list[list[int]], params: SamplingParams, others: int
     return _outputs([back[i] for i in range(len(targets))], len(targets))
 
 
-def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str, dtype: str) -> None:
     if not _invariant_here():
         pytest.skip("batch-invariant mode is implemented for bf16 on AMX, AVX512-BF16 or AVX2")
     rng = random.Random(0)
@@ -113,7 +114,7 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str)
         {"max_num_batched_tokens": 256, "num_blocks": 40},
     ):
         preempting = "num_blocks" in kwargs
-        with LLM(model, batch_invariant=True, num_threads=1, **kwargs) as llm:
+        with LLM(model, dtype=dtype, batch_invariant=True, num_threads=1, **kwargs) as llm:
             for params in PARAMS:
                 # cold and alone (first run), then cached, then beside 1, 7 and 63 others
                 for others in (0, 0, 1, 7, 63):
@@ -137,14 +138,14 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str)
 
 
 def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
-    """fp32 has no row-invariant GEMM here (torch's takes it): the start-up fails and says so;
-    so does bf16 on a CPU without a GEMM for every row count."""
+    """Weight-only quantization has no row-invariant GEMM (its kernels take a few rows): the
+    start-up fails and says so; so does a CPU without a GEMM for every row count."""
     from vx.gpu.layers.linear_method import BatchInvariantError
 
-    kinds = ["float32"] + ([] if _invariant_here() else ["bfloat16"])
-    for dtype in kinds:
+    kinds = [{"quantization": "int8"}] + ([] if _invariant_here() else [{}])
+    for kw in kinds:
         with pytest.raises(Exception, match="--batch-invariant is implemented for bf16") as e:
-            LLM(model, dtype=dtype, batch_invariant=True, num_threads=1)
+            LLM(model, batch_invariant=True, num_threads=1, **kw)
         assert e.type is not BatchInvariantError or "not for" in str(e.value)
 
 

@@ -98,6 +98,8 @@ class ModelRunner:
         #: step for the forward and the head's argmax. None (GPU, not bf16, no C kernels,
         #: `VX_CPU_DECODE_STEP=0`): the model's own forward runs every step.
         self.fused_step: FusedDecode | None = None
+        #: every token a decode row of the attention (batch-invariant fp32; `load_model`)
+        self.tokens_as_decodes = False
         #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise; a step
         #: with one of them in its batch leaves the fused step and the C argmax (`_poisoned`).
         self._poison_seed = poison_seed("worker")
@@ -147,6 +149,13 @@ class ModelRunner:
                 [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
                  if mod.packed and mod.vnni is not None and mod.vnni.amx]
             )  # fmt: skip
+        # Batch-invariant fp32 (no C prefill attention for fp32; SDPA's arithmetic follows the
+        # chunk and the cached prefix): every token is a decode row of the decode kernel, with
+        # its own position as its length, so prompts, outputs and recomputes all take one
+        # per-row arithmetic.
+        self.tokens_as_decodes = (
+            self.config.batch_invariant and self.device.type == "cpu" and self.dtype == torch.float32
+        )
         # After the copies above are final: the C step's descriptions point at them.
         self.fused_step = FusedDecode.build(
             self.model.model, batch_invariant=self.config.batch_invariant
@@ -378,14 +387,24 @@ class ModelRunner:
             positions % BLOCK_SIZE
         )
         width = -(-int(ends.max()) // BLOCK_SIZE)
-        md = build_attention_metadata(
-            query_lens=query_lens,
-            num_computed=num_computed,
-            block_table=batch.block_table[rows, :width],
-            slot_mapping=slot_mapping,
-            num_decodes=len(decodes),
-            device=self.device,
-        )
+        if self.tokens_as_decodes:  # one decode row a token (`load_model`)
+            md = build_attention_metadata(
+                query_lens=np.ones(num_tokens, dtype=np.int64),
+                num_computed=positions,
+                block_table=batch.block_table[tok_rows, :width],
+                slot_mapping=slot_mapping,
+                num_decodes=num_tokens,
+                device=self.device,
+            )
+        else:
+            md = build_attention_metadata(
+                query_lens=query_lens,
+                num_computed=num_computed,
+                block_table=batch.block_table[rows, :width],
+                slot_mapping=slot_mapping,
+                num_decodes=len(decodes),
+                device=self.device,
+            )
         return StepInputs(
             req_ids=req_ids,
             rows=rows,

@@ -408,6 +408,17 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 
 
+@pytest.mark.timeout(240)
+def test_avx2_fp32_panel_gemm_is_row_invariant(tmp_path, monkeypatch) -> None:
+    """The fp32 panel GEMM of the x86-64-v3 build (`--batch-invariant` on fp32 models)."""
+    from tests.gpu.cpu.test_fp32_panels import check_fp32_panels
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    assert lib.vx_has_gemm_f32_panels()
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
+    check_fp32_panels()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
 def test_avx2_batch_invariant_step(tmp_path, monkeypatch, case: str) -> None:

@@ -80,6 +80,9 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     # gemm_avx2.c
     "vx_has_gemm_panels_avx2": _QUERY,
     "vx_gemm_panels_avx2": _GEMM,
+    # gemm_f32.c
+    "vx_has_gemm_f32_panels": _QUERY,
+    "vx_gemm_f32_panels": _GEMM,
     # screen.c
     "vx_has_screen": _QUERY,
     "vx_screen_i8": (_I32, [_P, _I64, _I32, _P, _P, _P, _I64, _I64]),

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vx.gpu.cpu.fp32_panels import Fp32Panels, fp32_panels_wanted
 from vx.gpu.cpu.ops import AMX_MAX_ROWS, gemv_fits, gemv_kernels, skinny_gemm
 from vx.gpu.cpu.row_plan import chunk_rows
 from vx.gpu.cpu.vnni import (
@@ -39,6 +40,7 @@ from vx.gpu.layers.quantization import QuantizedWeight, cpu_prepack_enabled, pre
 
 __all__ = [
     "BatchInvariantError",
+    "Fp32PanelLinear",
     "LinearMethod",
     "OneDnnLinear",
     "QuantizedLinear",
@@ -77,8 +79,8 @@ def batch_invariant() -> bool:
 
 def _not_invariant(what: str) -> BatchInvariantError:
     return BatchInvariantError(
-        f"--batch-invariant is implemented for bf16 on CPUs with AMX, AVX512-BF16 or AVX2 (one "
-        f"GEMM, vx's AMX, VNNI or AVX2 panel GEMM, for every row count); not for {what}"
+        f"--batch-invariant is implemented for bf16 and fp32 on CPUs with AMX, AVX512-BF16 or "
+        f"AVX2 (one GEMM, vx's own, for every row count); not for {what}"
     )
 
 
@@ -207,6 +209,20 @@ class OneDnnLinear(LinearMethod):
         return y
 
 
+class Fp32PanelLinear(LinearMethod):
+    """vx's fp32 panel GEMM (`--batch-invariant` on an fp32 model): every x, each row's sums
+    over k in one order whatever the rows."""
+
+    __slots__ = ("panels",)
+
+    def __init__(self, panels: Fp32Panels) -> None:
+        super().__init__()
+        self.panels = panels
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.panels.apply(x, bias)
+
+
 class TorchLinear(LinearMethod):
     """`F.linear` on the weight as loaded (CUDA, fp32, and wherever nothing else applies);
     takes every x."""
@@ -332,13 +348,15 @@ class WeightForms:
 def invariant_method(layer: Any) -> LinearMethod:
     """The batch-invariant chain: one GEMM for every row count, with no skinny GEMM or oneDNN
     beside it: vx's AMX GEMM where AMX is on, else its VNNI GEMM (AVX512-BF16), else (AVX2)
-    its panel GEMM. Each sums a row's products over k in one order whatever the rows
+    its panel GEMM; for fp32 weights its fp32 panel GEMM (`vx.gpu.cpu.fp32_panels`). Each sums a row's products over k in one order whatever the rows
     (`vx/gpu/cpu/csrc/gemm_vnni.c`, `gemm_amx_vnni.c`: the AMX tiles' rows are independent,
     and x's last row block is zero-padded; `gemm_avx2.c`), and its copy takes every row
     (`VnniWeight(all_rows=True)`, `WideWeight(all_rows=True)`)."""
     w = layer.weight
     if layer.quantization:
         raise _not_invariant(f"--quantization {layer.quantization}")
+    if fp32_panels_wanted(w):
+        return Fp32PanelLinear(Fp32Panels(w.data))
     if w.dtype != torch.bfloat16 or w.device.type != "cpu":
         raise _not_invariant(f"{w.dtype} on {w.device.type}")
     if amx_vnni_wanted(w):

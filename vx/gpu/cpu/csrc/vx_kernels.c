@@ -16,6 +16,7 @@
 #include "gemv_avx2.c"
 #include "gemv_compact_avx2.c"
 #include "gemm_avx2.c"
+#include "gemm_f32.c"
 #include "screen.c"
 #include "decode_attention_avx2.c"
 #include "prefill_avx2.c"

@@ -120,6 +120,10 @@ int vx_gemv_compact_avx2(const vx_bf16* x, int64_t x_st, int M, const uint8_t* W
 int vx_has_gemm_panels_avx2(void);
 int vx_gemm_panels_avx2(const vx_bf16* x, int64_t x_st, int M, const uint32_t* P, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K);
 
+/* gemm_f32.c */
+int vx_has_gemm_f32_panels(void);
+int vx_gemm_f32_panels(const float* x, int64_t x_st, int M, const float* P, const float* bias, float* y, int64_t y_st, int64_t N, int64_t K);
+
 /* screen.c */
 int vx_has_screen(void);
 int vx_screen_i8(const vx_bf16* x, int64_t x_st, int M, const int8_t* W, const float* s, float* y, int64_t N, int64_t K);
