@@ -152,7 +152,8 @@ def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
 def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> None:
     """`vx serve --batch-invariant`, the official client: the same seeded (n = 2) and greedy
     completions, with logprobs, cold, after a prefix hit, streamed, and beside 63 concurrent
-    random requests, give the same tokens and logprobs; /version and the banner say it is on."""
+    random requests, give the same tokens and logprobs; choice i of n = 4 is seed + i alone;
+    `vx.LLM` gives the same; /version and the banner say it is on."""
     if not _invariant_here():
         pytest.skip("batch-invariant mode is implemented for bf16 on AMX, AVX512-BF16 or AVX2")
     import concurrent.futures
@@ -169,6 +170,7 @@ def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> N
         {"temperature": 1.0, "top_p": 0.9, "n": 2, "seed": 7},
         {"temperature": 0.0},
     ]
+    served: list[Any] = [None]  # the seeded n = 2 answer
     with VxServer(model, "--batch-invariant", "--served-model-name", "tiny") as srv:
         assert httpx.get(srv.url + "/version", timeout=10).json()["batch_invariant"] is True
         assert "batch invariant on" in srv.full_log()
@@ -211,3 +213,17 @@ def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> N
                 assert beside.result() == cold
             if body.get("n") == 2:
                 assert cold[0][0] != cold[1][0]  # choice 1 samples with seed 8
+                served[0] = cold
+        # choice i of n = 4 is the request of seed 7 + i alone (`SamplingParams.for_choice`)
+        four = ask({"temperature": 1.0, "top_p": 0.9, "n": 4, "seed": 7})
+        assert four[:2] == served[0]
+        for i in range(4):
+            assert ask({"temperature": 1.0, "top_p": 0.9, "seed": 7 + i}) == [four[i]], i
+    # vx.LLM gives the served tokens: the same text and chosen tokens' logprobs
+    params = SamplingParams.create(temperature=1.0, top_p=0.9, n=2, seed=7, logprobs=3,
+                                   max_tokens=NEW_TOKENS, ignore_eos=True)  # fmt: skip
+    with LLM(model, batch_invariant=True, num_threads=1) as llm:
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+    offline = [(c.text, [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+               for c in out.outputs]  # fmt: skip
+    assert offline == [(text, lps) for text, lps, _ in served[0]]
