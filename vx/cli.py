@@ -20,6 +20,7 @@ from vx.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    parse_speculative_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "batch-invariant", False,
                "a request's tokens do not depend on its batch, the prefix cache, chunking or "
                "preemption (CPU, bf16 or fp32, AVX2 and later)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 5}\' (turns async scheduling off)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -116,6 +121,11 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         offline=offline,
     )
     small_step_tokens = _small_step_tokens(args, offline)
+    speculative = parse_speculative_config(getattr(args, "speculative_config", None))
+    async_scheduling = args.async_scheduling
+    if speculative.enabled and async_scheduling:
+        logger.info("speculative decoding: async scheduling off (drafts follow each step)")
+        async_scheduling = False
     config = EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -134,7 +144,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=async_scheduling,
             small_step_tokens=small_step_tokens,
             burst_step_tokens=512 if small_step_tokens else 0,
         ),
@@ -148,6 +158,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         num_threads=args.num_threads,
         enforce_eager=getattr(args, "enforce_eager", False),
         batch_invariant=getattr(args, "batch_invariant", False),
+        speculative=speculative,
     )
     config.validate()
     return config

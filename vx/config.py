@@ -70,6 +70,24 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_size: int = 1
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding (`--speculative-config`, vLLM's JSON keys); `method` None: off.
+
+    `ngram`: prompt lookup over a request's own tokens (`vx.gpu.spec_decode.ngram`): the
+    longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens seen before
+    proposes the `num_speculative_tokens` tokens that followed it. Runs with async scheduling
+    off (a step's drafts come from its own sampled tokens)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything an EngineCore and its Workers need; the front adds its HTTP settings."""
 
@@ -91,6 +109,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: no int8 screen, prompt tokens the prefill attention and output tokens the decode
     #: attention (fp32: every token); on CPUs, in bf16 or fp32, only.
     batch_invariant: bool = False
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def validate(self) -> None:
         s, c, p = self.scheduler, self.cache, self.parallel
@@ -118,6 +137,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"unknown quantization {self.model.quantization!r}")
         if self.model.quantization is not None and self.device != "cpu":
             raise ValueError("quantization is implemented for CPU only")
+        sp = self.speculative
+        if sp.method not in (None, "ngram"):
+            raise ValueError(f"unknown speculative method {sp.method!r} (known: ngram)")
+        if sp.enabled:
+            if not 1 <= sp.num_speculative_tokens <= 16:
+                raise ValueError("num_speculative_tokens must be in [1, 16]")
+            if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
+                raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            if s.async_scheduling:
+                raise ValueError("speculative decoding runs with async scheduling off")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -146,3 +175,21 @@ def default_max_num_batched_tokens(
     elif device_memory_bytes is not None and device_memory_bytes >= LARGE_DEVICE_BYTES:
         base = 16384
     return base * 2 if offline else base
+
+
+def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig:
+    """`--speculative-config`'s JSON (vLLM's keys: method, num_speculative_tokens,
+    prompt_lookup_min, prompt_lookup_max), or a dict of them; None: off. Unknown keys are
+    refused."""
+    if text is None or text == "":
+        return SpeculativeConfig()
+    try:
+        data = msgspec.json.decode(text) if isinstance(text, str) else text
+        if not isinstance(data, dict):
+            raise ValueError("a JSON object")
+        unknown = sorted(set(data) - set(SpeculativeConfig.__struct_fields__))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        return msgspec.convert(data, SpeculativeConfig, strict=True)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"bad --speculative-config: {e}") from None

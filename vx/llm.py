@@ -25,6 +25,7 @@ from vx.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    parse_speculative_config,
 )
 from vx.engine_procs import EngineProcesses, resolve_engine_config
 from vx.errors import EngineDeadError, EngineStartupError
@@ -92,6 +93,7 @@ class LLM:
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.92,
         batch_invariant: bool = False,
+        speculative_config: dict | str | None = None,
     ) -> None:
         from vx.models_hub.device import resolve_scheduler_defaults  # no torch import
 
@@ -101,6 +103,9 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             offline=True,
         )
+        speculative = parse_speculative_config(speculative_config)
+        if speculative.enabled:
+            async_scheduling = False  # drafts follow each step's own sampled tokens
         config = EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -127,6 +132,7 @@ class LLM:
             num_threads=num_threads,
             enforce_eager=enforce_eager,
             batch_invariant=batch_invariant,
+            speculative=speculative,
         )
         self.config = resolve_engine_config(config)
         from transformers import AutoTokenizer

@@ -176,6 +176,10 @@ class SchedulerStats(_StepMsg, frozen=True):
     #: Host-side time of this step split by phase (schedule, ipc wait, update), seconds.
     schedule_time_s: float = 0.0
     update_time_s: float = 0.0
+    #: Speculative decoding: drafts scored and accepted so far, and accepted by draft position.
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_num_accepted_by_position: list[int] = []
 
 
 class EngineCoreOutputs(_StepMsg, frozen=True):
@@ -273,6 +277,9 @@ class SchedulerOutput(_StepMsg, frozen=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     preempted_req_ids: list[str] = []
+    #: Speculative decoding: each drafting request's draft tokens, scored this step after its
+    #: last known token (its `num_scheduled_tokens` is 1 + len(drafts)).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 WorkerInput = SchedulerOutput | Shutdown
@@ -285,7 +292,8 @@ class ModelRunnerOutput(_StepMsg, frozen=True):
     """Rank 0's result for one step.
 
     `sampled_token_ids[i]` belongs to `req_ids[i]`; it is empty for a prefill chunk that did
-    not reach the end of the known tokens (nothing is sampled there).
+    not reach the end of the known tokens (nothing is sampled there). A drafting request's
+    holds its accepted drafts, then its own token (1 to 1 + len(drafts) tokens).
     """
 
     step_id: int
@@ -295,6 +303,8 @@ class ModelRunnerOutput(_StepMsg, frozen=True):
     prompt_logprobs: dict[str, Logprobs] | None = None
     #: Worker-side time of the step (prepare + forward + sample), seconds.
     execute_time_s: float = 0.0
+    #: Speculative decoding: the drafts rank 0 proposes for each request's next step.
+    spec_token_ids: dict[str, list[int]] | None = None
 
 
 class WorkerReady(_Msg):

@@ -82,6 +82,7 @@ class Request:
         "stop_token_set",
         "skip_reading_prefix_cache",
         "admitted_step_id",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -136,6 +137,9 @@ class Request:
         self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
         #: step_id of the schedule() that last admitted it; older steps' tokens are stale.
         self.admitted_step_id = -1
+        #: Speculative decoding: drafts for its next step (rank 0's proposal), never known
+        #: tokens: they are neither hashed nor counted in `num_tokens`.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_add_request(cls, msg: AddRequest, *, max_model_len: int) -> Request:

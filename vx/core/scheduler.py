@@ -86,6 +86,12 @@ class Scheduler:
         #: `--batch-invariant`: a step's tokens of a request stay on one side of its prompt's
         #: end, and past it come one a step (`_invariant_cap`).
         self.batch_invariant = config.batch_invariant
+        #: Speculative decoding: drafts scored and accepted, in total and by draft position.
+        self.speculative = config.speculative.enabled
+        k = config.speculative.num_speculative_tokens if self.speculative else 0
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
+        self.num_accepted_by_position = [0] * k
         self.enable_caching = config.cache.enable_prefix_caching
         capacity = num_blocks * self.block_size
         limit = max_model_len or config.model.max_model_len or capacity
@@ -173,6 +179,7 @@ class Scheduler:
         is_async = self.async_scheduling
         allocate_slots = self.kv_cache_manager.allocate_slots
         num_scheduled_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         cached_ids: list[str] = []
         cached_new_block_ids: list[list[int]] = []
         cached_num_computed: list[int] = []
@@ -194,6 +201,17 @@ class Scheduler:
                 num_new = threshold
             if self.batch_invariant:
                 num_new = _invariant_cap(request, num_computed, num_new)
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                # Scored after its last known token: within the budget, and never past the
+                # tokens it may still emit (each accepted draft is one, plus its own).
+                if num_computed + num_new == num_known:
+                    room = min(budget - num_new, request.max_num_tokens - num_known - 1)
+                    drafts = drafts[: max(room, 0)]
+                    num_new += len(drafts)
+                else:
+                    drafts = []
             # Skip (not stop) when nothing is left to compute, or when the in-flight step's
             # tokens already take the request to its length limit (async scheduling).
             if num_new <= 0 or num_known >= request.max_num_tokens:
@@ -211,6 +229,8 @@ class Scheduler:
                 break  # the request preempted itself: nobody after it is left either
             request_id = request.request_id
             num_scheduled_tokens[request_id] = num_new
+            if drafts:
+                spec_tokens[request_id] = drafts
             add_id(request_id)
             add_block_ids(new_block_ids)
             add_num_computed(num_computed)
@@ -238,6 +258,7 @@ class Scheduler:
             total,
             self.finished_req_ids,
             self.preempted_req_ids,
+            spec_tokens,
         )
         # An output that schedules nothing may never be sent (the EngineCore drops it), so its
         # ids stay pending and ride along again; workers ignore ids they do not hold.
@@ -307,6 +328,7 @@ class Scheduler:
         )
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         # Tokens of steps still in flight will be dropped (status check in update_from_output).
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -328,6 +350,8 @@ class Scheduler:
         block_size = self.block_size
         prompt_logprobs = model_runner_output.prompt_logprobs
         logprobs = model_runner_output.logprobs
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        new_drafts = model_runner_output.spec_token_ids
         outputs: list[EngineCoreOutput] = []
         emit = outputs.append
         make_output = EngineCoreOutput
@@ -361,6 +385,10 @@ class Scheduler:
                 if is_async:
                     n = request.num_output_placeholders - len(token_ids)
                     request.num_output_placeholders = n if n > 0 else 0
+                if scheduled_drafts:
+                    drafts = scheduled_drafts.get(request_id)
+                    if drafts:  # its accepted drafts, then its own token
+                        self._count_accepted(request, len(drafts), len(token_ids) - 1)
                 finish_reason = stop_reason = None
                 if len(token_ids) == 1:
                     # Hot path: one token (plain decode), no trimming possible.
@@ -394,12 +422,27 @@ class Scheduler:
             if finish_reason is not None:
                 stopped.append(request)
                 self._free_request(request, _FINISHED[finish_reason])
+            elif new_drafts:
+                request.spec_token_ids = new_drafts.get(request_id, [])
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
         if failed:
             outputs += self._fail_requests(failed)
         return outputs
+
+    def _count_accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A drafting request's step came back with `num_accepted` of its `num_drafts` drafts:
+        the positions of the rejected ones were computed for nothing, so its computed count
+        goes back by them (their slots are written again when real tokens get there)."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise RuntimeError(f"{num_accepted} accepted of {num_drafts} drafts")
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.num_draft_tokens_total += num_drafts
+        self.num_accepted_tokens_total += num_accepted
+        by_position = self.num_accepted_by_position
+        for i in range(min(num_accepted, len(by_position))):
+            by_position[i] += 1
 
     def _cache_new_full_block(self, request: Request) -> None:
         """A block just filled with known tokens: hash it, and cache it if its KV is scheduled."""
@@ -427,6 +470,9 @@ class Scheduler:
             step_num_prefill_tokens=self._last_num_prefill_tokens,
             step_num_decode_tokens=self._last_num_decode_tokens,
             step_token_budget=self.max_num_batched_tokens,
+            spec_num_draft_tokens_total=self.num_draft_tokens_total,
+            spec_num_accepted_tokens_total=self.num_accepted_tokens_total,
+            spec_num_accepted_by_position=list(self.num_accepted_by_position),
         )
 
     def _fail_requests(self, failed: list[tuple[Request, Exception]]) -> list[EngineCoreOutput]:

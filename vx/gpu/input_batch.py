@@ -184,6 +184,23 @@ class InputBatch:
         self.token_ids[rows, cols] = token_ids
         self.num_tokens[rows] = cols + 1
 
+    def append_token_list(self, row: int, token_ids: Sequence[int]) -> None:
+        """Append several tokens to `row` (a drafting request's accepted drafts and its own
+        token), as many as fit (see `append_tokens`)."""
+        col = int(self.num_tokens[row])
+        n = min(len(token_ids), self.max_model_len + 1 - col)
+        if n > 0:
+            self.token_ids[row, col : col + n] = token_ids[:n]
+            self.num_tokens[row] = col + n
+
+    def write_drafts(self, row: int, draft_ids: Sequence[int]) -> None:
+        """Write a request's drafts after its known tokens, where the step reads its input ids;
+        they stay unknown (`num_tokens` is unchanged) until accepted."""
+        col = int(self.num_tokens[row])
+        if col + len(draft_ids) > self.max_model_len:
+            raise ValueError(f"request {self.req_ids[row]}: drafts past max_model_len")
+        self.token_ids[row, col : col + len(draft_ids)] = draft_ids
+
     # ───────────────────────── views ─────────────────────────
 
     def prompt_token_ids(self, row: int) -> np.ndarray:
@@ -195,10 +212,14 @@ class InputBatch:
 
 class RowTokens(Sequence):
     """Lazy per-row token views of `rows` (outputs, or prompts) for `SamplingMetadata.build`
-    and `vx.gpu.sample.greedy`: a row's tokens are read only when it needs them."""
+    and `vx.gpu.sample.greedy`: a row's tokens are read only when it needs them. With
+    `drafts` (outputs only), row i's outputs run `drafts[i]` tokens past the known ones: the
+    drafts before a verified position (`InputBatch.write_drafts`)."""
 
-    def __init__(self, batch: InputBatch, rows: np.ndarray, outputs: bool) -> None:
-        self._batch, self._rows, self._outputs = batch, rows, outputs
+    def __init__(
+        self, batch: InputBatch, rows: np.ndarray, outputs: bool, drafts: np.ndarray | None = None
+    ) -> None:
+        self._batch, self._rows, self._outputs, self._drafts = batch, rows, outputs, drafts
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -206,7 +227,12 @@ class RowTokens(Sequence):
     def __getitem__(self, i):  # type: ignore[override]
         row = int(self._rows[i])
         b = self._batch
-        return b.output_token_ids(row) if self._outputs else b.prompt_token_ids(row)
+        if not self._outputs:
+            return b.prompt_token_ids(row)
+        if self._drafts is None:
+            return b.output_token_ids(row)
+        end = b.num_tokens[row] + self._drafts[i]
+        return b.token_ids[row, b.num_prompt_tokens[row] : end]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self._rows)))

@@ -35,6 +35,7 @@ from vx.gpu.kv_cache import (
     num_gpu_blocks,
 )
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
+from vx.gpu.spec_decode.ngram import NgramProposer
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     #: Indices into req_ids of the requests that sample this step.
     sample_idx: np.ndarray
+    #: [R] each request's draft tokens scored this step (speculative decoding; its last
+    #: 1 + num_drafts tokens are each sampled), or None when no request drafts.
+    num_drafts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -100,6 +104,13 @@ class ModelRunner:
         self.fused_step: FusedDecode | None = None
         #: every token a decode row of the attention (batch-invariant fp32; `load_model`)
         self.tokens_as_decodes = False
+        #: speculative decoding's draft proposer (rank 0 drafts; every rank verifies)
+        self.proposer: NgramProposer | None = None
+        sp = config.speculative
+        if sp.enabled:
+            self.proposer = NgramProposer(
+                sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max
+            )
         #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise; a step
         #: with one of them in its batch leaves the fused step and the C argmax (`_poisoned`).
         self._poison_seed = poison_seed("worker")
@@ -280,6 +291,9 @@ class ModelRunner:
         if batch is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and initialize_kv_cache()")
         batch.apply(so)
+        if self.proposer is not None:  # preempted ones are judged afresh when they resume
+            for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+                self.proposer.retire(req_id)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
@@ -289,6 +303,14 @@ class ModelRunner:
             forward = self.fused_step.forward
         sample_idx = inputs.sample_idx
         last = inputs.query_start[sample_idx] + inputs.query_lens[sample_idx] - 1
+        drafts = None  # per sampled row: the drafts before it (speculative decoding)
+        if inputs.num_drafts is not None:
+            # a drafting request samples each of its last 1 + k rows: expand it to them
+            counts = inputs.num_drafts[sample_idx] + 1
+            first = np.cumsum(counts) - counts
+            drafts = np.arange(int(counts.sum())) - np.repeat(first, counts)
+            last = np.repeat(last - counts + 1, counts) + drafts
+            sample_idx = np.repeat(sample_idx, counts)
         wants_prompt_logprobs = self._wants_prompt_logprobs(inputs)
         # Only the sampled rows' hidden states are used, unless prompt logprobs need them
         # all: the last layer then runs past its attention on those rows alone.
@@ -300,6 +322,7 @@ class ModelRunner:
         if (
             self.fused_step is not None
             and not wants_prompt_logprobs
+            and drafts is None
             and not self._poisoned(inputs.rows)
         ):
             fused = fused_greedy_step(self.fused_step, model, batch, inputs, self.kv_caches)
@@ -323,14 +346,22 @@ class ModelRunner:
             )
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
-                sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
-            # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
-            # harmless token until the EngineCore's finished_req_ids drops it.
-            batch.append_tokens(rows, np.maximum(sampled, 0))
-            for j, tok in zip(sample_idx.tolist(), sampled.tolist(), strict=True):
-                sampled_lists[j] = [tok]
-        # Requests advance by what was scheduled (the next diff sets the same value again).
-        batch.num_computed_tokens[inputs.rows] = inputs.num_computed + inputs.query_lens
+                sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
+            if drafts is None:
+                # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
+                # harmless token until the EngineCore's finished_req_ids drops it.
+                batch.append_tokens(rows, np.maximum(sampled, 0))
+                for j, tok in zip(sample_idx.tolist(), sampled.tolist(), strict=True):
+                    sampled_lists[j] = [tok]
+            else:
+                self._accept_drafts(inputs, so, sample_idx, sampled, sampled_lists, logprobs_out)
+        # Requests advance by what was scheduled (the next diff sets the same value again),
+        # less a drafting request's rejected drafts.
+        computed = inputs.num_computed + inputs.query_lens
+        if inputs.num_drafts is not None:
+            for i, toks in enumerate(sampled_lists):
+                computed[i] -= inputs.num_drafts[i] + 1 - len(toks) if toks else 0
+        batch.num_computed_tokens[inputs.rows] = computed
         prompt_logprobs = self._prompt_logprobs(inputs, hidden) if wants_prompt_logprobs else None
         return ModelRunnerOutput(
             step_id=so.step_id,
@@ -339,7 +370,68 @@ class ModelRunner:
             logprobs=logprobs_out,
             prompt_logprobs=prompt_logprobs,
             execute_time_s=time.perf_counter() - t0,
+            spec_token_ids=self._propose(inputs, sampled_lists) if self.proposer else None,
         )
+
+    def _accept_drafts(
+        self,
+        inputs: StepInputs,
+        so: SchedulerOutput,
+        sample_idx: np.ndarray,
+        sampled: np.ndarray,
+        sampled_lists: list[list[int]],
+        logprobs_out: list[Logprobs | None] | None,
+    ) -> None:
+        """A step with drafts: each request's tokens are its accepted drafts, then its own
+        sample (`vx.gpu.spec_decode.verifier`); they join its known tokens, and its Logprobs
+        keep their positions."""
+        from vx.gpu.spec_decode.verifier import num_accepted
+
+        batch = self.input_batch
+        assert batch is not None
+        spec = so.scheduled_spec_decode_tokens
+        tokens = np.maximum(sampled, 0).tolist()
+        j = 0
+        for i in np.unique(sample_idx).tolist():  # ascending, as the rows were expanded
+            req_id, row = inputs.req_ids[i], int(inputs.rows[i])
+            d = spec.get(req_id, ())
+            mine = tokens[j : j + len(d) + 1]
+            failed = min(sampled[j : j + len(d) + 1]) < 0
+            j += len(d) + 1
+            if failed:  # as a plain row: SAMPLE_FAILED, and a harmless token
+                sampled_lists[i] = [SAMPLE_FAILED]
+                batch.append_token_list(row, [0])
+                continue
+            a = num_accepted(d, mine) if d else 0
+            out = mine[: a + 1]
+            sampled_lists[i] = out
+            batch.append_token_list(row, out)
+            if d and self.proposer is not None:
+                self.proposer.record(req_id, len(d), a)
+            if logprobs_out is not None and logprobs_out[i] is not None:
+                logprobs_out[i] = _first_rows(logprobs_out[i], len(out))
+
+    def _propose(self, inputs: StepInputs, sampled_lists: list[list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled now (rank 0 only; the
+        EngineCore schedules them). None for a request short of min_tokens (the greedy C
+        argmax masks by the known outputs)."""
+        batch = self.input_batch
+        assert batch is not None and self.proposer is not None
+        out: dict[str, list[int]] = {}
+        if self.rank != 0:
+            return out
+        for i, toks in enumerate(sampled_lists):
+            if not toks or toks[0] < 0:
+                continue
+            row = int(inputs.rows[i])
+            n = int(batch.num_tokens[row])
+            p = batch.sampling_params[row]
+            if p.min_tokens > n - int(batch.num_prompt_tokens[row]):
+                continue
+            drafts = self.proposer.propose(inputs.req_ids[i], batch.token_ids[row, :n])
+            if drafts:
+                out[inputs.req_ids[i]] = drafts
+        return out
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (decodes first) and build the attention metadata."""
@@ -347,9 +439,14 @@ class ModelRunner:
         assert batch is not None
         index = batch.req_id_to_index
         decodes: list[str] = []
+        drafting: list[str] = []
         prefills: list[str] = []
         invariant = self.config.batch_invariant
+        spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
+            if spec and req_id in spec:
+                drafting.append(req_id)
+                continue
             # Batch-invariant: a prompt token takes the prefill attention even alone (the
             # last one after a prefix hit, a chunk of one), as it does cold.
             decode = n == 1 and (
@@ -359,7 +456,9 @@ class ModelRunner:
                 >= batch.num_prompt_tokens[index[req_id]]
             )
             (decodes if decode else prefills).append(req_id)
-        req_ids = decodes + prefills
+        # A drafting request's 1 + k tokens are each a decode row of the attention (its
+        # position + 1 keys): the decode attention's arithmetic, as without drafts.
+        req_ids = decodes + drafting + prefills
         num_reqs = len(req_ids)
         try:
             rows = np.fromiter((index[r] for r in req_ids), dtype=np.int64, count=num_reqs)
@@ -370,9 +469,18 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[rows]
         ends = num_computed + query_lens
         known = batch.num_tokens[rows]
+        if spec:
+            known = known + np.fromiter(
+                (len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs
+            )
         if np.any(ends > known):
             bad = req_ids[int(np.argmax(ends > known))]
             raise ValueError(f"request {bad!r} was scheduled past its known tokens")
+        num_drafts = None
+        if spec:  # each draft after its request's known tokens; they are inputs, not known
+            num_drafts = known - batch.num_tokens[rows]
+            for i in np.flatnonzero(num_drafts).tolist():
+                batch.write_drafts(int(rows[i]), spec[req_ids[i]])
         cu = np.cumsum(query_lens)
         query_start = cu - query_lens
         num_tokens = int(cu[-1])
@@ -387,13 +495,19 @@ class ModelRunner:
             positions % BLOCK_SIZE
         )
         width = -(-int(ends.max()) // BLOCK_SIZE)
-        if self.tokens_as_decodes:  # one decode row a token (`load_model`)
+        if self.tokens_as_decodes or drafting:
+            # each token of the first d requests a decode row of its own (all of them with
+            # `tokens_as_decodes`, `load_model`), then the prefill chunks
+            d = num_reqs if self.tokens_as_decodes else len(decodes) + len(drafting)
+            t = int(cu[d - 1]) if d else 0
             md = build_attention_metadata(
-                query_lens=np.ones(num_tokens, dtype=np.int64),
-                num_computed=positions,
-                block_table=batch.block_table[tok_rows, :width],
+                query_lens=np.concatenate([np.ones(t, dtype=np.int64), query_lens[d:]]),
+                num_computed=np.concatenate([positions[:t], num_computed[d:]]),
+                block_table=np.concatenate(
+                    [batch.block_table[tok_rows[:t], :width], batch.block_table[rows[d:], :width]]
+                ),
                 slot_mapping=slot_mapping,
-                num_decodes=num_tokens,
+                num_decodes=t,
                 device=self.device,
             )
         else:
@@ -415,6 +529,7 @@ class ModelRunner:
             positions=torch.from_numpy(positions).to(self.device),
             attn_metadata=md,
             sample_idx=np.flatnonzero(ends == known),
+            num_drafts=num_drafts,
         )
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
@@ -444,13 +559,20 @@ class ModelRunner:
             logger.info("tokens by the %s: first step, of %d row(s)", _PATH_LABELS[path], rows)
 
     def _sample(
-        self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        num_reqs: int,
+        drafts: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
-        """Sample the batch; if that raises, sample each request alone so that a request
-        whose parameters break the sampler fails alone (token SAMPLE_FAILED) instead of
-        killing the worker and every other request with it."""
+        """Sample the batch; if that raises, sample each row alone so that a request whose
+        parameters break the sampler fails alone (token SAMPLE_FAILED) instead of killing the
+        worker and every other request with it. A drafting request has a row per scored
+        position (`sample_idx` repeats it; `drafts[j]`: the drafts before row j), and its
+        Logprobs one row per position, in order."""
         try:
-            return self._sample_rows(logits, rows, sample_idx, num_reqs)
+            return self._sample_rows(logits, rows, sample_idx, num_reqs, drafts)
         except Exception:
             if len(sample_idx) == 0:
                 raise
@@ -460,7 +582,10 @@ class ModelRunner:
         for j in range(len(sample_idx)):
             one = slice(j, j + 1)
             try:
-                tok, lps = self._sample_rows(logits[one], rows[one], sample_idx[one], num_reqs)
+                tok, lps = self._sample_rows(
+                    logits[one], rows[one], sample_idx[one], num_reqs,
+                    None if drafts is None else drafts[one],
+                )  # fmt: skip
             except Exception as e:
                 logger.error("request %s failed in sampling: %r", self._req_id_of(rows[j]), e)
                 continue
@@ -468,7 +593,7 @@ class ModelRunner:
             if lps is not None:
                 i = int(sample_idx[j])
                 merged = merged if merged is not None else [None] * num_reqs
-                merged[i] = lps[i]
+                merged[i] = _join_logprobs(merged[i], lps[i])
         return sampled, merged
 
     def _req_id_of(self, row: int) -> str:
@@ -477,7 +602,12 @@ class ModelRunner:
         return next((r for r, i in batch.req_id_to_index.items() if i == row), "?")
 
     def _sample_rows(
-        self, logits: torch.Tensor, rows: np.ndarray, sample_idx: np.ndarray, num_reqs: int
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        num_reqs: int,
+        drafts: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
         from vx.gpu.sample.sampler import SamplingMetadata
 
@@ -490,7 +620,7 @@ class ModelRunner:
         md = SamplingMetadata.build(
             params,
             prompt_token_ids=RowTokens(batch, rows, outputs=False),
-            output_token_ids=RowTokens(batch, rows, outputs=True),
+            output_token_ids=RowTokens(batch, rows, outputs=True, drafts=drafts),
             eos_token_ids=[batch.eos_token_ids[r] for r in row_list],
             vocab_size=self._model.vocab_size,
             device=self.device,
@@ -508,8 +638,8 @@ class ModelRunner:
         for j, (i, p) in enumerate(zip(sample_idx.tolist(), params, strict=True)):
             if p.logprobs is not None:
                 k = 1 + p.logprobs
-                result[i] = Logprobs(
-                    token_ids=[ids[j][:k]], logprobs=[lps[j][:k]], ranks=[ranks[j]]
+                result[i] = _join_logprobs(
+                    result[i], Logprobs(token_ids=[ids[j][:k]], logprobs=[lps[j][:k]], ranks=[ranks[j]])
                 )
         return sampled, result
 
@@ -560,3 +690,19 @@ class ModelRunner:
                 token_ids=ids_rows, logprobs=lp_rows, ranks=rank_rows
             )
         return result or None
+
+
+def _join_logprobs(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
+    """`a`'s positions then `b`'s (a drafting request's scored positions, in order)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return Logprobs(
+        token_ids=a.token_ids + b.token_ids, logprobs=a.logprobs + b.logprobs, ranks=a.ranks + b.ranks
+    )
+
+
+def _first_rows(lp: Logprobs | None, n: int) -> Logprobs | None:
+    """`lp`'s first n positions (a drafting request's emitted tokens)."""
+    if lp is None or len(lp.ranks) <= n:
+        return lp
+    return Logprobs(token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n])

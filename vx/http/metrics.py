@@ -89,6 +89,18 @@ class _EngineCollector(Collector):
         free = GaugeMetricFamily(
             "vx:kv_num_free_blocks", "Free KV blocks (cached ones included).", labels=labels
         )
+        drafts = CounterMetricFamily(
+            "vx:spec_decode_num_draft_tokens", "Draft tokens scored (speculative decoding).",
+            labels=labels,
+        )  # fmt: skip
+        accepted = CounterMetricFamily(
+            "vx:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=labels
+        )
+        by_position = CounterMetricFamily(
+            "vx:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 first).",
+            labels=[*labels, "position"],
+        )
         for i in range(self._client.num_engines):
             stats = self._client.latest_stats(i)
             values = [self._model, str(i)]
@@ -110,8 +122,13 @@ class _EngineCollector(Collector):
             preempt.add_metric(values, stats.num_preempted_total)
             blocks.add_metric(values, stats.num_blocks)
             free.add_metric(values, stats.num_free_blocks)
+            drafts.add_metric(values, stats.spec_num_draft_tokens_total)
+            accepted.add_metric(values, stats.spec_num_accepted_tokens_total)
+            for pos, n in enumerate(stats.spec_num_accepted_by_position):
+                by_position.add_metric([*values, str(pos)], n)
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
-        yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free)
+        yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free,
+                    drafts, accepted, by_position)  # fmt: skip
 
     async def refresh_self_check(self) -> None:
         """At idle (no request in the front), ask every engine for its KV self-check.

@@ -1,0 +1,75 @@
+"""Prompt-lookup drafts: the tokens that followed the last time a request's latest n-gram
+appeared in its own tokens (prompt and outputs).
+
+Runs in: rank 0's Worker, after each step's sampling (`ModelRunner.execute`); the drafts go
+back to the EngineCore with the step's output and are scheduled, and scored, in the next step.
+
+Per request, the longest suffix of `max_n` down to `min_n` tokens that occurred before
+proposes up to `k` tokens: those after its latest earlier occurrence (copying favours the
+nearest source). The search looks only at the positions holding the suffix's last token, one
+vectorised compare over the tokens, then the few candidates.
+
+Adaptivity: a request whose drafts keep failing stops drafting. After `PROBE_DRAFTS` drafts a
+request whose acceptance is below `MIN_ACCEPTANCE` drafts no more (random text then costs
+only the search); each request is judged on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MIN_ACCEPTANCE", "PROBE_DRAFTS", "NgramProposer"]
+
+#: Drafts a request is judged on before its acceptance may stop it drafting.
+PROBE_DRAFTS = 24
+#: Below this share of accepted drafts (after PROBE_DRAFTS) a request stops drafting.
+MIN_ACCEPTANCE = 0.2
+
+
+class NgramProposer:
+    """Invariant: `propose` returns at most `k` tokens, each a copy of a token of the request,
+    and nothing for a request that `retire`d or whose acceptance fell below MIN_ACCEPTANCE."""
+
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        if not (k >= 1 and 1 <= min_n <= max_n):
+            raise ValueError(f"bad n-gram proposer settings k={k} n=[{min_n}, {max_n}]")
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self._drafted: dict[str, int] = {}
+        self._accepted: dict[str, int] = {}
+
+    def propose(self, req_id: str, tokens: np.ndarray) -> list[int]:
+        """Up to `k` drafts to follow `tokens` (the request's known tokens), or []."""
+        drafted = self._drafted.get(req_id, 0)
+        if drafted >= PROBE_DRAFTS and self._accepted.get(req_id, 0) < MIN_ACCEPTANCE * drafted:
+            return []
+        n_tokens = len(tokens)
+        if n_tokens <= self.min_n:
+            return []
+        # earlier positions of the last token, latest first (never the last position itself)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if ends.size == 0:
+            return []
+        # each candidate's match length (up to max_n), one vectorised compare per length
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for i in range(1, self.max_n):
+            alive &= ends >= i
+            if not alive.any():
+                break
+            alive[alive] = tokens[ends[alive] - i] == tokens[n_tokens - 1 - i]
+            length += alive
+        best_n = int(length.max())
+        if best_n < self.min_n:
+            return []
+        best_end = int(ends[np.flatnonzero(length == best_n)[-1]])  # the latest longest
+        return tokens[best_end + 1 : best_end + 1 + self.k].tolist()
+
+    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A request's verified step: `num_accepted` of its `num_drafts` drafts held."""
+        self._drafted[req_id] = self._drafted.get(req_id, 0) + num_drafts
+        self._accepted[req_id] = self._accepted.get(req_id, 0) + num_accepted
+
+    def retire(self, req_id: str) -> None:
+        """Forget a request (finished, or preempted: it is judged afresh when it resumes)."""
+        self._drafted.pop(req_id, None)
+        self._accepted.pop(req_id, None)
