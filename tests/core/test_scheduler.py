@@ -402,3 +402,75 @@ def test_batch_invariant_recomputes_outputs_one_a_step() -> None:
     s.update_from_output(out, decode_all(out, 8))
     assert s.requests["c"].output_token_ids == [5, 8]
     check(s)
+
+
+def _spec_scheduler(num_blocks: int = 16, **kwargs: object) -> Scheduler:
+    from vx.config import SpeculativeConfig
+
+    config = msgspec.structs.replace(
+        make_config(**kwargs),  # type: ignore[arg-type]
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
+    return Scheduler(config, num_blocks)
+
+
+def test_drafts_are_scored_and_rejected_positions_rolled_back() -> None:
+    """A request's drafts (from the worker's last output) ride its next step: 1 + k tokens
+    scheduled, `scheduled_spec_decode_tokens` naming them; the step's tokens are its accepted
+    drafts and its own, and its computed count goes back by the rejected ones."""
+    s = _spec_scheduler(max_num_batched_tokens=64)
+    s.add_request(make_add_request("a", list(range(10)), max_tokens=20, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, result(out, {"a": [7]}, spec_token_ids={"a": [8, 9, 10]}))
+    a = s.requests["a"]
+    assert a.spec_token_ids == [8, 9, 10] and a.num_tokens == 11
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    assert a.num_computed_tokens == 14 and a.spec_token_ids == []
+    # two drafts held, the third not: 8, 9, then its own 42
+    s.update_from_output(out, result(out, {"a": [8, 9, 42]}))
+    assert a.all_token_ids[10:] == [7, 8, 9, 42]
+    assert a.num_computed_tokens == 13 and a.num_tokens == 14  # the last token's KV is next
+    stats = s.make_stats()
+    assert stats.spec_num_draft_tokens_total == 3 and stats.spec_num_accepted_tokens_total == 2
+    assert stats.spec_num_accepted_by_position == [1, 1, 0]
+    out = s.schedule()  # no drafts came back: a plain decode
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_spec_decode_tokens == {}
+    check(s)
+
+
+def test_drafts_never_pass_the_length_limit_or_a_stop() -> None:
+    s = _spec_scheduler(max_num_batched_tokens=64)
+    s.add_request(make_add_request("a", list(range(10)), max_tokens=3, ignore_eos=True))
+    s.add_request(make_add_request("b", list(range(20, 30)), max_tokens=20))
+    out = s.schedule()
+    s.update_from_output(
+        out, result(out, {"a": [7], "b": [7]}, spec_token_ids={"a": [1, 2, 3], "b": [1, 2, 3]})
+    )
+    out = s.schedule()
+    # a may emit 2 more tokens: 1 draft and its own
+    assert out.scheduled_spec_decode_tokens == {"a": [1], "b": [1, 2, 3]}
+    outputs = s.update_from_output(out, result(out, {"a": [1, 5], "b": [1, EOS, 3, 4]}))
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["a"].new_token_ids == [1, 5] and by_id["a"].finish_reason == "length"
+    # b stops at EOS: nothing after it is emitted
+    assert by_id["b"].new_token_ids == [1, EOS] and by_id["b"].finish_reason == "stop"
+    assert not s.running
+    check(s)
+
+
+def test_preemption_drops_the_drafts() -> None:
+    s = _spec_scheduler(num_blocks=3, max_num_batched_tokens=64, max_model_len=48)
+    s.add_request(make_add_request("a", list(range(16)), max_tokens=20, ignore_eos=True))
+    s.add_request(make_add_request("b", list(range(20, 36)), max_tokens=20, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(
+        out, result(out, {"a": [7], "b": [7]}, spec_token_ids={"a": [1, 2], "b": [1, 2]})
+    )
+    out = s.schedule()  # each needs a second block; one is free: b, the tail, is preempted
+    assert out.preempted_req_ids == ["b"]
+    assert s.requests["b"].spec_token_ids == [] and out.scheduled_spec_decode_tokens == {
+        "a": [1, 2]
+    }
+    check(s)
