@@ -73,3 +73,43 @@ def test_default_path_accepts_drafts_and_emits_the_targets_argmax() -> None:
         # greedy: each emitted token is the top of the distribution it came from
         for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
             assert lp[tok] == max(lp.values())
+
+
+def test_served_stream_is_the_same_and_stops_at_a_stop_string() -> None:
+    """`vx serve --batch-invariant`, with and without `--speculative-config`: the official
+    client's streamed text is the same; a stop string inside a copied run ends the text before
+    it (nothing past it is streamed, though drafts ran past it); /metrics counts the drafts."""
+    import json
+
+    import httpx
+    import openai
+
+    from tests.e2e.server import VxServer
+
+    def ask(srv: VxServer, **kw: Any) -> tuple[str, str | None]:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        text, finish = "", None
+        for chunk in client.completions.create(
+            model="smollm2-135m", prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True,
+            **kw,
+        ):  # fmt: skip
+            for c in chunk.choices:
+                text += c.text
+                finish = c.finish_reason or finish
+        return text, finish
+
+    answers = []
+    for extra in ((), ("--speculative-config", json.dumps(SPEC))):
+        with VxServer("smollm2-135m", "--batch-invariant", "--max-model-len", "1024", *extra,
+                      startup_timeout_s=500) as srv:  # fmt: skip
+            full = ask(srv)
+            cut = ask(srv, stop=["in time"])
+            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        answers.append((full, cut))
+        if extra:
+            drafts = [ln for ln in metrics.splitlines()
+                      if ln.startswith("vx:spec_decode_num_draft_tokens_total{")]  # fmt: skip
+            assert drafts and float(drafts[0].split()[-1]) > 0, drafts
+    assert answers[0] == answers[1]
+    (full, _), (cut, finish) = answers[1]
+    assert "in time" in full and cut == full[: full.index("in time")] and finish == "stop"
