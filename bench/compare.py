@@ -63,7 +63,7 @@ def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: in
         "--base-url", url, "--model", model,
         "--concurrency", str(conc), "--num-prompts", str(num_prompts),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-        "--seed", str(seed), "--json", out,
+        "--prompt-kind", args.prompt_kind, "--seed", str(seed), "--json", out,
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-kind", choices=["ids", "words", "copy"], default="ids",
+                   help="`vx bench serve --prompt-kind` (copy: speculative decoding's workload)")
     p.add_argument("--prompts-per-client", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)

@@ -86,11 +86,36 @@ async def _tokenize(client: httpx.AsyncClient, text: str, model: str) -> list[in
     return None
 
 
+def copy_prompt(rng: random.Random, words: int) -> str:
+    """A copy-heavy prompt (speculative decoding's workload): a text of about `words` words
+    to give back with one change, a code edit, or an extraction, in turn by `rng`."""
+    text = " ".join(rng.choice(_WORDS) for _ in range(words))
+    kind = rng.randrange(3)
+    if kind == 0:
+        w = rng.choice(_WORDS)
+        return (f"Rewrite the passage below exactly as it is, but with the word '{w}' in "
+                f"capitals.\n\nPassage:\n{text}\n\nRewritten passage:\n")  # fmt: skip
+    if kind == 1:
+        names = [rng.choice(_WORDS) for _ in range(max(words // 12, 2))]
+        code = "\n\n".join(
+            f"def {a}_{i}(x, y):\n    total = x + y\n    return total * {i}"
+            for i, a in enumerate(names)
+        )
+        return f"Rename the parameter x to value in this code:\n\n{code}\n\nThe new code:\n"
+    lines = "\n".join(f"- {rng.choice(_WORDS)}: {rng.randrange(1000)} units, {text[:40]}"
+                      for _ in range(max(words // 16, 2)))  # fmt: skip
+    return f"Extract every line of this inventory that has units:\n{lines}\n\nLines:\n"
+
+
 async def make_prompts(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Any]:
-    """`num_prompts` distinct prompts of exactly `input_len` tokens where the server allows."""
+    """`num_prompts` distinct prompts of exactly `input_len` tokens where the server allows
+    (`copy`: of about that many, as text)."""
     rng = random.Random(args.seed)
     prompts: list[Any] = []
     for _ in range(args.num_prompts):
+        if args.prompt_kind == "copy":
+            prompts.append(copy_prompt(rng, args.input_len * 2 // 3))
+            continue
         if args.prompt_kind == "ids":
             prompts.append(
                 [rng.randrange(args.min_token_id, args.max_token_id) for _ in range(args.input_len)]
@@ -360,8 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None, help="default: 4 x concurrency")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompt-kind", choices=["ids", "words"], default="ids",
-                   help="ids: random token ids; words: random words, tokenized by the server")  # fmt: skip
+    p.add_argument("--prompt-kind", choices=["ids", "words", "copy"], default="ids",
+                   help="ids: random token ids; words: random words, tokenized by the server; "
+                        "copy: copy-heavy text (rewrite with one change, code edit, "
+                        "extraction), speculative decoding's workload")  # fmt: skip
     p.add_argument("--min-token-id", type=int, default=1000)
     p.add_argument("--max-token-id", type=int, default=20000)
     p.add_argument("--seed", type=int, default=0)
