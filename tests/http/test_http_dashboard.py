@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 
 from tests.http.conftest import running_app
@@ -173,7 +174,15 @@ def test_stats_logger_line_quiet_when_idle() -> None:
     assert "generation 100.0 tok/s" in text and "prompt 20.0 tok/s" in text
     assert "running 2, waiting 0" in text and "KV cache 25.0%" in text
     assert "aborted 1 client_disconnect" in text and "hit rate n/a" in text
+    assert "drafts" not in text
     assert front_counters(metrics)["aborted"] == {"client_disconnect": 1.0}
+    # speculative decoding: the share of the interval's drafts accepted
+    client.stats = msgspec.structs.replace(
+        _stats(2), spec_num_draft_tokens_total=40, spec_num_accepted_tokens_total=30
+    )
+    d = log.sample()
+    d.t = c.t + 5.0
+    assert "drafts accepted 75.0%" in (StatsLogger.line(c, d) or "")
 
 
 async def test_stats_logger_logs_while_busy(caplog: pytest.LogCaptureFixture) -> None:

@@ -226,6 +226,8 @@ class _Sample:
     preempted: int = 0
     queries: int = 0
     hits: int = 0
+    drafts: int = 0
+    accepted: int = 0
     kv: list[float] = field(default_factory=list)
 
 
@@ -253,6 +255,8 @@ class StatsLogger:
             s.preempted += stats.num_preempted_total
             s.queries += stats.prefix_queries_total
             s.hits += stats.prefix_hits_total
+            s.drafts += stats.spec_num_draft_tokens_total
+            s.accepted += stats.spec_num_accepted_tokens_total
             s.kv.append(stats.kv_usage)
         return s
 
@@ -278,6 +282,9 @@ class StatsLogger:
             f"running {cur.running}, waiting {cur.waiting}; KV cache {kv}; "
             f"prefix cache hit rate {hit_rate}"
         )
+        if cur.drafts > prev.drafts:
+            share = (cur.accepted - prev.accepted) / (cur.drafts - prev.drafts)
+            text += f"; drafts accepted {100.0 * share:.1f}%"
         if cur.preempted > prev.preempted:
             text += f"; preempted {cur.preempted - prev.preempted}"
         if aborted:

@@ -87,7 +87,8 @@ async function connect() {
 // ── one snapshot ──
 function aggregate(s) {
   const a = { running: 0, waiting: 0, preempted: 0, blocks: 0, free: 0, cachedFree: 0, queries: 0,
-              hits: 0, prefill: 0, decode: 0, budget: 0, stepS: 0, haveStats: false };
+              hits: 0, prefill: 0, decode: 0, budget: 0, stepS: 0, drafts: 0, accepted: 0,
+              haveStats: false };
   for (const e of s.engines) {
     const st = e.stats;
     a.budget += e.max_num_batched_tokens;
@@ -101,6 +102,8 @@ function aggregate(s) {
     a.cachedFree += st.num_cached_free_blocks;
     a.queries += st.prefix_queries_total;
     a.hits += st.prefix_hits_total;
+    a.drafts += st.spec_num_draft_tokens_total || 0;
+    a.accepted += st.spec_num_accepted_tokens_total || 0;
     a.prefill += st.step_num_prefill_tokens;
     a.decode += st.step_num_decode_tokens;
     a.stepS = Math.max(a.stepS, st.step_time_s);
@@ -154,7 +157,9 @@ function onSnapshot(s) {
   $("kpi-hits").innerHTML = q ? `${fmt((100 * h) / q)}<small>%</small>` : "–";
   $("kpi-hits-sub").textContent = q ? `${h}/${q} tok · ${windowed ? "10 s" : "all time"}` : "no lookups yet";
   $("kpi-tput").innerHTML = `${fmt(tput, 0)}<small>tok/s</small>`;
-  $("kpi-prompt").textContent = `prompt ${fmt(promptRate, 0)} tok/s`;
+  // speculative decoding: the share of drafts accepted, since start
+  const drafts = a.drafts ? ` · drafts ${fmt((100 * a.accepted) / a.drafts, 0)}% accepted` : "";
+  $("kpi-prompt").textContent = `prompt ${fmt(promptRate, 0)} tok/s${drafts}`;
   $("kpi-ttft").innerHTML = ttftMs == null ? "–" : `${fmt(ttftMs, ttftMs < 100 ? 1 : 0)}<small>ms</small>`;
   $("kpi-itl").textContent = itlMs == null ? "ITL –" : `ITL ${fmt(itlMs, 2)} ms`;
   for (const [id, v] of [["kpi-running", a.running], ["kpi-waiting", a.waiting], ["kpi-kv", kv]]) {
