@@ -147,6 +147,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
             if s.async_scheduling:
                 raise ValueError("speculative decoding runs with async scheduling off")
+            if self.device != "cpu":
+                raise ValueError("speculative decoding is implemented for CPU only")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
