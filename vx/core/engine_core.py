@@ -33,11 +33,11 @@ from vx.core.block_pool import group_block_states
 from vx.core.executor import WorkerGroup
 from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
-from vx.errors import EngineDeadError
+from vx.errors import EngineDeadError, EngineStartupError
 from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.ipc import codec
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
-from vx.log import setup_logging
+from vx.log import log_request, requests_logged, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class EngineCore:
     # ── input ──────────────────────────────────────────────────────────────────
     def _handle_input(self, msg: messages.EngineCoreInput) -> None:
         if isinstance(msg, messages.AddRequest):
+            log_request(logger, msg.request_id, "request %s admitted: %d prompt tokens, "
+                        "max_tokens %s", msg.request_id, len(msg.prompt_token_ids),
+                        msg.sampling_params.max_tokens)  # fmt: skip
             try:
                 self.scheduler.add_request(msg)
                 if self._poison_seed is not None and msg.sampling_params.seed == self._poison_seed:
@@ -99,6 +102,11 @@ class EngineCore:
                     )
                 )
         elif isinstance(msg, messages.AbortRequests):
+            if requests_logged(logger):
+                for request_id in msg.request_ids:
+                    if request_id in self.scheduler.requests:
+                        log_request(logger, request_id, "request %s aborted (%s)", request_id,
+                                    msg.cause)  # fmt: skip
             self.scheduler.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
             # Freed blocks must show on /metrics even if no step follows (an idle engine).
             self._stats_dirty = True
@@ -211,6 +219,8 @@ class EngineCore:
         # Drain aborts just before applying the output, so aborted requests emit nothing more.
         self._drain_input(block=False)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        if requests_logged(logger):
+            self._log_outputs(outputs)
         self._stats_dirty = False
         stats = self._make_stats(scheduler_output, result, t2 - t1)
         self._emit(
@@ -224,6 +234,19 @@ class EngineCore:
         t3 = time.perf_counter()
         if self.config.profile_steps:
             self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
+
+    def _log_outputs(self, outputs: list[messages.EngineCoreOutput]) -> None:
+        """The request lines of one step: a first token, a finish (with its reason)."""
+        for out in outputs:
+            req = self.scheduler.requests.get(out.request_id)
+            if out.new_token_ids and (
+                req is None or req.num_output_tokens == len(out.new_token_ids)
+            ) and out.finish_reason is None:
+                log_request(logger, out.request_id, "request %s first token", out.request_id)
+            if out.finish_reason is not None:
+                log_request(logger, out.request_id, "request %s finished (%s)%s",
+                            out.request_id, out.finish_reason,
+                            f": {out.error}" if out.error else "")  # fmt: skip
 
     def _make_stats(
         self,
@@ -317,7 +340,10 @@ def run_engine_core(
     output_ring = RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
     to_workers = RingWriter.attach(msgspec.msgpack.decode(to_workers_handle, type=RingHandle))
     from_rank0 = RingReader.attach(msgspec.msgpack.decode(from_rank0_handle, type=RingHandle))
-    workers = WorkerGroup(to_workers, from_rank0, step_timeout_s=config.step_timeout_s)
+    pids = msgspec.msgpack.decode(worker_pids, type=list[int])
+    workers = WorkerGroup(
+        to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
+    )
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
@@ -338,7 +364,7 @@ def run_engine_core(
                     max_num_seqs=config.scheduler.max_num_seqs,
                     kv_cache_bytes=ready.kv_cache_bytes,
                     engine_pid=os.getpid(),
-                    worker_pids=msgspec.msgpack.decode(worker_pids, type=list[int]),
+                    worker_pids=pids,
                     async_scheduling=config.scheduler.async_scheduling,
                     batch_invariant=config.batch_invariant,
                 )
@@ -357,12 +383,17 @@ def run_engine_core(
         logger.warning("EngineCore %d: the front is gone; exiting", engine_index)
         workers.shutdown()
     except BaseException as e:
-        logger.exception("EngineCore %d died", engine_index)
+        if isinstance(e, (EngineDeadError, EngineStartupError)):
+            # A named failure (a Worker died, hung or failed to load): one line, no traceback;
+            # the front names the cause once more with every child's exit status.
+            logger.error("EngineCore %d stopping: %s", engine_index, e)
+        else:
+            logger.exception("EngineCore %d died", engine_index)
+        dead = messages.EngineDead(
+            engine_index=engine_index, reason=str(e), exit_code=getattr(e, "exit_code", 0)
+        )
         try:
-            output_ring.send(
-                out_codec.encode(messages.EngineDead(engine_index=engine_index, reason=str(e))),
-                timeout=1.0,
-            )
+            output_ring.send(out_codec.encode(dead), timeout=1.0)
         except Exception:  # the front may be gone too; the launcher watches our pid anyway
             pass
         workers.shutdown()

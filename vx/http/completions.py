@@ -14,6 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vx.http.access_log import SCOPE_KEY
 from vx.http.detokenizer import TextState
 from vx.http.errors import APIError, context_length_error, error_response
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
@@ -214,6 +215,7 @@ async def serve_generation(
         ctx.metrics.rejected(500)
         return error_response(500, "Internal server error.", code="internal_error")
     gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
+    gen.access = request.scope.get(SCOPE_KEY)
     if req.stream:
         return gen.streaming_response()  # type: ignore[no-any-return]
     try:

@@ -24,10 +24,12 @@ from starlette.types import Receive
 
 from vx import messages
 from vx.errors import EngineDeadError
+from vx.http.access_log import AccessRecord
 from vx.http.detokenizer import TextState
 from vx.http.engine_client import EngineBusyError, RequestDelta, RequestStream
 from vx.http.errors import APIError, error_body
 from vx.http.stream import DONE, SSEResponse, Write, run_until_disconnect, sse_event
+from vx.log import REQUEST_ID, log_request, log_requests_enabled
 
 if TYPE_CHECKING:
     from vx.http.engine_client import EngineClient
@@ -41,7 +43,8 @@ _ENCODER = msgspec.json.Encoder()
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`<prefix>-<the HTTP request's id>` (its X-Request-Id, or the one generated for it)."""
+    return f"{prefix}-{REQUEST_ID.get() or uuid.uuid4().hex}"
 
 
 @dataclass
@@ -75,6 +78,8 @@ class ServerContext:
             raise APIError(503, "The engine is dead; retry on another replica.", code="engine_dead")
         if self.client.draining:
             raise APIError(503, "The server is shutting down.", code="draining")
+        if not self.client.is_ready:
+            raise APIError(503, "The engine is loading the model.", code="loading")
 
 
 @dataclass
@@ -116,6 +121,8 @@ class Generation:
         self.include_usage = False
         #: The client's "host:port", for the disconnect log line.
         self.peer: str | None = None
+        #: The request's access line, filled at `close` (None: no access log layer).
+        self.access: AccessRecord | None = None
         self._start = time.monotonic()
         self._closed = False
 
@@ -138,10 +145,25 @@ class Generation:
                     )
                 )
         except (EngineDeadError, EngineBusyError) as e:
-            client.abort_nowait([c.request_id for c in self.choices], "error")
+            # Only the choices admitted here: an id may also name another request's stream.
+            client.abort_nowait([c.request_id for c in self.choices if c.stream], "error")
             code = "engine_dead" if isinstance(e, EngineDeadError) else "overloaded"
             raise APIError(503, f"The engine cannot take requests: {e}", code=code) from None
+        except ValueError:  # a client reused an X-Request-Id that is still in flight
+            client.abort_nowait([c.request_id for c in self.choices if c.stream], "error")
+            raise APIError(
+                409, f"Request id {self.id!r} is already in flight.", code="duplicate_request_id"
+            ) from None
         self.ctx.metrics.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in self.choices))
+        for c in self.choices:
+            if log_requests_enabled():
+                prompt = c.prompt_text if c.prompt_text is not None else c.prompt_token_ids
+                log_request(logger, c.request_id, "request %s admitted: %d prompt tokens, "
+                            "params %s, prompt %r", c.request_id, len(c.prompt_token_ids),
+                            c.params, prompt)  # fmt: skip
+            else:
+                log_request(logger, c.request_id, "request %s admitted: %d prompt tokens",
+                            c.request_id, len(c.prompt_token_ids))  # fmt: skip
 
     def close(self, cause: str | None) -> None:
         """Abort unfinished engine requests and count this HTTP request once."""
@@ -157,8 +179,20 @@ class Generation:
         if cause is None and not unfinished:
             reason = self.choices[0].state.finish_reason or "stop"
             metrics.finished(reason, time.monotonic() - self._start)
+            log_request(logger, self.id, "request %s finished (%s): %d output tokens", self.id,
+                        reason, sum(len(c.state.token_ids) for c in self.choices))  # fmt: skip
         else:
             metrics.aborted(cause or "error")
+            error = next((c.error for c in self.choices if c.error), None)
+            log_request(logger, self.id, "request %s aborted (%s)%s", self.id, cause or "error",
+                        f": {error}" if error else "")  # fmt: skip
+        if self.access is not None:
+            usage = self.usage()
+            self.access.prompt_tokens = usage["prompt_tokens"]
+            self.access.output_tokens = usage["completion_tokens"]
+            firsts = [c.stream.first_token_time - c.stream.arrival_time for c in self.choices
+                      if c.stream is not None and c.stream.first_token_time is not None]
+            self.access.ttft_s = min(firsts) if firsts else None
         if cause == "client_disconnect":
             # The wall-clock time lets a test (or an operator) measure detection latency.
             logger.info("client %s left %s: aborted at %.6f", self.peer, self.id, time.time())
@@ -266,7 +300,10 @@ class Generation:
         while not c.done:
             await self.next_delta(c)
             if c.error is not None:
-                logger.warning("request %s failed: %s", c.request_id, c.error)
+                # An engine death is logged once, by the launcher; each request's end is its
+                # own (lower) line.
+                level = logging.INFO if self.ctx.client.is_dead else logging.WARNING
+                logger.log(level, "request %s failed: %s", c.request_id, c.error)
                 failed.append(c.error)
                 scope.cancel()
                 return
@@ -274,6 +311,7 @@ class Generation:
                 # As vLLM does: the role chunk goes out with the first engine output, so a
                 # client's time to first chunk measures prefill, not admission.
                 first = False
+                log_request(logger, c.request_id, "request %s first token", c.request_id)
                 for body in self.first_chunks(c):
                     await write(sse_event(_ENCODER.encode(body)))
             body = self.delta_chunk(c, c.state.take_delta(), c.state.finish_reason)

@@ -23,6 +23,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
 import vx
+from vx.errors import AddressInUseError
 
 if TYPE_CHECKING:
     from vx.config import EngineConfig
@@ -63,7 +64,15 @@ def _patch_h2_backpressure() -> None:
     buffer_cls._vx_patched = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port).
+
+    The launcher binds before it spawns the engine, so a port in use fails in a moment, not
+    after the model has loaded.
+
+    Raises:
+        AddressInUseError: the address is taken, or may not be bound by this process.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -71,6 +80,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host.strip("[]"), port))
         sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise
@@ -82,7 +94,10 @@ def hypercorn_config(
 ) -> Config:
     config = Config()
     config.bind = [f"fd://{fd}"]
-    config.accesslog = None
+    config.accesslog = None  # vx writes its own (vx/http/access_log.py)
+    # A Logger, not "-": hypercorn then adds no handler of its own, and its lines take the
+    # process's format (text or JSON) like every other.
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = graceful_timeout_s
     config.backlog = 2048
     # h11 refuses a header block over this by closing the connection (a reset for a client
@@ -106,15 +121,18 @@ async def serve_http(
     ssl_keyfile: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     graceful_timeout_s: float = 5.0,
+    sock: socket.socket | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until `shutdown_trigger()` returns.
+    """Serve `app` on host:port (or on `sock`, already bound) until `shutdown_trigger()`
+    returns; `sock` then belongs to this call.
 
     `task_status.started(port)` reports the bound port (useful with port 0) once hypercorn
     accepts connections. Returns after hypercorn's graceful shutdown.
     """
     _patch_h2_backpressure()
-    sock = _bind(host, port)
+    if sock is None:
+        sock = bind_socket(host, port)
     bound_port = int(sock.getsockname()[1])
     config = hypercorn_config(
         fd=sock.fileno(),
