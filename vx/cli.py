@@ -92,9 +92,6 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-access-log", action="store_true",
                    help="no access line per HTTP request (method, path, status, request id, "
                         "tokens, TTFT, total time)")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="export one OpenTelemetry span per request over OTLP/HTTP to URL, "
-                        "e.g. http://collector:4318/v1/traces (off by default)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--profile-steps", action="store_true",
                    help="log a per-step timing breakdown (host share of each step)")
@@ -191,7 +188,6 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         access_log=not args.disable_access_log,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     try:
         return anyio.run(serve, config, settings)

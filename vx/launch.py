@@ -71,8 +71,6 @@ class ServerSettings:
     death_grace_s: float = 0.5
     #: One access log line per HTTP request (--disable-access-log turns it off).
     access_log: bool = True
-    #: Where to export one OpenTelemetry span per request (OTLP/HTTP); None: no tracing.
-    otlp_traces_endpoint: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
