@@ -89,6 +89,9 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    dest="enable_log_requests",
                    help="log each request's admission (with its prompt), first token and "
                         "finish at INFO; prompts are never logged without it")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per request over OTLP/HTTP (protobuf) "
+                        "to URL, e.g. http://collector:4318/v1/traces (off by default)")
     p.add_argument("--disable-access-log", action="store_true",
                    help="no access line per HTTP request (method, path, status, request id, "
                         "tokens, TTFT, total time)")
@@ -188,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         access_log=not args.disable_access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     try:
         return anyio.run(serve, config, settings)

@@ -71,6 +71,9 @@ class ServerSettings:
     death_grace_s: float = 0.5
     #: One access log line per HTTP request (--disable-access-log turns it off).
     access_log: bool = True
+    #: Where to export one OpenTelemetry span per request (OTLP/HTTP); None: no tracing, and
+    #: no OpenTelemetry module is imported.
+    otlp_traces_endpoint: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -199,6 +202,7 @@ async def _serve_tree(
     client.on_failure = supervisor.engine_failed
     shutdown = anyio.Event()
     exit_code = ExitCode.OK
+    tracer = None
 
     async with anyio.create_task_group() as tg:
         for proc in procs.processes:
@@ -263,6 +267,11 @@ async def _serve_tree(
         tg.start_soon(run_client)
         tg.start_soon(on_signals)
         scheme = "https" if settings.ssl_certfile else "http"
+        if settings.otlp_traces_endpoint:
+            from vx.http.tracing import RequestTracer  # only now: no cost without tracing
+
+            tracer = RequestTracer(settings.otlp_traces_endpoint)
+            logger.info("tracing: one span per request to %s", settings.otlp_traces_endpoint)
         # The tokenizer loads here, while the children load the model.
         app = build_app(
             client,
@@ -273,6 +282,7 @@ async def _serve_tree(
             max_body_bytes=settings.max_body_bytes,
             stall_timeout_s=settings.stall_timeout_s,
             access_log=settings.access_log,
+            tracer=tracer,
         )
         tg.start_soon(wait_ready)
         await serve_http(
@@ -287,4 +297,7 @@ async def _serve_tree(
         # hypercorn has returned: what is left in the group is ours (watchers, readers,
         # the supervisor, the signal receiver), and every one of them is cancellable.
         tg.cancel_scope.cancel()
+    if tracer is not None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(tracer.shutdown)  # export the last spans
     return exit_code

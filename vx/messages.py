@@ -155,6 +155,10 @@ class EngineCoreOutput(_StepMsg, frozen=True):
     num_cached_tokens: int = 0
     #: A human-readable reason when finish_reason is "error".
     error: str | None = None
+    #: On a request's first output after it was scheduled (first, or again after a
+    #: preemption): when the EngineCore scheduled it (epoch seconds), for the trace's
+    #: "scheduled" event and its queue time.
+    scheduled_time: float | None = None
 
 
 class SchedulerStats(_StepMsg, frozen=True):

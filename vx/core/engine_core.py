@@ -74,6 +74,9 @@ class EngineCore:
         self._shutdown = False
         self._stats_dirty = False
         self._poison_seed = poison_seed("engine")
+        #: When each request was last scheduled anew (epoch s), until its next output carries
+        #: it to the front (`EngineCoreOutput.scheduled_time`); one entry per admission.
+        self._scheduled_at: dict[str, float] = {}
         # Per-step profile, accumulated between INFO lines when --profile-steps is on.
         self._prof = collections.Counter[str]()
 
@@ -200,6 +203,10 @@ class EngineCore:
         ):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
+                if scheduler_output.scheduled_new_reqs:
+                    now = time.time()
+                    for new in scheduler_output.scheduled_new_reqs:
+                        self._scheduled_at[new.req_id] = now
                 self._workers.send(scheduler_output)
                 self._in_flight.append(scheduler_output)
                 # Queue not full yet: go back and schedule step n+1 before waiting on step n.
@@ -219,6 +226,8 @@ class EngineCore:
         # Drain aborts just before applying the output, so aborted requests emit nothing more.
         self._drain_input(block=False)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        if self._scheduled_at:
+            self._stamp_scheduled(outputs)
         if requests_logged(logger):
             self._log_outputs(outputs)
         self._stats_dirty = False
@@ -234,6 +243,18 @@ class EngineCore:
         t3 = time.perf_counter()
         if self.config.profile_steps:
             self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
+
+    def _stamp_scheduled(self, outputs: list[messages.EngineCoreOutput]) -> None:
+        """Give each request's first output since it was scheduled its scheduling time."""
+        at = self._scheduled_at
+        for i, out in enumerate(outputs):
+            t = at.pop(out.request_id, None)
+            if t is not None:
+                outputs[i] = msgspec.structs.replace(out, scheduled_time=t)
+        # A request that finished or was aborted without an output (an abort mid-prefill)
+        # leaves nothing behind.
+        for request_id in [r for r in at if r not in self.scheduler.requests]:
+            del at[request_id]
 
     def _log_outputs(self, outputs: list[messages.EngineCoreOutput]) -> None:
         """The request lines of one step: a first token, a finish (with its reason)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -21,6 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
+
+if TYPE_CHECKING:  # imported only with --otlp-traces-endpoint (no cost without)
+    from vx.http.tracing import RequestTracer
 
 import vx
 from vx.http import chat, completions
@@ -322,6 +325,7 @@ def build_app(
     keepalive_s: float = 15.0,
     stall_timeout_s: float = 60.0,
     access_log: bool = True,
+    tracer: RequestTracer | None = None,
 ) -> ASGIApp:
     """The ASGI app serving `engine_client`'s model under `served_model_name`.
 
@@ -333,6 +337,7 @@ def build_app(
         allowed_origins: CORS origins ("*" for any); empty means no CORS headers.
         max_body_bytes: larger request bodies get 413.
         access_log: write one access line per request (ids are echoed either way).
+        tracer: one OpenTelemetry span per generation request (None: no tracing).
     """
     if tokenizer is None:
         if tokenizer_path is None:
@@ -350,6 +355,7 @@ def build_app(
         metrics=metrics,
         keepalive_s=keepalive_s,
         stall_timeout_s=stall_timeout_s,
+        tracer=tracer,
     )
     ep = Endpoints(ctx, time.time())
     events = EngineEvents(engine_client, metrics, model_name=names[0])

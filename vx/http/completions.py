@@ -206,6 +206,8 @@ async def serve_generation(
     try:
         req = parse_body(await read_body(request), schema)
         gen = await build(ctx, req)
+        gen.access = request.scope.get(SCOPE_KEY)
+        gen.headers = request.scope["headers"]
         gen.submit()
     except APIError as e:
         ctx.metrics.rejected(e.status)
@@ -215,7 +217,6 @@ async def serve_generation(
         ctx.metrics.rejected(500)
         return error_response(500, "Internal server error.", code="internal_error")
     gen.peer = f"{request.client.host}:{request.client.port}" if request.client else None
-    gen.access = request.scope.get(SCOPE_KEY)
     if req.stream:
         return gen.streaming_response()  # type: ignore[no-any-return]
     try:

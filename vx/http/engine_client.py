@@ -242,6 +242,7 @@ class RequestStream:
         "last_token_time",
         "num_output_tokens",
         "request_id",
+        "scheduled_time",
     )
 
     def __init__(self, request_id: str, engine_index: int, *, limit: int = 1) -> None:
@@ -251,6 +252,8 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_output_tokens = 0
+        #: When the EngineCore first scheduled it (epoch seconds; its clock is this host's).
+        self.scheduled_time: float | None = None
         self._limit = max(1, limit)
         self._queue: collections.deque[RequestDelta] = collections.deque()
         self._event = anyio.Event()
@@ -623,6 +626,8 @@ class EngineClient:
                 # Already aborted (client left, stop string): the engine may be a step behind.
                 logger.debug("output for unknown request %s dropped", out.request_id)
                 continue
+            if out.scheduled_time is not None and stream.scheduled_time is None:
+                stream.scheduled_time = out.scheduled_time
             if out.new_token_ids:
                 n = len(out.new_token_ids)
                 ttft = itl = None

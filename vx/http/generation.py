@@ -32,9 +32,12 @@ from vx.http.stream import DONE, SSEResponse, Write, run_until_disconnect, sse_e
 from vx.log import REQUEST_ID, log_request, log_requests_enabled
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from vx.http.engine_client import EngineClient
     from vx.http.metrics import Metrics
     from vx.http.tokenizer import Tokenizer
+    from vx.http.tracing import RequestTracer
     from vx.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class ServerContext:
     metrics: Metrics
     keepalive_s: float = 15.0
     stall_timeout_s: float = 60.0
+    #: One span per generation request (None: tracing off, and nothing of it loaded).
+    tracer: RequestTracer | None = None
 
     @property
     def model_name(self) -> str:
@@ -123,6 +128,10 @@ class Generation:
         self.peer: str | None = None
         #: The request's access line, filled at `close` (None: no access log layer).
         self.access: AccessRecord | None = None
+        #: The request's headers, for the trace's parent (`traceparent`).
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._span: Span | None = None
+        self._arrival = 0.0
         self._start = time.monotonic()
         self._closed = False
 
@@ -155,6 +164,10 @@ class Generation:
                 409, f"Request id {self.id!r} is already in flight.", code="duplicate_request_id"
             ) from None
         self.ctx.metrics.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in self.choices))
+        self._arrival = arrival
+        if self.ctx.tracer is not None:
+            operation = "chat" if self.object_name.startswith("chat") else "text_completion"
+            self._span = self.ctx.tracer.start(f"{operation} {self.model}", self.headers, arrival)
         for c in self.choices:
             if log_requests_enabled():
                 prompt = c.prompt_text if c.prompt_text is not None else c.prompt_token_ids
@@ -186,6 +199,8 @@ class Generation:
             error = next((c.error for c in self.choices if c.error), None)
             log_request(logger, self.id, "request %s aborted (%s)%s", self.id, cause or "error",
                         f": {error}" if error else "")  # fmt: skip
+        if self._span is not None:
+            self._end_span(cause)
         if self.access is not None:
             usage = self.usage()
             self.access.prompt_tokens = usage["prompt_tokens"]
@@ -196,6 +211,55 @@ class Generation:
         if cause == "client_disconnect":
             # The wall-clock time lets a test (or an operator) measure detection latency.
             logger.info("client %s left %s: aborted at %.6f", self.peer, self.id, time.time())
+
+    def _end_span(self, cause: str | None) -> None:
+        """The trace's events and GenAI attributes (tracing on only)."""
+        assert self.ctx.tracer is not None and self._span is not None
+        # Monotonic times on the wall clock of the arrival: one offset for the whole span.
+        to_wall = self._arrival - self._start
+        streams = [c.stream for c in self.choices if c.stream is not None]
+        scheduled = min((s.scheduled_time for s in streams if s.scheduled_time), default=None)
+        firsts = [s.first_token_time for s in streams if s.first_token_time is not None]
+        first = min(firsts) + to_wall if firsts else None
+        end = time.monotonic() + to_wall
+        usage = self.usage()
+        params = self.choices[0].params
+        error = next((c.error for c in self.choices if c.error), None)
+        if error is None and cause is not None:
+            error = f"aborted: {cause}"
+        attributes = {
+            "gen_ai.operation.name": (
+                "chat" if self.object_name.startswith("chat") else "text_completion"
+            ),
+            "gen_ai.system": "vx",
+            "gen_ai.request.model": self.model,
+            "gen_ai.response.model": self.model,
+            "gen_ai.response.id": self.id,
+            "gen_ai.request.id": self.id,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.seed": params.seed,
+            "gen_ai.request.choice.count": len(self.choices),
+            "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+            "gen_ai.usage.output_tokens": usage["completion_tokens"],
+            "gen_ai.response.finish_reasons": [
+                c.state.finish_reason or "abort" for c in self.choices
+            ],
+            "gen_ai.latency.time_in_queue": (
+                scheduled - self._arrival if scheduled is not None else None
+            ),
+            "gen_ai.latency.time_to_first_token": (
+                first - self._arrival if first is not None else None
+            ),
+            "gen_ai.latency.e2e": end - self._arrival,
+        }
+        events = [("queued", self._arrival), ("scheduled", scheduled), ("first token", first),
+                  ("finished", end)]  # fmt: skip
+        self.ctx.tracer.end(
+            self._span, attributes=attributes, events=events, end_time=end, error=error
+        )
+        self._span = None
 
     # ─────────────────────────── outputs ───────────────────────────
 
