@@ -7,9 +7,10 @@ through the environment (`VX_LOG_LEVEL`, `VX_LOG_FORMAT`, `VX_LOG_REQUESTS`), so
 the tree.
 
 Request ids: a line about one request carries it as the record attribute `request_id`, given
-with `extra=request_extra(id)` (the EngineCore) or taken from the `REQUEST_ID` context variable
-(the front sets it for the task that serves the request, and every task it starts inherits it).
-JSON lines show it as a field; text lines already name it in the message.
+with `extra=request_extra(id)` or taken from the `REQUEST_ID` context variable (the front sets
+it for the task that serves the request, and every task it starts inherits it). In the front it
+is the HTTP request's id (its X-Request-Id); the EngineCore knows the engine request ids built
+from it (`cmpl-<id>-<choice>`). JSON lines show it as a field; text lines name it in the message.
 
 Format: the standard library's `logging` with a small formatter. No formatter library is added:
 a JSON line is six fields, `json.dumps` writes it, and every process (the EngineCore included,
@@ -113,6 +114,8 @@ def setup_logging(
     handler.addFilter(_RequestIdFilter())
     root.addHandler(handler)
     root.setLevel(level)
+    # Python's warnings go through the same handler (one format, JSON included).
+    logging.captureWarnings(True)
     _request_level = logging.INFO if log_requests else logging.DEBUG
     # Children inherit these through the environment, so one flag rules the tree.
     os.environ["VX_LOG_LEVEL"] = logging.getLevelName(root.level)

@@ -16,6 +16,7 @@ exit with their own code within 10 s, after one ERROR line and no traceback.
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -186,3 +187,9 @@ def test_help_lists_exit_codes() -> None:
                          text=True, timeout=60, check=True).stdout  # fmt: skip
     for code in ExitCode:
         assert re.search(rf"^\s+{code.value}\s+{re.escape(code.doc)}", out, re.M), out
+
+
+def test_readme_documents_every_exit_code() -> None:
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", readme, re.M))
+    assert sorted(map(int, rows)) == [c.value for c in ExitCode], rows

@@ -37,7 +37,7 @@ from vx.errors import EngineDeadError, EngineStartupError
 from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.ipc import codec
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
-from vx.log import log_request, requests_logged, setup_logging
+from vx.log import log_request, request_extra, requests_logged, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class EngineCore:
                     req = self.scheduler.requests[msg.request_id]
                     req.stop_token_set = PoisonedStopSet()  # test-only: its update raises
             except ValueError as e:  # one bad request fails alone; the engine goes on
-                logger.warning("rejected request %s: %s", msg.request_id, e)
+                logger.warning("rejected request %s: %s", msg.request_id, e,
+                               extra=request_extra(msg.request_id))  # fmt: skip
                 self._emit(
                     messages.EngineCoreOutputs(
                         engine_index=self.engine_index,

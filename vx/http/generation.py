@@ -130,6 +130,9 @@ class Generation:
         self.access: AccessRecord | None = None
         #: The request's headers, for the trace's parent (`traceparent`).
         self.headers: list[tuple[bytes, bytes]] = []
+        #: The `request_id` of this request's log lines: the HTTP request's id (its
+        #: X-Request-Id), as on its access line; the messages name the engine request ids.
+        self.log_id = REQUEST_ID.get() or response_id
         self._span: Span | None = None
         self._arrival = 0.0
         self._start = time.monotonic()
@@ -171,11 +174,11 @@ class Generation:
         for c in self.choices:
             if log_requests_enabled():
                 prompt = c.prompt_text if c.prompt_text is not None else c.prompt_token_ids
-                log_request(logger, c.request_id, "request %s admitted: %d prompt tokens, "
+                log_request(logger, self.log_id, "request %s admitted: %d prompt tokens, "
                             "params %s, prompt %r", c.request_id, len(c.prompt_token_ids),
                             c.params, prompt)  # fmt: skip
             else:
-                log_request(logger, c.request_id, "request %s admitted: %d prompt tokens",
+                log_request(logger, self.log_id, "request %s admitted: %d prompt tokens",
                             c.request_id, len(c.prompt_token_ids))  # fmt: skip
 
     def close(self, cause: str | None) -> None:
@@ -192,12 +195,12 @@ class Generation:
         if cause is None and not unfinished:
             reason = self.choices[0].state.finish_reason or "stop"
             metrics.finished(reason, time.monotonic() - self._start)
-            log_request(logger, self.id, "request %s finished (%s): %d output tokens", self.id,
+            log_request(logger, self.log_id, "request %s finished (%s): %d output tokens", self.id,
                         reason, sum(len(c.state.token_ids) for c in self.choices))  # fmt: skip
         else:
             metrics.aborted(cause or "error")
             error = next((c.error for c in self.choices if c.error), None)
-            log_request(logger, self.id, "request %s aborted (%s)%s", self.id, cause or "error",
+            log_request(logger, self.log_id, "request %s aborted (%s)%s", self.id, cause or "error",
                         f": {error}" if error else "")  # fmt: skip
         if self._span is not None:
             self._end_span(cause)
@@ -375,7 +378,7 @@ class Generation:
                 # As vLLM does: the role chunk goes out with the first engine output, so a
                 # client's time to first chunk measures prefill, not admission.
                 first = False
-                log_request(logger, c.request_id, "request %s first token", c.request_id)
+                log_request(logger, self.log_id, "request %s first token", c.request_id)
                 for body in self.first_chunks(c):
                     await write(sse_event(_ENCODER.encode(body)))
             body = self.delta_chunk(c, c.state.take_delta(), c.state.finish_reason)
