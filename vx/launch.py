@@ -32,6 +32,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -40,6 +41,9 @@ from vx.config import EngineConfig
 from vx.engine_procs import EngineProcesses, resolve_engine_config
 from vx.errors import EngineDeadError, EngineStartupError
 from vx.exit_code import ExitCode
+
+if TYPE_CHECKING:
+    from vx.http.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,8 @@ STARTUP_TIMEOUT_S = 900.0
 SETTLE_S = 0.3
 #: How long a dead tree's children get to exit by themselves before they are killed.
 DEAD_TREE_JOIN_S = 0.5
+#: How long the last spans may take to leave at exit (a collector that does not answer).
+TRACE_FLUSH_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +169,18 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
+    tracer = None
+    if settings.otlp_traces_endpoint:
+        try:
+            from vx.http.tracing import RequestTracer  # only now: no cost without tracing
+        except ImportError as e:
+            logger.error(
+                "invalid configuration: --otlp-traces-endpoint needs OpenTelemetry "
+                "(pip install 'vx[tracing]'): %s", e,
+            )
+            return ExitCode.BAD_CONFIG
+        tracer = RequestTracer(settings.otlp_traces_endpoint)
+        logger.info("tracing: one span per request to %s", settings.otlp_traces_endpoint)
     try:
         sock = bind_socket(settings.host, settings.port)
     except EngineStartupError as e:
@@ -171,7 +189,7 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     procs = EngineProcesses(config)
     exit_code: int = ExitCode.INTERNAL_ERROR
     try:
-        exit_code = await _serve_tree(config, settings, procs, sock, t_start)
+        exit_code = await _serve_tree(config, settings, procs, sock, t_start, tracer)
     finally:
         sock.close()  # a no-op once hypercorn owns it (detached)
         # A dead tree's survivors are reaped at once (a stuck Worker never exits by itself).
@@ -188,6 +206,7 @@ async def _serve_tree(
     procs: EngineProcesses,
     sock: socket.socket,
     t_start: float,
+    tracer: RequestTracer | None,
 ) -> int:
     """Spawn the tree and serve HTTP from the start (/health 200, /ready 503 while loading)
     until a signal, a death, or a failed start; returns the exit code."""
@@ -202,7 +221,6 @@ async def _serve_tree(
     client.on_failure = supervisor.engine_failed
     shutdown = anyio.Event()
     exit_code = ExitCode.OK
-    tracer = None
 
     async with anyio.create_task_group() as tg:
         for proc in procs.processes:
@@ -267,11 +285,6 @@ async def _serve_tree(
         tg.start_soon(run_client)
         tg.start_soon(on_signals)
         scheme = "https" if settings.ssl_certfile else "http"
-        if settings.otlp_traces_endpoint:
-            from vx.http.tracing import RequestTracer  # only now: no cost without tracing
-
-            tracer = RequestTracer(settings.otlp_traces_endpoint)
-            logger.info("tracing: one span per request to %s", settings.otlp_traces_endpoint)
         # The tokenizer loads here, while the children load the model.
         app = build_app(
             client,
@@ -298,6 +311,7 @@ async def _serve_tree(
         # the supervisor, the signal receiver), and every one of them is cancellable.
         tg.cancel_scope.cancel()
     if tracer is not None:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(tracer.shutdown)  # export the last spans
+        # Export the last spans, but a collector that does not answer must not hold the exit.
+        with anyio.move_on_after(TRACE_FLUSH_S, shield=True):
+            await anyio.to_thread.run_sync(tracer.shutdown, abandon_on_cancel=True)
     return exit_code

@@ -31,6 +31,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 import vx
 
+#: Seconds one OTLP export may take (the SDK's default is 10).
+EXPORT_TIMEOUT_S = 2.0
+
 
 def _ns(epoch_s: float) -> int:
     return int(epoch_s * 1e9)
@@ -43,7 +46,9 @@ class RequestTracer:
     def __init__(self, endpoint: str) -> None:
         resource = Resource.create({"service.name": "vx", "service.version": vx.__version__})
         self._provider = TracerProvider(resource=resource)
-        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        # A short export timeout: spans are best effort, and the flush at exit is bounded.
+        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
+        self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("vx")
         self._propagator = TraceContextTextMapPropagator()
         self.endpoint = endpoint
