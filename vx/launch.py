@@ -5,8 +5,8 @@ the EngineClient's ring readers, one watcher per child process sentinel, the sig
 hypercorn. `serve` returns the process's exit code (`vx.exit_code.ExitCode`) and raises nothing
 it can name: every failure ends in one ERROR line and its own code.
 
-Start-up order: resolve the model (MODEL_NOT_FOUND), bind the port (ADDRESS_IN_USE) before any
-child is spawned, spawn the children, wait for every EngineReady (a child that fails first:
+Start-up order: resolve the model (MODEL_NOT_FOUND), load the TLS pair and OpenTelemetry when
+asked for (BAD_CONFIG), bind the port (ADDRESS_IN_USE) before any child is spawned, spawn the children, wait for every EngineReady (a child that fails first:
 STARTUP_FAILED, or the code its report carries, e.g. KV_CACHE_TOO_SMALL), then serve.
 
 A clean death (ENGINE_DEAD): whatever is noticed first (a child's sentinel, an EngineDead report,
@@ -29,6 +29,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -169,6 +170,18 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
+    if settings.ssl_certfile or settings.ssl_keyfile:
+        # Loaded once here, so a bad pair is one line and BAD_CONFIG, not hypercorn's error
+        # after the model has loaded.
+        try:
+            if not (settings.ssl_certfile and settings.ssl_keyfile):
+                raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                settings.ssl_certfile, settings.ssl_keyfile
+            )
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            logger.error("invalid configuration: TLS certificate and key: %s", e)
+            return ExitCode.BAD_CONFIG
     tracer = None
     if settings.otlp_traces_endpoint:
         try:
