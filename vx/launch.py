@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the engine may take to load before the start-up counts as failed.
 STARTUP_TIMEOUT_S = 900.0
-#: After the first sign of a death, how long the supervisor waits for a child killed by a
-#: signal (the root cause) before it names the cause from what it has.
+#: After an engine's report of a death, how long the supervisor waits for a child's exit status
+#: before it names the cause from the report alone.
 SETTLE_S = 0.3
 #: How long a dead tree's children get to exit by themselves before they are killed.
 DEAD_TREE_JOIN_S = 0.5
@@ -124,13 +124,18 @@ class _Supervisor:
         return next(((p, c) for p, c in self._exits if c is not None and c < 0), None)
 
     async def wait_cause(self) -> str:
-        """Wait for the first sign, let the others arrive (up to SETTLE_S, less once a child
-        killed by a signal is seen), and name the cause."""
+        """Wait for the first sign, then for a child's exit (up to SETTLE_S), and name the
+        cause.
+
+        NOTE: a child's exit is seen at once (its sentinel), while an engine notices a dead
+        peer only through its ring (up to a second): a report with no exit yet comes from an
+        engine that is about to exit, not from a killed child that is yet to be seen.
+        """
         while not self._exits and self._report is None:
             await self._changed.wait()
             self._changed = anyio.Event()
         with anyio.move_on_after(SETTLE_S):
-            while self._killed() is None:
+            while not self._exits:
                 await self._changed.wait()
                 self._changed = anyio.Event()
         killed = self._killed()

@@ -106,19 +106,23 @@ def _run_failing(args: list[str], timeout_s: float = 60.0) -> tuple[int, float, 
     return proc.returncode, time.monotonic() - start, out.decode(errors="replace"), proc.pid
 
 
-@pytest.mark.parametrize("failure", ["bad-path", "port-in-use", "kv-too-small", "bad-config"])
+@pytest.mark.parametrize(
+    "failure", ["bad-path", "port-in-use", "kv-too-small", "bad-config", "bad-tls"]
+)
 def test_startup_failure(tiny_model: str, failure: str) -> None:
     expected = {
         "bad-path": ExitCode.MODEL_NOT_FOUND,
         "port-in-use": ExitCode.ADDRESS_IN_USE,
         "kv-too-small": ExitCode.KV_CACHE_TOO_SMALL,
         "bad-config": ExitCode.BAD_CONFIG,
+        "bad-tls": ExitCode.BAD_CONFIG,
     }[failure]
     words = {
         "bad-path": "no such file or directory",
         "port-in-use": "cannot listen on",
         "kv-too-small": "KV cache",
         "bad-config": "invalid configuration",
+        "bad-tls": "TLS certificate and key",
     }[failure]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -130,6 +134,8 @@ def test_startup_failure(tiny_model: str, failure: str) -> None:
             args += ["--kv-cache-memory", "1KiB"]
         if failure == "bad-config":
             args += ["--max-model-len", "100000"]  # past the model's 8,192 positions
+        if failure == "bad-tls":
+            args += ["--ssl-certfile", "/nonexistent/cert.pem", "--ssl-keyfile", "/nonexistent/k"]
         code, seconds, log, front = _run_failing(args)
     errors = front_errors(log, front)
     assert code == expected, log
