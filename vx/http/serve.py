@@ -5,8 +5,9 @@ Runs in: the ApiServer process. Hypercorn speaks HTTP/1.1, h2c (both prior knowl
 It installs no signal handlers, because the launcher passes `shutdown_trigger` (the launcher
 owns signals and draining).
 
-Readiness: the listening socket is bound here first (so port 0 works and the real port is
-known), handed to hypercorn as `fd://N`, and `task_status.started(port)` fires from inside
+Readiness: the listening socket is bound first (by the launcher, `bind_socket`, before it spawns
+the engine, so a port in use fails at once; or here; either way port 0 works and the real port
+is known), handed to hypercorn as `fd://N`, and `task_status.started(port)` fires from inside
 hypercorn's shutdown-trigger task, which hypercorn starts only after every listener is up.
 """
 
