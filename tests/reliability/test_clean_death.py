@@ -15,6 +15,7 @@ exit with their own code within 10 s, after one ERROR line and no traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -29,7 +30,7 @@ import httpx
 import pytest
 
 from tests.reliability.conftest import checked_figure
-from tests.reliability.harness import Served, descendants, free_port, poll
+from tests.reliability.harness import Served, descendants, free_port, poll, total
 from tests.reliability.streams import client_for, start_streams
 from vx.exit_code import ExitCode
 
@@ -199,3 +200,48 @@ def test_readme_documents_every_exit_code() -> None:
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", readme, re.M))
     assert sorted(map(int, rows)) == [c.value for c in ExitCode], rows
+
+
+@pytest.mark.parametrize("stop", ["worker-kill9", "sigterm"])
+async def test_a_client_that_stopped_reading_does_not_hold_the_exit(
+    tiny_model: str, logs: str, stop: str
+) -> None:
+    """A client stops reading a large stream (10 MB: more than the sockets buffer) and never
+    closes; then the Worker dies, or SIGTERM comes: the front still exits at once (it cuts that
+    connection once its unsent bytes stop moving), with no traceback."""
+    server = Served(tiny_model, ("--drain-timeout", "1"), log_dir=logs)
+    with server:
+        assert server.proc is not None
+        front = server.proc.pid
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 900, "n": 16,
+                           "logprobs": 20, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+        stalled = socket.create_connection(("127.0.0.1", server.port))
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            # The engine made all 14,400 tokens: the front holds megabytes it cannot send.
+            made = poll(lambda: total(server.scrape(), "vx:generation_tokens_total") >= 14_400,
+                        120, 0.2)  # fmt: skip
+            assert made, server.log()
+            async with client_for(server.url, 2) as client, anyio.create_task_group() as tg:
+                records = await start_streams(tg, client, 2, max_tokens=8000)
+                t0 = time.monotonic()
+                if stop == "sigterm":
+                    server.send_signal(signal.SIGTERM)
+                else:
+                    os.kill(server.worker_pids[0], signal.SIGKILL)
+            code = server.wait_exit(30)
+            exited = time.monotonic() - t0
+        finally:
+            stalled.close()
+        log = server.full_log()
+    expected = ExitCode.OK if stop == "sigterm" else ExitCode.ENGINE_DEAD
+    # The drain budget (1 s) first, for SIGTERM.
+    budget = EXIT_WITHIN_S + (1.0 if stop == "sigterm" else 0.0)
+    assert code == expected, log[-4000:]
+    assert exited < budget, (exited, log[-4000:])
+    assert "cut 1 connection(s) whose client stopped reading" in log, log[-4000:]
+    assert all(r.done and r.error is not None for r in records), records
+    assert "Traceback" not in log and "leaked" not in log, log[-8000:]
+    assert len(front_errors(log, front)) == (0 if stop == "sigterm" else 1), log[-4000:]

@@ -13,8 +13,10 @@ hypercorn's shutdown-trigger task, which hypercorn starts only after every liste
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +92,46 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Once hypercorn stops, how long a connection's blocked write may wait before it is cut.
+STALLED_AT_STOP_S = 0.5
+
+
+def abort_stalled_connections(
+    port: int, seen: dict[int, int], *, everyone: bool = False
+) -> tuple[dict[int, int], int]:
+    """Abort every connection to our `port` whose unsent bytes are as many as in `seen` (its
+    client stopped reading; with `everyone`, every one that holds unsent bytes); returns the
+    unsent bytes of those left (the next call's `seen`, by transport id) and how many were cut.
+    Called only while the server stops.
+
+    NOTE: asyncio has no public list of a loop's transports; the selector loop keeps them in
+    `_transports` (fd -> transport, CPython 3.7 on). Without it (another loop) nothing is cut
+    and a stalled client delays the exit as before. An aborted transport fails the pending
+    write with ConnectionResetError, which hypercorn and the SSE response treat as a client
+    that left.
+    """
+    loop = asyncio.get_running_loop()
+    transports = getattr(loop, "_transports", None)
+    now: dict[int, int] = {}
+    n = 0
+    for transport in list(transports.values()) if transports else ():
+        if transport is None or transport.is_closing():
+            continue
+        sock = transport.get_extra_info("socket")
+        try:
+            if sock is None or sock.getsockname()[1] != port:
+                continue
+        except OSError:
+            continue
+        unsent = transport.get_write_buffer_size()
+        if unsent > 0 and (everyone or seen.get(id(transport)) == unsent):
+            transport.abort()
+            n += 1
+        elif unsent > 0:
+            now[id(transport)] = unsent
+    return now, n
+
+
 def hypercorn_config(
     *, fd: int, ssl_certfile: str | None, ssl_keyfile: str | None, graceful_timeout_s: float
 ) -> Config:
@@ -143,6 +185,7 @@ async def serve_http(
     )
     handed_over = False
     listening = anyio.Event()
+    stopping = anyio.Event()
 
     async def trigger() -> None:
         nonlocal handed_over
@@ -151,6 +194,25 @@ async def serve_http(
         handed_over = True
         listening.set()
         await shutdown_trigger()
+        stopping.set()
+
+    async def reap_stalled() -> None:
+        # While hypercorn stops, a client that stopped reading would hold it (and the exit):
+        # its connection's last write never drains, and hypercorn awaits it even after its
+        # graceful timeout. The responses have had their last word by now (the drain budget or
+        # a death's grace is over), so such connections are cut.
+        await stopping.wait()
+        seen: dict[int, int] = {}
+        deadline = time.monotonic() + graceful_timeout_s - STALLED_AT_STOP_S
+        while True:
+            # A connection is cut when its unsent bytes did not move for a whole interval (a
+            # slow reader still drains and is left alone), or anyway near hypercorn's deadline.
+            seen, n = abort_stalled_connections(
+                bound_port, seen, everyone=time.monotonic() >= deadline
+            )
+            if n:
+                logger.warning("shutdown: cut %d connection(s) whose client stopped reading", n)
+            await anyio.sleep(STALLED_AT_STOP_S)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -160,8 +222,10 @@ async def serve_http(
                     await hypercorn_serve(app, config, shutdown_trigger=trigger)
                 finally:
                     listening.set()
+                    tg.cancel_scope.cancel()  # the reaper's work ends with hypercorn's
 
             tg.start_soon(run)
+            tg.start_soon(reap_stalled)
             # NOTE: started() must come from this task, not from hypercorn's trigger task.
             await listening.wait()
             if handed_over:
