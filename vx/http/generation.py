@@ -218,8 +218,8 @@ class Generation:
     def _end_span(self, cause: str | None) -> None:
         """The trace's events and GenAI attributes (tracing on only)."""
         assert self.ctx.tracer is not None and self._span is not None
-        # Monotonic times on the wall clock of the arrival: one offset for the whole span.
-        to_wall = self._arrival - self._start
+        # The streams' times are monotonic: one offset puts them all on the wall clock.
+        to_wall = time.time() - time.monotonic()
         streams = [c.stream for c in self.choices if c.stream is not None]
         scheduled = min((s.scheduled_time for s in streams if s.scheduled_time), default=None)
         firsts = [s.first_token_time for s in streams if s.first_token_time is not None]
