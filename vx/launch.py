@@ -232,6 +232,7 @@ async def _serve_tree(
     from vx.http.engine_client import EngineClient
     from vx.http.serve import serve_http, startup_banner
 
+    port = sock.getsockname()[1]  # the real one, with --port 0
     procs.start()
     pin_host_process(config.device)  # after the spawns: the Workers keep every core
     client = EngineClient(procs.engine_rings)
@@ -289,7 +290,7 @@ async def _serve_tree(
                     logger.info(
                         "%s",
                         startup_banner(
-                            config, client.ready, f"{scheme}://{settings.host}:{settings.port}",
+                            config, client.ready, f"{scheme}://{settings.host}:{port}",
                             time.monotonic() - t_start,
                         ),
                     )
@@ -304,17 +305,22 @@ async def _serve_tree(
         tg.start_soon(on_signals)
         scheme = "https" if settings.ssl_certfile else "http"
         # The tokenizer loads here, while the children load the model.
-        app = build_app(
-            client,
-            served_model_name=config.model.served_model_name,
-            tokenizer_path=config.model.path,
-            api_keys=list(settings.api_keys),
-            allowed_origins=list(settings.allowed_origins),
-            max_body_bytes=settings.max_body_bytes,
-            stall_timeout_s=settings.stall_timeout_s,
-            access_log=settings.access_log,
-            tracer=tracer,
-        )
+        try:
+            app = build_app(
+                client,
+                served_model_name=config.model.served_model_name,
+                tokenizer_path=config.model.path,
+                api_keys=list(settings.api_keys),
+                allowed_origins=list(settings.allowed_origins),
+                max_body_bytes=settings.max_body_bytes,
+                stall_timeout_s=settings.stall_timeout_s,
+                access_log=settings.access_log,
+                tracer=tracer,
+            )
+        except Exception as e:  # the model's files hold no tokenizer it can load
+            logger.error("engine failed to start: no tokenizer in %s: %s", config.model.path, e)
+            tg.cancel_scope.cancel()
+            return ExitCode.STARTUP_FAILED
         tg.start_soon(wait_ready)
         await serve_http(
             app,
