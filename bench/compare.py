@@ -4,7 +4,7 @@ Usage:
     python bench/compare.py [--peers vllm,llamacpp,llamacpp-q4_1] [--concurrency 1,8,32,64]
         [--repeats 1] [--vx-variant 'int8=--quantization int8']
 
-For each server: start it, wait for /health, run `vx bench serve` (streaming /v1/completions,
+For each server: start it, wait for /ready (or /health), run `vx bench serve` (streaming /v1/completions,
 random token-id prompts of --input-len tokens, --output-len tokens with ignore_eos, greedy) at
 each concurrency, stop it. With --interleave every server is up for the whole run (each on its
 own port, paused with SIGSTOP while another is measured) and each concurrency is measured on every server in
@@ -44,7 +44,12 @@ def wait_health(url: str, proc: subprocess.Popen | None, timeout_s: float) -> No
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            # vx answers /health while it loads and /ready once it serves; peers without
+            # /ready (404) answer /health only once they serve.
+            status = httpx.get(url + "/ready", timeout=2).status_code
+            if status == 404:
+                status = httpx.get(url + "/health", timeout=2).status_code
+            if status == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -133,7 +133,7 @@ serve_section() {
   trap 'kill -TERM -- -'"$spid"' 2>/dev/null || true' RETURN
   local up=0
   for _ in $(seq 1 150); do
-    if "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then up=1; break; fi
+    if "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" 2>/dev/null; then up=1; break; fi
     kill -0 "$spid" 2>/dev/null || break
     sleep 1
   done

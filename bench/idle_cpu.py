@@ -3,7 +3,7 @@
 Usage:
     python bench/idle_cpu.py [MODEL] [--seconds 10]
 
-Starts `vx serve`, waits for /health, sends one request (so every process has done real work
+Starts `vx serve`, waits for /ready, sends one request (so every process has done real work
 and parked), then sums utime + stime of the front, the EngineCore and the Workers from
 /proc over the window and reports it as a percentage of one core.
 """
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for _ in range(600):
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)

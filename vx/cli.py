@@ -22,6 +22,7 @@ from vx.config import (
     SchedulerConfig,
     parse_speculative_config,
 )
+from vx.exit_code import ExitCode, exit_codes_help
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,19 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="CORS origins (off by default); repeatable")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object a line (time, level, role, pid, request_id, "
+                        "logger, message), from every process")
+    p.add_argument("--enable-log-requests", "--log-requests", action="store_true",
+                   dest="enable_log_requests",
+                   help="log each request's admission (with its prompt), first token and "
+                        "finish at INFO; prompts are never logged without it")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per request over OTLP/HTTP (protobuf) "
+                        "to URL, e.g. http://collector:4318/v1/traces (off by default)")
+    p.add_argument("--disable-access-log", action="store_true",
+                   help="no access line per HTTP request (method, path, status, request id, "
+                        "tokens, TTFT, total time)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--profile-steps", action="store_true",
                    help="log a per-step timing breakdown (host share of each step)")
@@ -170,12 +184,14 @@ def _serve(args: argparse.Namespace) -> int:
     from vx.launch import ServerSettings, serve
     from vx.log import setup_logging
 
-    setup_logging("api", args.log_level)
+    setup_logging(
+        "api", args.log_level, log_format=args.log_format, log_requests=args.enable_log_requests
+    )
     try:
         config = engine_config_from_args(args)
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
-        return 2
+        return ExitCode.BAD_CONFIG
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -185,6 +201,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(args.allowed_origins),
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
+        access_log=not args.disable_access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     try:
         return anyio.run(serve, config, settings)
@@ -200,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         return bench_serve(argv[2:])
     parser = argparse.ArgumentParser(prog="vx", description="vx: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    build_serve_parser(sub.add_parser("serve", help="start the OpenAI-compatible server"))
+    build_serve_parser(
+        sub.add_parser(
+            "serve",
+            help="start the OpenAI-compatible server",
+            epilog=exit_codes_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     sub.add_parser(
         "bench",
         help="`vx bench serve --help` for the load generator (comparisons with vLLM and "

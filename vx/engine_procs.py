@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from vx.config import EngineConfig
+from vx.errors import ModelNotFoundError
 from vx.ipc.ring import RingOwner, RingReader, RingWriter
 from vx.ipc.wait import sweep_stale_segments
 
@@ -36,10 +37,18 @@ RESULT_RING_BYTES = 1 << 22
 
 
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
-    """Resolve the model to a local directory and fill `max_model_len` from its config.json."""
+    """Resolve the model to a local directory and fill `max_model_len` from its config.json.
+
+    Raises:
+        ModelNotFoundError: the model is not there (or not a model vx can read).
+        ValueError: the configuration does not fit the model.
+    """
     from vx.models_hub.resolve import resolve_model  # no torch at import time
 
-    path = config.model.path or resolve_model(config.model.model)
+    try:
+        path = config.model.path or resolve_model(config.model.model)
+    except (FileNotFoundError, ValueError) as e:  # no such path, or not a model there
+        raise ModelNotFoundError(str(e)) from None
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     limit = int(hf_config.get("max_position_embeddings") or 2048)
@@ -177,7 +186,7 @@ class EngineProcesses:
         _join_all(self.processes, timeout_s)
         for proc in self.processes:
             if proc.is_alive():
-                logger.warning("killing %s (pid %s) after %.0f s", proc.name, proc.pid, timeout_s)
+                logger.warning("killing %s (pid %s) after %.1f s", proc.name, proc.pid, timeout_s)
                 proc.kill()
         _join_all(self.processes, 5.0)
         for rank in self.ranks:

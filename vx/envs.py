@@ -94,6 +94,15 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _text("VX_LOG_LEVEL", "INFO",
           "Log level of every process (`vx serve --log-level` sets it for the children).",
           "operator; vx itself, for its child processes"),
+    _text("VX_LOG_FORMAT", "text",
+          "Log line format of every process: `text`, or `json` (one object a line; "
+          "`vx serve --log-format` sets it for the children).",
+          "operator; vx itself, for its child processes"),
+    EnvVar(name="VX_LOG_REQUESTS", type="flag (1: on)", parse=_on_if_1, default=False,
+           shown_default="0",
+           doc="Log each request's admission, first token and finish at INFO, with its prompt "
+               "in the front (`vx serve --enable-log-requests` sets it for the children).",
+           set_by="operator; vx itself, for its child processes"),
     _text("VX_HOST_CPUS", "auto",
           "Cores for the front and EngineCore processes: `auto` (on CPU the last allowed core), "
           "a list such as `0,2-3`, or `off`/`none`/empty to leave them where they are.",

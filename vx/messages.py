@@ -155,6 +155,10 @@ class EngineCoreOutput(_StepMsg, frozen=True):
     num_cached_tokens: int = 0
     #: A human-readable reason when finish_reason is "error".
     error: str | None = None
+    #: On a request's first output after it was scheduled (first, or again after a
+    #: preemption): when the EngineCore scheduled it (epoch seconds), for the trace's
+    #: "scheduled" event and its queue time.
+    scheduled_time: float | None = None
 
 
 class SchedulerStats(_StepMsg, frozen=True):
@@ -212,10 +216,15 @@ class EngineReady(_Msg):
 
 
 class EngineDead(_Msg):
-    """Sent (best effort) when the EngineCore is about to die; the front also watches pids."""
+    """Sent (best effort) when the EngineCore is about to die; the front also watches pids.
+
+    `exit_code`: the `vx.exit_code.ExitCode` the failure calls for (0: the front decides, by
+    whether the engine was ready), e.g. KV_CACHE_TOO_SMALL from a Worker's start-up.
+    """
 
     engine_index: int
     reason: str
+    exit_code: int = 0
 
 
 class UtilityResult(_Msg):
@@ -318,10 +327,11 @@ class WorkerReady(_Msg):
 
 
 class WorkerDead(_Msg):
-    """Sent (best effort) by a worker that hit a fatal error."""
+    """Sent (best effort) by a worker that hit a fatal error; `exit_code` as in EngineDead."""
 
     rank: int
     reason: str
+    exit_code: int = 0
 
 
 WorkerEvent = ModelRunnerOutput | WorkerReady | WorkerDead

@@ -1,6 +1,6 @@
 """A real `vx serve` subprocess for end-to-end tests.
 
-`VxServer` starts `python -m vx serve MODEL --port P ...`, waits for /health, and on exit sends
+`VxServer` starts `python -m vx serve MODEL --port P ...`, waits for /ready, and on exit sends
 SIGTERM, checks the exit code and that no process or /dev/shm segment of its tree was left
 behind: leftovers fail the test loudly (named in an AssertionError, or in a note on the test's
 own exception) before they are SIGKILLed and unlinked.
@@ -54,7 +54,7 @@ class VxServer:
             if self.proc.poll() is not None:
                 self._close(RuntimeError(f"vx serve exited with {self.proc.returncode}"))
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     self.pids = [self.proc.pid, *descendants(self.proc.pid)]
                     return self
             except httpx.HTTPError:

@@ -171,11 +171,15 @@ async def test_503_when_dead_or_draining(tokenizer: Tokenizer) -> None:
         r = await c.post("/v1/completions", json={"prompt": "x"})
         assert_envelope(r, 503, code="draining")
         assert r.headers["retry-after"]
-        assert_envelope(await c.get("/health"), 503)
+        # Draining: not ready, still alive.
+        assert_envelope(await c.get("/ready"), 503, code="draining")
+        assert (await c.get("/health")).status_code == 200
         h.client.draining = False
+        assert (await c.get("/ready")).status_code == 200
         h.engine.die("boom")
         await _until(lambda: h.client.is_dead)
         assert_envelope(await c.get("/health"), 503, code="engine_dead")
+        assert_envelope(await c.get("/ready"), 503, code="engine_dead")
         r = await c.post(
             "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "x"}], "stream": True},

@@ -186,7 +186,7 @@ class Served:
             if self.proc.poll() is not None:
                 self._failed_start(RuntimeError(f"vx serve exited with {self.proc.returncode}"))
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

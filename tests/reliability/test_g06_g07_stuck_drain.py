@@ -4,7 +4,8 @@ G6: SIGSTOP the worker under streams with `--step-timeout 3`: the EngineCore's s
 declares it stuck, /health turns 503 within the deadline (plus a second), every stream ends with
 an error event that says what happened, and the tree is torn down (the stopped worker killed).
 
-G7: SIGTERM under short and long streams with `--drain-timeout D`: /health 503 at once, a new
+G7: SIGTERM under short and long streams with `--drain-timeout D`: /ready 503 at once (/health,
+liveness, stays 200 while the tree drains), a new
 request gets 503 with Retry-After (not a refused connection), the short streams finish cleanly,
 the long ones (8,000 tokens: more than the tiny model makes in D) are cut by the deadline: at
 least one, each with a terminal error event that reaches the client between D and D + 2 s after
@@ -98,8 +99,10 @@ async def test_g7_drain_on_sigterm(tiny_model: str, logs: str, size: str) -> Non
                     await rec.first_event.wait()
             term = time.monotonic()
             server.send_signal(signal.SIGTERM)
-            health = (await client.get("/health", timeout=2)).status_code
+            ready = (await client.get("/ready", timeout=2)).status_code
             health_s = time.monotonic() - term
+            # Liveness stays 200 while the tree drains: only readiness turns.
+            health = (await client.get("/health", timeout=2)).status_code
             r = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
             new_status, retry_after = r.status_code, r.headers.get("retry-after")
         code = server.wait_exit(DRAIN_S + 30)
@@ -116,7 +119,8 @@ async def test_g7_drain_on_sigterm(tiny_model: str, logs: str, size: str) -> Non
     lost = len(short) - clean_short + len(long) - len(cut) - finished_long
     line = (
         f"G7 drain on SIGTERM (budget {DRAIN_S:.0f} s) [{size}]: load {n} streams | faults 1 "
-        f"SIGTERM: /health {health} after {health_s * 1e3:.0f} ms, new request {new_status} "
+        f"SIGTERM: /ready {ready} after {health_s * 1e3:.0f} ms (/health {health}), new "
+        f"request {new_status} "
         f"Retry-After {retry_after}, {clean_short}/{len(short)} short streams finished, "
         f"{len(cut)}/{len(long)} long streams ({LONG_TOKENS} tokens) cut by the deadline with a "
         f"terminal error event after {_span(cut_s)} ({finished_long} finished first; the "
@@ -124,7 +128,8 @@ async def test_g7_drain_on_sigterm(tiny_model: str, logs: str, size: str) -> Non
         f"{lost} (survivors {len(survivors)}, shm leftovers {len(shm)})"
     )
     with checked_figure(line):
-        assert health == 503 and new_status == 503 and retry_after is not None
+        assert ready == 503 and health == 200
+        assert new_status == 503 and retry_after is not None
         assert clean_short == len(short), [(r.error, r.transport_error) for r in short]
         assert len(cut) + finished_long == len(long), [(r.error, r.transport_error) for r in long]
         # The cut-off fired: streams too long to finish inside the budget were ended by it, at

@@ -33,11 +33,11 @@ from vx.core.block_pool import group_block_states
 from vx.core.executor import WorkerGroup
 from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
-from vx.errors import EngineDeadError
+from vx.errors import EngineDeadError, EngineStartupError
 from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.ipc import codec
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
-from vx.log import setup_logging
+from vx.log import log_request, request_extra, requests_logged, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +74,26 @@ class EngineCore:
         self._shutdown = False
         self._stats_dirty = False
         self._poison_seed = poison_seed("engine")
+        #: When each request was last scheduled anew (epoch s), until its next output carries
+        #: it to the front (`EngineCoreOutput.scheduled_time`); one entry per admission.
+        self._scheduled_at: dict[str, float] = {}
         # Per-step profile, accumulated between INFO lines when --profile-steps is on.
         self._prof = collections.Counter[str]()
 
     # ── input ──────────────────────────────────────────────────────────────────
     def _handle_input(self, msg: messages.EngineCoreInput) -> None:
         if isinstance(msg, messages.AddRequest):
+            log_request(logger, msg.request_id, "request %s admitted: %d prompt tokens, "
+                        "max_tokens %s", msg.request_id, len(msg.prompt_token_ids),
+                        msg.sampling_params.max_tokens)  # fmt: skip
             try:
                 self.scheduler.add_request(msg)
                 if self._poison_seed is not None and msg.sampling_params.seed == self._poison_seed:
                     req = self.scheduler.requests[msg.request_id]
                     req.stop_token_set = PoisonedStopSet()  # test-only: its update raises
             except ValueError as e:  # one bad request fails alone; the engine goes on
-                logger.warning("rejected request %s: %s", msg.request_id, e)
+                logger.warning("rejected request %s: %s", msg.request_id, e,
+                               extra=request_extra(msg.request_id))  # fmt: skip
                 self._emit(
                     messages.EngineCoreOutputs(
                         engine_index=self.engine_index,
@@ -99,6 +106,11 @@ class EngineCore:
                     )
                 )
         elif isinstance(msg, messages.AbortRequests):
+            if requests_logged(logger):
+                for request_id in msg.request_ids:
+                    if request_id in self.scheduler.requests:
+                        log_request(logger, request_id, "request %s aborted (%s)", request_id,
+                                    msg.cause)  # fmt: skip
             self.scheduler.finish_requests(msg.request_ids, RequestStatus.FINISHED_ABORTED)
             # Freed blocks must show on /metrics even if no step follows (an idle engine).
             self._stats_dirty = True
@@ -192,6 +204,10 @@ class EngineCore:
         ):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
+                if scheduler_output.scheduled_new_reqs:
+                    now = time.time()
+                    for new in scheduler_output.scheduled_new_reqs:
+                        self._scheduled_at[new.req_id] = now
                 self._workers.send(scheduler_output)
                 self._in_flight.append(scheduler_output)
                 # Queue not full yet: go back and schedule step n+1 before waiting on step n.
@@ -211,6 +227,10 @@ class EngineCore:
         # Drain aborts just before applying the output, so aborted requests emit nothing more.
         self._drain_input(block=False)
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        if self._scheduled_at:
+            self._stamp_scheduled(outputs)
+        if requests_logged(logger):
+            self._log_outputs(outputs)
         self._stats_dirty = False
         stats = self._make_stats(scheduler_output, result, t2 - t1)
         self._emit(
@@ -224,6 +244,31 @@ class EngineCore:
         t3 = time.perf_counter()
         if self.config.profile_steps:
             self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
+
+    def _stamp_scheduled(self, outputs: list[messages.EngineCoreOutput]) -> None:
+        """Give each request's first output since it was scheduled its scheduling time."""
+        at = self._scheduled_at
+        for i, out in enumerate(outputs):
+            t = at.pop(out.request_id, None)
+            if t is not None:
+                outputs[i] = msgspec.structs.replace(out, scheduled_time=t)
+        # A request that finished or was aborted without an output (an abort mid-prefill)
+        # leaves nothing behind.
+        for request_id in [r for r in at if r not in self.scheduler.requests]:
+            del at[request_id]
+
+    def _log_outputs(self, outputs: list[messages.EngineCoreOutput]) -> None:
+        """The request lines of one step: a first token, a finish (with its reason)."""
+        for out in outputs:
+            req = self.scheduler.requests.get(out.request_id)
+            if out.new_token_ids and (
+                req is None or req.num_output_tokens == len(out.new_token_ids)
+            ) and out.finish_reason is None:
+                log_request(logger, out.request_id, "request %s first token", out.request_id)
+            if out.finish_reason is not None:
+                log_request(logger, out.request_id, "request %s finished (%s)%s",
+                            out.request_id, out.finish_reason,
+                            f": {out.error}" if out.error else "")  # fmt: skip
 
     def _make_stats(
         self,
@@ -317,7 +362,10 @@ def run_engine_core(
     output_ring = RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
     to_workers = RingWriter.attach(msgspec.msgpack.decode(to_workers_handle, type=RingHandle))
     from_rank0 = RingReader.attach(msgspec.msgpack.decode(from_rank0_handle, type=RingHandle))
-    workers = WorkerGroup(to_workers, from_rank0, step_timeout_s=config.step_timeout_s)
+    pids = msgspec.msgpack.decode(worker_pids, type=list[int])
+    workers = WorkerGroup(
+        to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
+    )
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
@@ -338,7 +386,7 @@ def run_engine_core(
                     max_num_seqs=config.scheduler.max_num_seqs,
                     kv_cache_bytes=ready.kv_cache_bytes,
                     engine_pid=os.getpid(),
-                    worker_pids=msgspec.msgpack.decode(worker_pids, type=list[int]),
+                    worker_pids=pids,
                     async_scheduling=config.scheduler.async_scheduling,
                     batch_invariant=config.batch_invariant,
                 )
@@ -357,12 +405,17 @@ def run_engine_core(
         logger.warning("EngineCore %d: the front is gone; exiting", engine_index)
         workers.shutdown()
     except BaseException as e:
-        logger.exception("EngineCore %d died", engine_index)
+        if isinstance(e, (EngineDeadError, EngineStartupError)):
+            # A named failure (a Worker died, hung or failed to load): one line, no traceback;
+            # the front names the cause once more with every child's exit status.
+            logger.error("EngineCore %d stopping: %s", engine_index, e)
+        else:
+            logger.exception("EngineCore %d died", engine_index)
+        dead = messages.EngineDead(
+            engine_index=engine_index, reason=str(e), exit_code=getattr(e, "exit_code", 0)
+        )
         try:
-            output_ring.send(
-                out_codec.encode(messages.EngineDead(engine_index=engine_index, reason=str(e))),
-                timeout=1.0,
-            )
+            output_ring.send(out_codec.encode(dead), timeout=1.0)
         except Exception:  # the front may be gone too; the launcher watches our pid anyway
             pass
         workers.shutdown()

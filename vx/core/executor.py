@@ -17,7 +17,7 @@ import logging
 import anyio
 
 from vx import messages
-from vx.errors import EngineDeadError
+from vx.errors import EngineDeadError, EngineStartupError
 from vx.ipc import codec
 from vx.ipc.ring import RingReader, RingWriter
 
@@ -27,10 +27,19 @@ logger = logging.getLogger(__name__)
 class WorkerGroup:
     """Broadcasts each step to every worker and collects rank 0's answer."""
 
-    def __init__(self, to_workers: RingWriter, from_rank0: RingReader, *, step_timeout_s: float):
+    def __init__(
+        self,
+        to_workers: RingWriter,
+        from_rank0: RingReader,
+        *,
+        step_timeout_s: float,
+        worker_pids: list[int] | None = None,
+    ):
         self._to_workers = to_workers
         self._from_rank0 = from_rank0
         self._step_timeout_s = step_timeout_s
+        #: Named in a stuck step's error, so the front's one line says which process hung.
+        self._worker_pids = worker_pids or []
         self._in_codec = codec.worker_input_codec()
         self._out_codec = codec.worker_event_codec()
 
@@ -38,7 +47,9 @@ class WorkerGroup:
         """Block until rank 0 reports ready (it does so after every rank has loaded)."""
         event = self._recv(timeout_s, what="worker start-up")
         if isinstance(event, messages.WorkerDead):
-            raise EngineDeadError(f"worker {event.rank} failed to start: {event.reason}")
+            raise EngineStartupError(
+                f"worker {event.rank} failed to start: {event.reason}", event.exit_code
+            )
         if not isinstance(event, messages.WorkerReady):
             raise EngineDeadError(f"unexpected message from worker at start-up: {event!r}")
         return event
@@ -66,8 +77,10 @@ class WorkerGroup:
         try:
             data = self._from_rank0.recv(timeout=timeout_s)
         except TimeoutError:
+            pids = ", ".join(map(str, self._worker_pids)) or "?"
             raise EngineDeadError(
-                f"workers did not finish {what} within {timeout_s:.0f} s (stuck worker?)"
+                f"worker (pid {pids}) stuck: did not finish {what} within {timeout_s:g} s"
+                f" (--step-timeout)"
             ) from None
         except (anyio.BrokenResourceError, anyio.EndOfStream):
             raise EngineDeadError("a worker process died") from None

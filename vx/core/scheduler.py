@@ -23,6 +23,7 @@ from vx.config import EngineConfig
 from vx.core.block_hash import update_block_hashes
 from vx.core.kv_cache_manager import KVCacheManager
 from vx.core.request import Request, RequestStatus
+from vx.log import request_extra
 from vx.messages import (
     AddRequest,
     CachedRequestData,
@@ -481,7 +482,8 @@ class Scheduler:
         when a request's own update raised."""
         outputs = []
         for request, e in failed:
-            logger.error("request %s failed in its update: %r", request.request_id, e)
+            logger.error("request %s failed in its update: %r", request.request_id, e,
+                         extra=request_extra(request.request_id))  # fmt: skip
             if request.request_id in self.requests:
                 self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
             outputs.append(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from vx.errors import KVCacheTooSmallError
 from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
 from vx.gpu.attention.paged import AttentionMetadata, build_attention_metadata
 from vx.gpu.input_batch import InputBatch, RowTokens
@@ -211,7 +212,10 @@ class ModelRunner:
                 total / 2**30, in_use / 2**30, peak / 2**30,
             )  # fmt: skip
         if num <= 0:
-            raise RuntimeError("no memory left for the KV cache; lower the load or raise memory")
+            raise KVCacheTooSmallError(
+                f"no room for one KV cache block ({per_block} bytes) in the memory given; "
+                "raise --kv-cache-memory (CPU) or --gpu-memory-utilization (GPU)"
+            )
         return num, num * per_block
 
     def profile_run(self) -> int:

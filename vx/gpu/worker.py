@@ -24,6 +24,7 @@ import msgspec
 
 from vx import envs, messages
 from vx.config import EngineConfig
+from vx.errors import EngineStartupError
 from vx.ipc import codec
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
 from vx.log import setup_logging
@@ -148,6 +149,15 @@ def run_worker(
         if outbox is not None:
             outbox.send(out_codec.encode(event))
 
+    # NOTE: tqdm (the weight loader's bar, and libraries') makes a multiprocessing RLock, a
+    # named semaphore registered with the front's resource tracker; a Worker killed by a
+    # signal never unregisters it, and the tracker then warns of a "leaked semaphore" when the
+    # front exits. A thread lock does for one process.
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         from vx.gpu.model_runner import ModelRunner
 
@@ -189,9 +199,15 @@ def run_worker(
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         logger.warning("worker %d: the EngineCore is gone; exiting", rank)
     except BaseException as e:
-        logger.exception("worker %d died", rank)
+        if isinstance(e, EngineStartupError):  # named (the KV pool does not fit): one line
+            logger.error("worker %d cannot start: %s", rank, e)
+        else:
+            logger.exception("worker %d died", rank)
+        dead = messages.WorkerDead(
+            rank=rank, reason=f"{type(e).__name__}: {e}", exit_code=getattr(e, "exit_code", 0)
+        )
         try:
-            send(messages.WorkerDead(rank=rank, reason=f"{type(e).__name__}: {e}"))
+            send(dead)
         except Exception:  # the engine may be gone; it watches our ring's liveness anyway
             pass
         raise SystemExit(1) from None

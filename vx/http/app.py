@@ -2,8 +2,8 @@
 
 Runs in: the ApiServer process.
 
-Layers, outermost first: response counter -> CORS (only with --allowed-origins) -> API-key auth
-(deny by default; public: /health and /) -> body limit (413 before reading) -> starlette routes.
+Layers, outermost first: request id and access log -> response counter -> CORS (only with --allowed-origins) -> API-key auth
+(deny by default; public: /health, /ready and /) -> body limit (413 before reading) -> starlette routes.
 Every error a client can see uses OpenAI's envelope, including 404 and 405 from the router.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -22,8 +22,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+if TYPE_CHECKING:  # imported only with --otlp-traces-endpoint (no cost without)
+    from vx.http.tracing import RequestTracer
+
 import vx
 from vx.http import chat, completions
+from vx.http.access_log import AccessLogMiddleware
 from vx.http.dashboard import EngineEvents, StatsLogger, UIMiddleware, make_lifespan
 from vx.http.engine_client import EngineClient
 from vx.http.errors import APIError, error_response
@@ -84,11 +88,47 @@ class Endpoints:
         return _json(self._model_card(name))
 
     async def health(self, request: Request) -> Response:
+        """Liveness: 200 while the engine tree is alive (loading and draining included)."""
+        if self.ctx.client.is_dead:
+            return error_response(
+                503, "The engine is dead; retry on another replica.", code="engine_dead"
+            )
+        return _json({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 only while a request would be served; 503 while loading, draining
+        (from the first SIGTERM) or dead."""
         try:
             self.ctx.check_available()
         except APIError as e:
             return e.response()
-        return _json({"status": "ok"})
+        return _json({"status": "ready"})
+
+    async def load(self, request: Request) -> Response:
+        """The queue depth for a router, in one cheap call: no engine round trip (the figures
+        are the engines' last step reports) and no Prometheus text."""
+        client = self.ctx.client
+        engines = []
+        for i in range(client.num_engines):
+            stats = client.latest_stats(i)
+            engines.append(
+                {
+                    "index": i,
+                    "running": stats.num_running if stats else 0,
+                    "waiting": stats.num_waiting if stats else 0,
+                    "kv_cache_usage": stats.kv_usage if stats else 0.0,
+                }
+            )
+        return _json(
+            {
+                "in_flight": client.num_unfinished,
+                "running": sum(e["running"] for e in engines),
+                "waiting": sum(e["waiting"] for e in engines),
+                "ready": client.is_ready and not client.is_dead and not client.draining,
+                "draining": client.draining,
+                "engines": engines,
+            }
+        )
 
     async def version(self, request: Request) -> Response:
         ready = self.ctx.client.ready
@@ -228,8 +268,14 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             "/health": get(
-                "Liveness: 503 when the engine is dead or draining", "application/json", 503
+                "Liveness: 200 while the engine tree is alive, 503 once it died",
+                "application/json", 503,
             ),
+            "/ready": get(
+                "Readiness: 200 while requests are served; 503 loading, draining or dead",
+                "application/json", 503,
+            ),
+            "/load": get("Queue depth: requests in flight, running and waiting per engine"),
             "/version": get("Server version"),
             "/metrics": get("Prometheus metrics", "text/plain"),
             "/openapi.json": get("This document"),
@@ -278,6 +324,8 @@ def build_app(
     max_body_bytes: int = 32 * 1024 * 1024,
     keepalive_s: float = 15.0,
     stall_timeout_s: float = 60.0,
+    access_log: bool = True,
+    tracer: RequestTracer | None = None,
 ) -> ASGIApp:
     """The ASGI app serving `engine_client`'s model under `served_model_name`.
 
@@ -288,6 +336,8 @@ def build_app(
         api_keys: accepted keys; empty means no auth.
         allowed_origins: CORS origins ("*" for any); empty means no CORS headers.
         max_body_bytes: larger request bodies get 413.
+        access_log: write one access line per request (ids are echoed either way).
+        tracer: one OpenTelemetry span per generation request (None: no tracing).
     """
     if tokenizer is None:
         if tokenizer_path is None:
@@ -305,6 +355,7 @@ def build_app(
         metrics=metrics,
         keepalive_s=keepalive_s,
         stall_timeout_s=stall_timeout_s,
+        tracer=tracer,
     )
     ep = Endpoints(ctx, time.time())
     events = EngineEvents(engine_client, metrics, model_name=names[0])
@@ -314,6 +365,8 @@ def build_app(
         Route("/v1/models", ep.models, methods=["GET"]),
         Route("/v1/models/{model:path}", ep.model, methods=["GET"]),
         Route("/health", ep.health, methods=["GET"]),
+        Route("/ready", ep.ready, methods=["GET"]),
+        Route("/load", ep.load, methods=["GET"]),
         Route("/version", ep.version, methods=["GET"]),
         Route("/tokenize", ep.tokenize, methods=["POST"]),
         Route("/detokenize", ep.detokenize, methods=["POST"]),
@@ -333,6 +386,7 @@ def build_app(
             metrics.rejected(status)
 
     layers: list[tuple[Any, dict[str, Any]]] = [
+        (AccessLogMiddleware, {"enabled": access_log}),
         (
             ResponseCounterMiddleware,
             {"record": metrics.http_response, "paths": {r.path for r in routes}},

@@ -14,6 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vx.http.access_log import SCOPE_KEY
 from vx.http.detokenizer import TextState
 from vx.http.errors import APIError, context_length_error, error_response
 from vx.http.generation import Choice, Generation, ServerContext, new_request_id
@@ -205,6 +206,8 @@ async def serve_generation(
     try:
         req = parse_body(await read_body(request), schema)
         gen = await build(ctx, req)
+        gen.access = request.scope.get(SCOPE_KEY)
+        gen.headers = request.scope["headers"]
         gen.submit()
     except APIError as e:
         ctx.metrics.rejected(e.status)

@@ -20,6 +20,7 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio
@@ -241,6 +242,7 @@ class RequestStream:
         "last_token_time",
         "num_output_tokens",
         "request_id",
+        "scheduled_time",
     )
 
     def __init__(self, request_id: str, engine_index: int, *, limit: int = 1) -> None:
@@ -250,6 +252,8 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_output_tokens = 0
+        #: When the EngineCore first scheduled it (epoch seconds; its clock is this host's).
+        self.scheduled_time: float | None = None
         self._limit = max(1, limit)
         self._queue: collections.deque[RequestDelta] = collections.deque()
         self._event = anyio.Event()
@@ -353,12 +357,21 @@ class EngineClient:
         self.draining = False
         self.observer: OutputObserver | None = None
         self._readers_scope: anyio.CancelScope | None = None
+        #: Who hears of an engine failure (EngineDead, a broken or closed ring) with its reason
+        #: and exit code: the launcher, which names one cause from every child's exit and then
+        #: calls `mark_dead`. Without one, the client marks itself dead at once.
+        self.on_failure: Callable[[str, int], None] | None = None
 
     # ─────────────────────────── state ───────────────────────────
 
     @property
     def ready(self) -> list[messages.EngineReady]:
         return [self._ready[i] for i in sorted(self._ready)]
+
+    @property
+    def is_ready(self) -> bool:
+        """Every engine sent EngineReady (and stays so once dead: it says it had started)."""
+        return len(self._ready) == len(self._readers)
 
     @property
     def max_model_len(self) -> int:
@@ -375,6 +388,11 @@ class EngineClient:
     def latest_stats(self, engine_index: int) -> messages.SchedulerStats | None:
         return self._stats.get(engine_index)
 
+    async def wait_ready(self) -> bool:
+        """Wait until every engine sent EngineReady (True) or the client is dead (False)."""
+        await self._all_ready.wait()
+        return not self.is_dead
+
     async def wait_idle(self) -> None:
         """Wait until no request is in flight (used to drain on SIGTERM)."""
         while self._streams:
@@ -386,7 +404,8 @@ class EngineClient:
             return
         self.is_dead = True
         self.dead_reason = reason
-        logger.error("engine marked dead: %s", reason)
+        # The caller logged the cause (the launcher's one ERROR line, or `_engine_failed`).
+        logger.debug("engine marked dead: %s", reason)
         for stream in list(self._streams.values()):
             stream.put_final(messages.FinishReason.ERROR, f"engine dead: {reason}")
         self._streams.clear()
@@ -397,6 +416,16 @@ class EngineClient:
         self._all_ready.set()
         if self._readers_scope is not None:
             self._readers_scope.cancel()
+
+    def _engine_failed(self, reason: str, exit_code: int = 0) -> None:
+        """An engine reported its death or its ring broke: tell `on_failure`, else die now."""
+        if self.is_dead:
+            return
+        if self.on_failure is not None:
+            self.on_failure(reason, exit_code)
+            return
+        logger.error("engine died: %s", reason)
+        self.mark_dead(reason)
 
     def fail_all(self, message: str, cause: str = "shutdown") -> int:
         """End every open stream with an error (the drain budget ran out) and abort them in
@@ -494,7 +523,7 @@ class EngineClient:
             except anyio.WouldBlock:
                 pass
             except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
-                self.mark_dead(f"engine {engine_index} input ring: {e!r}")
+                self._engine_failed(f"engine {engine_index} input ring: {e!r}")
                 return
         # NOTE: once anything waits in the outbox, every later message queues behind it, so the
         # engine sees AddRequest and AbortRequests for an id in the order they were sent.
@@ -513,7 +542,7 @@ class EngineClient:
                         except anyio.WouldBlock:
                             break
                         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
-                            self.mark_dead(f"engine {engine_index} input ring: {e!r}")
+                            self._engine_failed(f"engine {engine_index} input ring: {e!r}")
                             break
                         outbox.popleft()
                 if any(self._outbox):
@@ -560,9 +589,9 @@ class EngineClient:
                     self._handle(data)
         except anyio.EndOfStream:
             if self._streams or len(self._ready) < len(self._readers):
-                self.mark_dead(f"engine {engine_index} closed its output ring")
+                self._engine_failed(f"engine {engine_index} closed its output ring")
         except anyio.BrokenResourceError:
-            self.mark_dead(f"engine {engine_index} died")
+            self._engine_failed(f"engine {engine_index} died")
 
     def _handle(self, data: bytes) -> None:
         event = self._decoder.decode(data)
@@ -584,7 +613,7 @@ class EngineClient:
             if len(self._ready) == len(self._readers):
                 self._all_ready.set()
         elif isinstance(event, messages.EngineDead):
-            self.mark_dead(f"engine {event.engine_index}: {event.reason}")
+            self._engine_failed(f"engine {event.engine_index}: {event.reason}", event.exit_code)
 
     def _dispatch(self, batch: messages.EngineCoreOutputs) -> None:
         if batch.scheduler_stats is not None:
@@ -597,6 +626,8 @@ class EngineClient:
                 # Already aborted (client left, stop string): the engine may be a step behind.
                 logger.debug("output for unknown request %s dropped", out.request_id)
                 continue
+            if out.scheduled_time is not None and stream.scheduled_time is None:
+                stream.scheduled_time = out.scheduled_time
             if out.new_token_ids:
                 n = len(out.new_token_ids)
                 ttft = itl = None

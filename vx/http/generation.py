@@ -24,15 +24,20 @@ from starlette.types import Receive
 
 from vx import messages
 from vx.errors import EngineDeadError
+from vx.http.access_log import AccessRecord
 from vx.http.detokenizer import TextState
 from vx.http.engine_client import EngineBusyError, RequestDelta, RequestStream
 from vx.http.errors import APIError, error_body
 from vx.http.stream import DONE, SSEResponse, Write, run_until_disconnect, sse_event
+from vx.log import REQUEST_ID, log_request, log_requests_enabled
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from vx.http.engine_client import EngineClient
     from vx.http.metrics import Metrics
     from vx.http.tokenizer import Tokenizer
+    from vx.http.tracing import RequestTracer
     from vx.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,7 +46,8 @@ _ENCODER = msgspec.json.Encoder()
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """`<prefix>-<the HTTP request's id>` (its X-Request-Id, or the one generated for it)."""
+    return f"{prefix}-{REQUEST_ID.get() or uuid.uuid4().hex}"
 
 
 @dataclass
@@ -54,6 +60,8 @@ class ServerContext:
     metrics: Metrics
     keepalive_s: float = 15.0
     stall_timeout_s: float = 60.0
+    #: One span per generation request (None: tracing off, and nothing of it loaded).
+    tracer: RequestTracer | None = None
 
     @property
     def model_name(self) -> str:
@@ -75,6 +83,8 @@ class ServerContext:
             raise APIError(503, "The engine is dead; retry on another replica.", code="engine_dead")
         if self.client.draining:
             raise APIError(503, "The server is shutting down.", code="draining")
+        if not self.client.is_ready:
+            raise APIError(503, "The engine is loading the model.", code="loading")
 
 
 @dataclass
@@ -116,6 +126,15 @@ class Generation:
         self.include_usage = False
         #: The client's "host:port", for the disconnect log line.
         self.peer: str | None = None
+        #: The request's access line, filled at `close` (None: no access log layer).
+        self.access: AccessRecord | None = None
+        #: The request's headers, for the trace's parent (`traceparent`).
+        self.headers: list[tuple[bytes, bytes]] = []
+        #: The `request_id` of this request's log lines: the HTTP request's id (its
+        #: X-Request-Id), as on its access line; the messages name the engine request ids.
+        self.log_id = REQUEST_ID.get() or response_id
+        self._span: Span | None = None
+        self._arrival = 0.0
         self._start = time.monotonic()
         self._closed = False
 
@@ -138,10 +157,29 @@ class Generation:
                     )
                 )
         except (EngineDeadError, EngineBusyError) as e:
-            client.abort_nowait([c.request_id for c in self.choices], "error")
+            # Only the choices admitted here: an id may also name another request's stream.
+            client.abort_nowait([c.request_id for c in self.choices if c.stream], "error")
             code = "engine_dead" if isinstance(e, EngineDeadError) else "overloaded"
             raise APIError(503, f"The engine cannot take requests: {e}", code=code) from None
+        except ValueError:  # a client reused an X-Request-Id that is still in flight
+            client.abort_nowait([c.request_id for c in self.choices if c.stream], "error")
+            raise APIError(
+                409, f"Request id {self.id!r} is already in flight.", code="duplicate_request_id"
+            ) from None
         self.ctx.metrics.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in self.choices))
+        self._arrival = arrival
+        if self.ctx.tracer is not None:
+            operation = "chat" if self.object_name.startswith("chat") else "text_completion"
+            self._span = self.ctx.tracer.start(f"{operation} {self.model}", self.headers, arrival)
+        for c in self.choices:
+            if log_requests_enabled():
+                prompt = c.prompt_text if c.prompt_text is not None else c.prompt_token_ids
+                log_request(logger, self.log_id, "request %s admitted: %d prompt tokens, "
+                            "params %s, prompt %r", c.request_id, len(c.prompt_token_ids),
+                            c.params, prompt)  # fmt: skip
+            else:
+                log_request(logger, self.log_id, "request %s admitted: %d prompt tokens",
+                            c.request_id, len(c.prompt_token_ids))  # fmt: skip
 
     def close(self, cause: str | None) -> None:
         """Abort unfinished engine requests and count this HTTP request once."""
@@ -157,11 +195,74 @@ class Generation:
         if cause is None and not unfinished:
             reason = self.choices[0].state.finish_reason or "stop"
             metrics.finished(reason, time.monotonic() - self._start)
+            log_request(logger, self.log_id, "request %s finished (%s): %d output tokens", self.id,
+                        reason, sum(len(c.state.token_ids) for c in self.choices))  # fmt: skip
         else:
             metrics.aborted(cause or "error")
+            error = next((c.error for c in self.choices if c.error), None)
+            log_request(logger, self.log_id, "request %s aborted (%s)%s", self.id, cause or "error",
+                        f": {error}" if error else "")  # fmt: skip
+        if self._span is not None:
+            self._end_span(cause)
+        if self.access is not None:
+            usage = self.usage()
+            self.access.prompt_tokens = usage["prompt_tokens"]
+            self.access.output_tokens = usage["completion_tokens"]
+            firsts = [c.stream.first_token_time - c.stream.arrival_time for c in self.choices
+                      if c.stream is not None and c.stream.first_token_time is not None]
+            self.access.ttft_s = min(firsts) if firsts else None
         if cause == "client_disconnect":
             # The wall-clock time lets a test (or an operator) measure detection latency.
             logger.info("client %s left %s: aborted at %.6f", self.peer, self.id, time.time())
+
+    def _end_span(self, cause: str | None) -> None:
+        """The trace's events and GenAI attributes (tracing on only)."""
+        assert self.ctx.tracer is not None and self._span is not None
+        # The streams' times are monotonic: one offset puts them all on the wall clock.
+        to_wall = time.time() - time.monotonic()
+        streams = [c.stream for c in self.choices if c.stream is not None]
+        scheduled = min((s.scheduled_time for s in streams if s.scheduled_time), default=None)
+        firsts = [s.first_token_time for s in streams if s.first_token_time is not None]
+        first = min(firsts) + to_wall if firsts else None
+        end = time.monotonic() + to_wall
+        usage = self.usage()
+        params = self.choices[0].params
+        error = next((c.error for c in self.choices if c.error), None)
+        if error is None and cause is not None:
+            error = f"aborted: {cause}"
+        attributes = {
+            "gen_ai.operation.name": (
+                "chat" if self.object_name.startswith("chat") else "text_completion"
+            ),
+            "gen_ai.system": "vx",
+            "gen_ai.request.model": self.model,
+            "gen_ai.response.model": self.model,
+            "gen_ai.response.id": self.id,
+            "gen_ai.request.id": self.id,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.seed": params.seed,
+            "gen_ai.request.choice.count": len(self.choices),
+            "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+            "gen_ai.usage.output_tokens": usage["completion_tokens"],
+            "gen_ai.response.finish_reasons": [
+                c.state.finish_reason or "abort" for c in self.choices
+            ],
+            "gen_ai.latency.time_in_queue": (
+                scheduled - self._arrival if scheduled is not None else None
+            ),
+            "gen_ai.latency.time_to_first_token": (
+                first - self._arrival if first is not None else None
+            ),
+            "gen_ai.latency.e2e": end - self._arrival,
+        }
+        events = [("queued", self._arrival), ("scheduled", scheduled), ("first token", first),
+                  ("finished", end)]  # fmt: skip
+        self.ctx.tracer.end(
+            self._span, attributes=attributes, events=events, end_time=end, error=error
+        )
+        self._span = None
 
     # ─────────────────────────── outputs ───────────────────────────
 
@@ -266,7 +367,10 @@ class Generation:
         while not c.done:
             await self.next_delta(c)
             if c.error is not None:
-                logger.warning("request %s failed: %s", c.request_id, c.error)
+                # An engine death is logged once, by the launcher; each request's end is its
+                # own (lower) line.
+                level = logging.INFO if self.ctx.client.is_dead else logging.WARNING
+                logger.log(level, "request %s failed: %s", c.request_id, c.error)
                 failed.append(c.error)
                 scope.cancel()
                 return
@@ -274,6 +378,7 @@ class Generation:
                 # As vLLM does: the role chunk goes out with the first engine output, so a
                 # client's time to first chunk measures prefill, not admission.
                 first = False
+                log_request(logger, self.log_id, "request %s first token", c.request_id)
                 for body in self.first_chunks(c):
                     await write(sse_event(_ENCODER.encode(body)))
             body = self.delta_chunk(c, c.state.take_delta(), c.state.finish_reason)

@@ -22,7 +22,7 @@ from vx.http.errors import APIError
 logger = logging.getLogger(__name__)
 
 #: Routes answered without an API key (deny by default; see reliability.md §1.5).
-PUBLIC_PATHS = frozenset({"/health", "/"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/"})
 #: Request headers (names + values) over this many bytes get 431 (CVE-2025-48956's class).
 MAX_HEADER_BYTES = 64 * 1024
 

@@ -5,15 +5,18 @@ Runs in: the ApiServer process. Hypercorn speaks HTTP/1.1, h2c (both prior knowl
 It installs no signal handlers, because the launcher passes `shutdown_trigger` (the launcher
 owns signals and draining).
 
-Readiness: the listening socket is bound here first (so port 0 works and the real port is
-known), handed to hypercorn as `fd://N`, and `task_status.started(port)` fires from inside
+Readiness: the listening socket is bound first (by the launcher, `bind_socket`, before it spawns
+the engine, so a port in use fails at once; or here; either way port 0 works and the real port
+is known), handed to hypercorn as `fd://N`, and `task_status.started(port)` fires from inside
 hypercorn's shutdown-trigger task, which hypercorn starts only after every listener is up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
 import vx
+from vx.errors import AddressInUseError
 
 if TYPE_CHECKING:
     from vx.config import EngineConfig
@@ -63,7 +67,15 @@ def _patch_h2_backpressure() -> None:
     buffer_cls._vx_patched = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port).
+
+    The launcher binds before it spawns the engine, so a port in use fails in a moment, not
+    after the model has loaded.
+
+    Raises:
+        AddressInUseError: the address is taken, or may not be bound by this process.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -71,10 +83,53 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host.strip("[]"), port))
         sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+#: Once hypercorn stops, how long a connection's blocked write may wait before it is cut.
+STALLED_AT_STOP_S = 0.5
+
+
+def abort_stalled_connections(
+    port: int, seen: dict[int, int], *, everyone: bool = False
+) -> tuple[dict[int, int], int]:
+    """Abort every connection to our `port` whose unsent bytes are as many as in `seen` (its
+    client stopped reading; with `everyone`, every one that holds unsent bytes); returns the
+    unsent bytes of those left (the next call's `seen`, by transport id) and how many were cut.
+    Called only while the server stops.
+
+    NOTE: asyncio has no public list of a loop's transports; the selector loop keeps them in
+    `_transports` (fd -> transport, CPython 3.7 on). Without it (another loop) nothing is cut
+    and a stalled client delays the exit as before. An aborted transport fails the pending
+    write with ConnectionResetError, which hypercorn and the SSE response treat as a client
+    that left.
+    """
+    loop = asyncio.get_running_loop()
+    transports = getattr(loop, "_transports", None)
+    now: dict[int, int] = {}
+    n = 0
+    for transport in list(transports.values()) if transports else ():
+        if transport is None or transport.is_closing():
+            continue
+        sock = transport.get_extra_info("socket")
+        try:
+            if sock is None or sock.getsockname()[1] != port:
+                continue
+        except OSError:
+            continue
+        unsent = transport.get_write_buffer_size()
+        if unsent > 0 and (everyone or seen.get(id(transport)) == unsent):
+            transport.abort()
+            n += 1
+        elif unsent > 0:
+            now[id(transport)] = unsent
+    return now, n
 
 
 def hypercorn_config(
@@ -82,7 +137,10 @@ def hypercorn_config(
 ) -> Config:
     config = Config()
     config.bind = [f"fd://{fd}"]
-    config.accesslog = None
+    config.accesslog = None  # vx writes its own (vx/http/access_log.py)
+    # A Logger, not "-": hypercorn then adds no handler of its own, and its lines take the
+    # process's format (text or JSON) like every other.
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = graceful_timeout_s
     config.backlog = 2048
     # h11 refuses a header block over this by closing the connection (a reset for a client
@@ -106,15 +164,18 @@ async def serve_http(
     ssl_keyfile: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     graceful_timeout_s: float = 5.0,
+    sock: socket.socket | None = None,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until `shutdown_trigger()` returns.
+    """Serve `app` on host:port (or on `sock`, already bound) until `shutdown_trigger()`
+    returns; `sock` then belongs to this call.
 
     `task_status.started(port)` reports the bound port (useful with port 0) once hypercorn
     accepts connections. Returns after hypercorn's graceful shutdown.
     """
     _patch_h2_backpressure()
-    sock = _bind(host, port)
+    if sock is None:
+        sock = bind_socket(host, port)
     bound_port = int(sock.getsockname()[1])
     config = hypercorn_config(
         fd=sock.fileno(),
@@ -124,6 +185,7 @@ async def serve_http(
     )
     handed_over = False
     listening = anyio.Event()
+    stopping = anyio.Event()
 
     async def trigger() -> None:
         nonlocal handed_over
@@ -132,6 +194,25 @@ async def serve_http(
         handed_over = True
         listening.set()
         await shutdown_trigger()
+        stopping.set()
+
+    async def reap_stalled() -> None:
+        # While hypercorn stops, a client that stopped reading would hold it (and the exit):
+        # its connection's last write never drains, and hypercorn awaits it even after its
+        # graceful timeout. The responses have had their last word by now (the drain budget or
+        # a death's grace is over), so such connections are cut.
+        await stopping.wait()
+        seen: dict[int, int] = {}
+        deadline = time.monotonic() + graceful_timeout_s - STALLED_AT_STOP_S
+        while True:
+            # A connection is cut when its unsent bytes did not move for a whole interval (a
+            # slow reader still drains and is left alone), or anyway near hypercorn's deadline.
+            seen, n = abort_stalled_connections(
+                bound_port, seen, everyone=time.monotonic() >= deadline
+            )
+            if n:
+                logger.warning("shutdown: cut %d connection(s) whose client stopped reading", n)
+            await anyio.sleep(STALLED_AT_STOP_S)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -141,8 +222,10 @@ async def serve_http(
                     await hypercorn_serve(app, config, shutdown_trigger=trigger)
                 finally:
                     listening.set()
+                    tg.cancel_scope.cancel()  # the reaper's work ends with hypercorn's
 
             tg.start_soon(run)
+            tg.start_soon(reap_stalled)
             # NOTE: started() must come from this task, not from hypercorn's trigger task.
             await listening.wait()
             if handed_over:
