@@ -1,4 +1,5 @@
-"""Tiny random HF model directories for tests (Llama, Qwen2, Mistral), built offline.
+"""Tiny random HF model directories for tests (Llama, Qwen2, Mistral, Qwen3, Mixtral,
+Qwen3-MoE), built offline.
 
 Runs in: the test process.
 
@@ -42,6 +43,23 @@ _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+#: per-family fields tiny_config sets beside the shared ones (Qwen3's default head_dim is 128;
+#: the MoE families get 8 experts, top-2, as issue 50 asks of their parity tests)
+_FAMILY: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},
+    "qwen3": {"head_dim": 16},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
 }
 
 
@@ -103,8 +121,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, **overrides: Any) ->
         architectures=[_ARCHS[arch][1]],
         dtype="float32",
     )
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
+    kwargs.update(_FAMILY.get(arch, {}))
     kwargs.update(overrides)
     return config_cls(**kwargs)
 

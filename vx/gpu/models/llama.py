@@ -85,8 +85,8 @@ class ModelArgs:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
         window = getattr(cfg, "sliding_window", None)
-        if arch.startswith("Qwen2") and not getattr(cfg, "use_sliding_window", False):
-            window = None
+        if hasattr(cfg, "use_sliding_window") and not cfg.use_sliding_window:
+            window = None  # Qwen2/Qwen3 configs carry a window they do not use
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -143,6 +143,19 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or the rows `keep` only (every row's K/V is written)."""
         t = x.shape[0]
+        q, k, v = self.project(rope, x)
+        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
+        o = o.reshape(t, self.q_size)
+        if keep is not None:
+            if keep.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            o = o[keep]
+        return self.o_proj(o)
+
+    def project(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated. A family with more
+        between the projection and the attention (q/k norms) overrides this alone."""
+        t = x.shape[0]
         qk_size = self.q_size + self.kv_size
         qkv = self.qkv_proj.rope_forward(x, *rope)  # [T, q + 2 kv], q and k rotated (AMX)
         if qkv is not None:
@@ -154,13 +167,7 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [T, Hq, D]
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
-        o = o.reshape(t, self.q_size)
-        if keep is not None:
-            if keep.numel() == 0:
-                return x.new_empty((0, x.shape[1]))
-            o = o[keep]
-        return self.o_proj(o)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -178,11 +185,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
+    def __init__(self, a: ModelArgs, self_attn: nn.Module, mlp: nn.Module, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
-        self.self_attn = LlamaAttention(a, attn_fn, **kw)
-        self.mlp = LlamaMLP(a, **kw)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
 
@@ -218,9 +225,12 @@ class LlamaModel(nn.Module):
     A forward is three stages, each a method, so that a runner may replace the middle one (the
     fused CPU step runs every layer in one C call, `vx.gpu.cpu.fused_step`) and keep the others:
     `embed` -> `run_layers` -> `final_norm`. Invariant: `forward` is exactly those three.
+
+    `blocks` builds layer i's attention and MLP (`LlamaForCausalLM.build_blocks`); it is called
+    at construction only, never kept.
     """
 
-    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
+    def __init__(self, a: ModelArgs, blocks: Callable[..., tuple], **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
         # The lookup table is never quantized (only the linears and the LM head are).
@@ -228,7 +238,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
+            LlamaDecoderLayer(a, *blocks(a, i, **kw), **kw) for i in range(a.num_layers)
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
 
@@ -282,7 +292,14 @@ class LlamaForCausalLM(nn.Module):
     Invariants: parameters are created empty on `device` in `dtype` and every one of them is
     filled by `load_weights` (which raises if any is left out); `num_heads`/`num_kv_heads` are
     per tensor-parallel rank; `forward` never synchronises with the host.
+
+    A family that differs from Llama only in its config fields, its attention or its MLP
+    subclasses this and overrides `args_cls` and/or `build_blocks` (models/qwen3.py,
+    models/moe.py); the decoder stack, the LM head and the weight loading stay these.
     """
+
+    #: reads the HF config into the fields the model uses
+    args_cls: type[ModelArgs] = ModelArgs
 
     def __init__(
         self,
@@ -298,14 +315,15 @@ class LlamaForCausalLM(nn.Module):
         # Imported here, not at module level: tests may install their own attention module.
         from vx.gpu.attention.paged import paged_attention
 
-        a = ModelArgs.from_hf(hf_config)
+        a = self.args_cls.from_hf(hf_config)
         self.args = a
+        self.attn_fn = paged_attention
         self.dtype, self.device = dtype, torch.device(device)
         kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        self.model = LlamaModel(a, paged_attention, quantization=quantization, **kw)
+        self.model = LlamaModel(a, self.build_blocks, quantization=quantization, **kw)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
         self.lm_head.quantization = quantization
         if a.tie_word_embeddings:
@@ -320,6 +338,10 @@ class LlamaForCausalLM(nn.Module):
         #: Mistral-style sliding window (tokens) or None. NOTE: the paged attention attends to
         #: the whole context; the runner must cap max_model_len at the window when it is set.
         self.sliding_window = a.sliding_window
+
+    def build_blocks(self, a: ModelArgs, layer: int, **kw: Any) -> tuple[nn.Module, nn.Module]:
+        """Layer `layer`'s (attention, MLP) modules."""
+        return LlamaAttention(a, self.attn_fn, **kw), LlamaMLP(a, **kw)
 
     def forward(
         self,
