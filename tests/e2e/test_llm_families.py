@@ -2,7 +2,7 @@
 through EngineCore + Workers, fp32 greedy output equal to HF's own class token for token,
 with prefill chunked at 7 tokens and a second run served partly from the prefix cache; and the
 default dtype (bf16 checkpoint), whose steps run the module path (the fused CPU step declines
-these blocks), serves without error.
+these blocks), serves without error; and a Qwen3-MoE model under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.models import SERVED, make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FAMILIES = ["qwen3"]
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -35,3 +35,13 @@ def test_default_dtype_serves(tmp_path, arch: str) -> None:
     with closed_clean(path, max_num_batched_tokens=32, num_threads=1) as llm:
         out = vx_generate(llm, PROMPTS, temperature=0.0)
     assert [len(o) for o in out] == [12] * len(PROMPTS)
+
+
+def test_moe_tensor_parallel_2(tmp_path) -> None:
+    """TP = 2 over gloo: each rank holds a slice of every expert; outputs all-reduced."""
+    path = make_tiny_model(tmp_path, "qwen3_moe", seed=5, **SERVED)
+    want = hf_greedy(path, PROMPTS, 12)
+    with closed_clean(
+        path, dtype="float32", max_num_batched_tokens=16, num_threads=1, tensor_parallel_size=2
+    ) as llm:
+        assert vx_generate(llm, PROMPTS, temperature=0.0) == want

@@ -22,6 +22,13 @@ NEW_TOKENS = 16
 VARIANTS = {
     "qwen3": ("qwen3", {}),
     "qwen3-tied-mha": ("qwen3", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    # no renormalisation, and a dense MLP in layer 0 (mlp_only_layers)
+    "qwen3_moe-dense0": (
+        "qwen3_moe",
+        {"norm_topk_prob": False, "mlp_only_layers": [0], "num_hidden_layers": 3},
+    ),
 }
 
 

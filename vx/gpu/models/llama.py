@@ -300,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
 
     #: reads the HF config into the fields the model uses
     args_cls: type[ModelArgs] = ModelArgs
+    #: `forward` never reads a value back to the host, so CUDA graphs may capture it
+    graph_capturable: bool = True
 
     def __init__(
         self,
@@ -373,6 +375,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            key = self.load_family_weight(params, name, tensor)
+            if key is not None:
+                loaded.add(key)
+                continue
             for hf_part, (fused_part, shard_id) in _STACKED.items():
                 if hf_part in name:
                     target = name.replace(hf_part, fused_part)
@@ -391,6 +397,13 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_names(params) if n not in loaded]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    def load_family_weight(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> str | None:
+        """A family's own checkpoint tensors (experts): load `name` and return the key that
+        `_expected_names` lists for it, or None for the Llama rules to load it."""
+        return None
 
     def _expected_names(self, params: dict[str, nn.Parameter]) -> list[str]:
         names = []
