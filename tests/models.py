@@ -166,11 +166,31 @@ _GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",  # Qwen3-MoE's router
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's
+}
+#: an HF expert tensor's part -> the GGUF tensor that stacks it over the experts
+_GGUF_EXPERTS = {
+    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+}  # fmt: skip
+_GGUF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # llama.cpp's Mixtral is llama with experts
 }
 
 
 def _gguf_name(hf_name: str) -> str:
+    """The GGUF name; for an expert's tensor, the stacked tensor's name and `#<expert>`."""
     base, _, kind = hf_name.rpartition(".")
+    parts = base.split(".")
+    if "experts" in parts:  # model.layers.N.<mlp>.experts.E.<part>
+        return f"blk.{parts[2]}.{_GGUF_EXPERTS[parts[-1]]}.{kind}#{parts[-2]}"
     if base in _GGUF_NAMES:
         return f"{_GGUF_NAMES[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)  # model.layers.N.<rest>
@@ -178,7 +198,8 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
-    """Write the llama or qwen2 model in `hf_dir` as a GGUF, as llama.cpp's convert_hf_to_gguf.
+    """Write the model in `hf_dir` (llama, qwen2, qwen3, qwen3moe, or Mixtral as llama with
+    experts) as a GGUF, as llama.cpp's convert_hf_to_gguf; experts are stacked [E, ...].
 
     For llama, q_proj/k_proj rows are permuted the way llama.cpp does for its rope and llama3
     rope scaling becomes a `rope_freqs` tensor; 2-D weights are stored as `qtype` (F32, F16,
@@ -198,7 +219,7 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
         cfg = json.load(f)
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tok = json.load(f)
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[cfg["architectures"][0]]
+    arch = _GGUF_ARCHS[cfg["architectures"][0]]
     qt = gguf.GGMLQuantizationType[qtype]
     w = gguf.GGUFWriter(gguf_path, arch)
     w.add_name(f"tiny-{arch}")
@@ -211,7 +232,17 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
     w.add_file_type({"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7, "BF16": 32}.get(qtype, 7))
 
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
@@ -235,16 +266,27 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
         base = rope_inv_freq(head_dim, {"rope_theta": rope["rope_theta"]})
         w.add_tensor("rope_freqs.weight", (base / rope_inv_freq(head_dim, rope)).numpy())
+    out: dict[str, np.ndarray] = {}
+    stacked: dict[str, dict[int, np.ndarray]] = {}
     for name in sorted(tensors):
         a = tensors[name].astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             a = permute_qk(a, cfg["num_key_value_heads"])
-        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+        gguf_name, _, expert = _gguf_name(name).partition("#")
+        if expert:
+            stacked.setdefault(gguf_name, {})[int(expert)] = a
         else:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qt), raw_dtype=qt)
+            out[gguf_name] = a
+    for gguf_name, parts in stacked.items():
+        out[gguf_name] = np.stack([parts[e] for e in range(len(parts))])
+    for gguf_name in sorted(out):
+        a = out[gguf_name]
+        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name, np.ascontiguousarray(a))
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(a, qt), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

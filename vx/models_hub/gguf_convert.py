@@ -41,25 +41,54 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+#: llama with `llama.expert_count` is llama.cpp's Mixtral
+_LLAMA_MOE = ("MixtralConfig", "MixtralForCausalLM")
+#: GGUF's stacked experts [E, ...] -> each expert's HF tensor, per HF family: (router, {GGUF
+#: name: HF name with {e} for the expert})
+_EXPERTS = {
+    "MixtralForCausalLM": ("block_sparse_moe.gate", {
+        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    }),
+    "Qwen3MoeForCausalLM": ("mlp.gate", {
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    }),
+}  # fmt: skip
 # GGUF general.file_type: 0 = ALL_F32, 1 = MOSTLY_F16; everything else serves as bf16.
 _FILE_TYPE_DTYPE = {0: "float32", 1: "float16"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to skip."""
+def hf_tensor_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to skip.
+
+    A stacked expert tensor (`blk.3.ffn_gate_exps.weight`) gives a name with `{e}` where the
+    expert's index goes (`hf_expert_names`); `architecture` is the HF class it converts to.
+    """
     if gguf_name == "rope_freqs.weight":
         return None  # folded into config.json's rope parameters
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP:
         return f"{_TOP[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk":
+        router, experts = _EXPERTS.get(architecture, ("", {}))
+        hf = _BLOCK.get(parts[2]) or experts.get(parts[2])
+        if parts[2] == "ffn_gate_inp" and router:
+            hf = router
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}.{kind}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
 
 
@@ -151,12 +180,14 @@ def _build_config(
     num_kv_heads = int(meta.get(p + "attention.head_count_kv", num_heads))
     head_dim = int(meta.get(p + "attention.key_length", hidden // num_heads))
     bos, eos, pad = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
-    config_cls = getattr(transformers, _ARCHS[arch][0])
+    experts = int(meta.get(p + "expert_count", 0) or 0)
+    names = _LLAMA_MOE if arch == "llama" and experts else _ARCHS[arch]
+    config_cls = getattr(transformers, names[0])
     kwargs: dict[str, Any] = dict(
-        architectures=[_ARCHS[arch][1]],
+        architectures=[names[1]],
         vocab_size=shapes["token_embd.weight"][0],
         hidden_size=hidden,
-        intermediate_size=int(meta.get(p + "feed_forward_length")),
+        intermediate_size=int(meta.get(p + "feed_forward_length", 0) or 0),
         num_hidden_layers=int(meta.get(p + "block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -168,8 +199,17 @@ def _build_config(
         pad_token_id=None if pad is None else int(pad),
         dtype=_FILE_TYPE_DTYPE.get(meta.get("general.file_type"), "bfloat16"),
     )
-    if head_dim != hidden // num_heads:
+    if head_dim != hidden // num_heads or arch.startswith("qwen3"):  # Qwen3's default is 128
         kwargs["head_dim"] = head_dim
+    if experts:
+        kwargs["num_experts_per_tok"] = int(meta.get(p + "expert_used_count"))
+        if arch == "llama":
+            kwargs["num_local_experts"] = experts
+        else:  # qwen3moe; llama.cpp renormalises its top-k unless told otherwise
+            kwargs["num_experts"] = experts
+            kwargs["moe_intermediate_size"] = int(meta.get(p + "expert_feed_forward_length"))
+            kwargs["norm_topk_prob"] = bool(meta.get(p + "expert_weights_norm", True))
+            kwargs["intermediate_size"] = int(meta.get(p + "feed_forward_length", 0) or 0)
     rope = _rope_parameters(meta, arch, head_dim, rope_freqs)
     if int(transformers.__version__.split(".")[0]) >= 5:
         kwargs["rope_parameters"] = rope
@@ -267,7 +307,7 @@ def convert_gguf(gguf_path: str, out_dir: str, *, progress: bool = True) -> dict
     dtypes: dict[str, str] = {}
     bar = tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=not progress)
     for t in bar:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, config.architectures[0])
         if name is None:
             continue
         a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
@@ -275,11 +315,16 @@ def convert_gguf(gguf_path: str, out_dir: str, *, progress: bool = True) -> dict
             a = _unpermute(a, num_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = _unpermute(a, num_kv_heads)
-        x = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))  # owns its memory
-        b = x.to(torch.bfloat16)
-        x = b if torch.equal(b.float(), x) else x
-        writer.add(name, x)
-        dtypes[name] = str(x.dtype).removeprefix("torch.")
+        # A stacked expert tensor [E, ...] becomes one HF tensor per expert.
+        parts = (
+            [(name.format(e=e), a[e]) for e in range(a.shape[0])] if "{e}" in name else [(name, a)]
+        )
+        for hf_name, part in parts:
+            x = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))  # owns its memory
+            b = x.to(torch.bfloat16)
+            x = b if torch.equal(b.float(), x) else x
+            writer.add(hf_name, x)
+            dtypes[hf_name] = str(x.dtype).removeprefix("torch.")
     bar.close()
     writer.close()
 
