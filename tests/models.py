@@ -46,11 +46,13 @@ _ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 #: per-family fields tiny_config sets beside the shared ones (Qwen3's default head_dim is 128;
 #: the MoE families get 8 experts, top-2, as issue 50 asks of their parity tests)
 _FAMILY: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
+    "phi3": {"sliding_window": None},
     "qwen3": {"head_dim": 16},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen3_moe": {

@@ -16,7 +16,7 @@ from tests.models import SERVED, make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FAMILIES = ["qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -39,6 +39,7 @@ from vx.gpu.layers.linear import (
     apply_rotary,
     default_weight_loader,
 )
+from vx.gpu.layers.rotary import rotary_dim
 from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
@@ -132,6 +133,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * a.head_dim
         self.scale = a.head_dim**-0.5
         self.attn_fn = attn_fn
+        #: the leading dims of each q/k head the rotary turns
+        self.rotary_dim = rotary_dim(a.head_dim, a.rope)
+        if self.rotary_dim != a.head_dim and type(self).project is LlamaAttention.project:
+            raise NotImplementedError("partial rotary needs a family's own `project` (Phi-3)")
 
     def forward(
         self,
