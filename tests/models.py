@@ -47,12 +47,34 @@ _ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 #: per-family fields tiny_config sets beside the shared ones (Qwen3's default head_dim is 128;
 #: the MoE families get 8 experts, top-2, as issue 50 asks of their parity tests)
 _FAMILY: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "phi3": {"sliding_window": None},
+    # a window of 8 keys (shorter than the test prompts), sliding then global layers, and
+    # soft-caps low enough to bend the random logits
+    "gemma2": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
+    },
+    "gemma3": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    },
     "qwen3": {"head_dim": 16},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen3_moe": {

@@ -2,7 +2,8 @@
 through EngineCore + Workers, fp32 greedy output equal to HF's own class token for token,
 with prefill chunked at 7 tokens and a second run served partly from the prefix cache; and the
 default dtype (bf16 checkpoint), whose steps run the module path (the fused CPU step declines
-these blocks), serves without error; and a Qwen3-MoE model under tensor parallelism.
+these blocks), serves without error; a Qwen3-MoE model under tensor parallelism; and Gemma 2's
+sliding window after preemption.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.models import SERVED, make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3"]
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -45,3 +46,16 @@ def test_moe_tensor_parallel_2(tmp_path) -> None:
         path, dtype="float32", max_num_batched_tokens=16, num_threads=1, tensor_parallel_size=2
     ) as llm:
         assert vx_generate(llm, PROMPTS, temperature=0.0) == want
+
+
+def test_sliding_window_after_preemption(tmp_path) -> None:
+    """Gemma 2 (window 8, soft-caps) with a pool small enough to preempt: recomputed requests
+    give HF's tokens."""
+    path = make_tiny_model(tmp_path, "gemma2", seed=6, **SERVED)
+    want = hf_greedy(path, PROMPTS, 12)
+    with closed_clean(
+        path, dtype="float32", max_num_batched_tokens=32, num_threads=1, num_blocks=6,
+        max_num_seqs=4,
+    ) as llm:  # fmt: skip
+        assert vx_generate(llm, PROMPTS, temperature=0.0) == want
+        assert llm.call_utility("get_stats")["num_preempted_total"] > 0

@@ -21,6 +21,7 @@ from vx.gpu.cpu.fused_step import FusedDecode
 from vx.gpu.loader import load_model
 
 NEW_TOKENS = 16
+BF16_TOKENS = 32
 #: Phi-4-mini's shape of rope: 3/4 of each head turns, LongRoPE with an original context of 48
 #: (the 41-token prompt crosses it while decoding: from position 48 on the long factors turn)
 PHI4_ROPE = {
@@ -38,6 +39,16 @@ VARIANTS = {
     "qwen3_moe": ("qwen3_moe", {}),
     "phi3": ("phi3", {}),
     "phi4-mini": ("phi3", {"rope_parameters": PHI4_ROPE, "original_max_position_embeddings": 48}),
+    "gemma2": ("gemma2", {}),
+    "gemma2-tied-3layers": (
+        "gemma2",
+        {
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    ),  # fmt: skip
+    "gemma3": ("gemma3", {}),
     # no renormalisation, and a dense MLP in layer 0 (mlp_only_layers)
     "qwen3_moe-dense0": (
         "qwen3_moe",
@@ -96,19 +107,28 @@ def test_chunked_prefill_equals_one_shot(variant: str) -> None:
 
 def test_bf16_agrees_with_hf_and_declines_the_fused_step(variant: str) -> None:
     """bf16, teacher-forced on vx's own greedy continuation (a free-running comparison lets one
-    near-tie flip the rest of a sequence), HF decoding it with its own KV cache: each of vx's tokens is within one bf16 ulp of HF's
-    top logit at >= 99% of positions, and HF's top-1 exactly at >= 90%."""
+    near-tie flip the rest of a sequence), HF decoding it with its own KV cache.
+
+    At >= 99% of positions vx's token is within one bf16 ulp of the top logit of HF in bf16 or
+    of HF in fp32 (MoE: a near-tie in a bf16 router sends HF bf16 to other experts, which moves
+    its logits far from fp32's; there vx may agree with fp32 instead), and at >= 90% it is HF
+    bf16's top-1 exactly. 32 tokens a prompt: 128 positions, so that 99% allows one near-tie.
+    """
     model = load_model(variant, dtype=torch.bfloat16, progress=False)
     assert FusedDecode.build(model.model) is None  # the module path, never the Llama C step
-    ours = PagedDriver(model).greedy(PROMPTS, NEW_TOKENS)
-    hf = hf_model(variant, torch.bfloat16)
-    exact = within_ulp = 0
+    ours = PagedDriver(model).greedy(PROMPTS, BF16_TOKENS)
+    hfs = hf_model(variant, torch.bfloat16), hf_model(variant, torch.float32)
+    exact = agree = 0
     for req_id, prompt in PROMPTS.items():
-        theirs = hf_logits_along(hf, prompt, ours[req_id])
-        best = theirs.max(-1).values
-        ulp = (best.float().abs() * 2.0**-7).to(best.dtype)  # bf16 keeps 8 significant bits
         tokens = torch.tensor(ours[req_id])
-        exact += int((tokens == theirs.argmax(-1)).sum())
-        within_ulp += int((theirs.gather(1, tokens[:, None])[:, 0] >= best - ulp).sum())
-    total = NEW_TOKENS * len(PROMPTS)
-    assert within_ulp >= 0.99 * total and exact >= 0.9 * total, (within_ulp, exact, total)
+        near = torch.zeros(len(tokens), dtype=torch.bool)
+        for hf in hfs:
+            theirs = hf_logits_along(hf, prompt, ours[req_id]).float()
+            best = theirs.max(-1).values
+            ulp = best.abs() * 2.0**-7  # bf16 keeps 8 significant bits
+            near |= theirs.gather(1, tokens[:, None])[:, 0] >= best - ulp
+            if hf is hfs[0]:
+                exact += int((tokens == theirs.argmax(-1)).sum())
+        agree += int(near.sum())
+    total = BF16_TOKENS * len(PROMPTS)
+    assert agree >= 0.99 * total and exact >= 0.9 * total, (agree, exact, total)

@@ -76,6 +76,8 @@ class ModelArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None
+    #: the MLP's activation (HF's `hidden_act`, or Gemma's `hidden_activation`)
+    hidden_act: str
 
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelArgs:
@@ -83,8 +85,6 @@ class ModelArgs:
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
         window = getattr(cfg, "sliding_window", None)
         if hasattr(cfg, "use_sliding_window") and not cfg.use_sliding_window:
             window = None  # Qwen2/Qwen3 configs carry a window they do not use
@@ -104,6 +104,8 @@ class ModelArgs:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=window,
+            hidden_act=getattr(cfg, "hidden_activation", None)
+            or getattr(cfg, "hidden_act", "silu"),
         )
 
 
@@ -178,6 +180,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, a: ModelArgs, **kw: Any) -> None:
         super().__init__()
+        if a.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {a.hidden_act!r} is not supported")
         self.gate_up_proj = MergedColumnParallelLinear(
             a.hidden_size, [a.intermediate_size] * 2, bias=a.mlp_bias, silu_pairs=True, **kw
         )
@@ -235,6 +239,11 @@ class LlamaModel(nn.Module):
     at construction only, never kept.
     """
 
+    #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
+    #: and the norm class; Gemma's stack has its own (models/gemma2.py)
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, a: ModelArgs, blocks: Callable[..., tuple], **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
@@ -243,9 +252,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, *blocks(a, i, **kw), **kw) for i in range(a.num_layers)
+            self.layer_cls(a, *blocks(a, i, **kw), **kw) for i in range(a.num_layers)
         )
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+        self.norm = self.norm_cls(a.hidden_size, a.rms_norm_eps, **dd)
 
     def forward(
         self,
@@ -305,6 +314,8 @@ class LlamaForCausalLM(nn.Module):
 
     #: reads the HF config into the fields the model uses
     args_cls: type[ModelArgs] = ModelArgs
+    #: the decoder stack
+    model_cls: type[LlamaModel] = LlamaModel
     #: `forward` never reads a value back to the host, so CUDA graphs may capture it
     graph_capturable: bool = True
 
@@ -330,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        self.model = LlamaModel(a, self.build_blocks, quantization=quantization, **kw)
+        self.model = self.model_cls(a, self.build_blocks, quantization=quantization, **kw)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
         self.lm_head.quantization = quantization
         if a.tie_word_embeddings:
