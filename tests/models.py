@@ -200,16 +200,28 @@ _GGUF_EXPERTS = {
     "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
     "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
 }  # fmt: skip
+#: per GGUF architecture, HF names that map elsewhere than `_GGUF_NAMES` says
+_GGUF_ARCH_NAMES = {
+    "gemma": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
 _GGUF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",  # llama.cpp's Mixtral is llama with experts
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     """The GGUF name; for an expert's tensor, the stacked tensor's name and `#<expert>`."""
     base, _, kind = hf_name.rpartition(".")
     parts = base.split(".")
@@ -218,12 +230,14 @@ def _gguf_name(hf_name: str) -> str:
     if base in _GGUF_NAMES:
         return f"{_GGUF_NAMES[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{layer}.{_GGUF_NAMES[rest]}.{kind}"
+    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get("gemma" if "gemma" in arch else arch, {})}
+    return f"blk.{layer}.{names[rest]}.{kind}"
 
 
 def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
-    """Write the model in `hf_dir` (llama, qwen2, qwen3, qwen3moe, or Mixtral as llama with
-    experts) as a GGUF, as llama.cpp's convert_hf_to_gguf; experts are stacked [E, ...].
+    """Write the model in `hf_dir` (llama, qwen2, qwen3, qwen3moe, Mixtral as llama with
+    experts, gemma2, gemma3, phi3) as a GGUF, as llama.cpp's convert_hf_to_gguf: experts
+    stacked [E, ...], Gemma's norms stored as 1 + w, Phi-3's LongRoPE factors as tensors.
 
     For llama, q_proj/k_proj rows are permuted the way llama.cpp does for its rope and llama3
     rope scaling becomes a `rope_freqs` tensor; 2-D weights are stored as `qtype` (F32, F16,
@@ -253,11 +267,27 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    rope = cfg["rope_parameters"]
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp's base)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors are tensors
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for which in ("long", "short"):
+            factors = np.array(rope[f"{which}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{which}.weight", factors)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
@@ -285,7 +315,6 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
     w.add_chat_template(CHAT_TEMPLATE)
 
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
-    rope = cfg["rope_parameters"]
     if rope.get("rope_type") == "llama3":  # llama.cpp stores the per-dim divisors
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
         base = rope_inv_freq(head_dim, {"rope_theta": rope["rope_theta"]})
@@ -298,7 +327,9 @@ def make_tiny_gguf(hf_dir: str, gguf_path: str, *, qtype: str = "F32") -> str:
             a = permute_qk(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             a = permute_qk(a, cfg["num_key_value_heads"])
-        gguf_name, _, expert = _gguf_name(name).partition("#")
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's Gemma norms multiply by the weight alone
+        gguf_name, _, expert = _gguf_name(name, arch).partition("#")
         if expert:
             stacked.setdefault(gguf_name, {})[int(expert)] = a
         else:
