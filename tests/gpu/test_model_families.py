@@ -132,3 +132,28 @@ def test_bf16_agrees_with_hf_and_declines_the_fused_step(variant: str) -> None:
         agree += int(near.sum())
     total = BF16_TOKENS * len(PROMPTS)
     assert agree >= 0.99 * total and exact >= 0.9 * total, (agree, exact, total)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_stack(tmp_path) -> None:
+    """A Gemma 3 4B-style checkpoint (`Gemma3ForConditionalGeneration`: `language_model.*`
+    beside a vision tower) loads its text stack; greedy text equals HF's multimodal class."""
+    import transformers
+
+    from tests.models import tiny_config
+
+    text = tiny_config("gemma3").to_dict()
+    text.pop("architectures")
+    cfg = transformers.Gemma3Config(
+        text_config=text,
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, dtype="float32",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), dtype=torch.float32, progress=False)
+    got = PagedDriver(model).greedy(PROMPTS, NEW_TOKENS)
+    for req_id, prompt in PROMPTS.items():
+        assert got[req_id] == hf_greedy(hf, prompt, NEW_TOKENS), req_id

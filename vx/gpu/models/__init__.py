@@ -22,6 +22,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    # text only: the vision tower is not loaded
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForConditionalGeneration"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)

@@ -22,7 +22,9 @@ Blocks that slide out of every window are not freed: the KV cache holds whole co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +48,7 @@ from vx.gpu.models.llama import (
     Rope,
 )
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"]
 
 _SLIDING = "sliding_attention"
 
@@ -81,7 +83,7 @@ class GemmaArgs(ModelArgs):
             attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
             final_softcap=getattr(cfg, "final_logit_softcapping", None),
             windows=tuple(window if t == _SLIDING else None for t in types),
-            qk_norm=(getattr(cfg, "architectures", None) or [""])[0].startswith("Gemma3"),
+            qk_norm=str(getattr(cfg, "model_type", "")).startswith("gemma3"),
             rope_local=dict(params[_SLIDING]) if per_type else None,
         )  # fmt: skip
 
@@ -225,3 +227,36 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3 text (1B; the text stack of the larger ones): q/k norms, two rope bases."""
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text stack of the multimodal Gemma 3 checkpoints (4B, 12B, 27B): built from
+    `text_config`, loaded from the language model's weights; the vision tower and the projector
+    are skipped, so image inputs are not served."""
+
+    #: where the language model's `model.` lives in these checkpoints (older, newer layout)
+    _PREFIXES = ("language_model.model.", "model.language_model.")
+    #: the image side, not loaded
+    _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+               "model.multi_modal_projector.")  # fmt: skip
+
+    def __init__(self, hf_config: Any, **kw: Any) -> None:
+        text = copy.copy(hf_config.text_config)
+        # HF ties the head by the outer config's flag (the text config's may say otherwise)
+        text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", True)
+        super().__init__(text, **kw)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._text_weights(weights))
+
+    def _text_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            prefix = next((p for p in self._PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                yield "model." + name.removeprefix(prefix), tensor
+            elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+                yield "lm_head.weight", tensor
+            elif not name.startswith(self._VISION):
+                raise ValueError(f"unexpected weight {name!r}")
