@@ -18,6 +18,11 @@ the layers' business (`vx.gpu.layers`). Other ways of running a step are the Wor
 once at start-up (`vx.gpu.model_runner`): the fused CPU step (`vx.gpu.cpu.fused_step`) replaces
 `LlamaModel.run_layers` between `embed` and `final_norm`; CUDA graphs (`vx.gpu.cuda_graphs`)
 replay `forward`.
+
+The stack is also the other families' (qwen3.py, mixtral.py, qwen3_moe.py, phi3.py, gemma.py):
+`LlamaForCausalLM.build_blocks` gives each layer its attention and MLP, `args_cls` reads the
+config, `model_cls` (with its `layer_cls`/`norm_cls`) is the stack, and `LlamaAttention.project`
+is the one step between the hidden states and the attention that a family may change.
 """
 
 from __future__ import annotations
@@ -240,7 +245,7 @@ class LlamaModel(nn.Module):
     """
 
     #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
-    #: and the norm class; Gemma's stack has its own (models/gemma2.py)
+    #: and the norm class; Gemma's stack has its own (models/gemma.py)
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
 
