@@ -17,7 +17,9 @@ sorted by expert and each expert that the step touches runs one GEMM pair over i
 the cost follows the routed tokens, not T x E. Experts are visited in ascending order and their
 weighted outputs added with `index_add_`, HF's order, so fp32 results match HF's closely.
 NOTE: it reads the per-expert counts back to the host (one sync per MoE layer); a model with
-these layers is not CUDA-graph capturable (`LlamaForCausalLM.graph_capturable`).
+these layers is not CUDA-graph capturable (`LlamaForCausalLM.graph_capturable`). On CUDA
+`FusedMoE` takes the Triton kernel instead (`vx.gpu.layers.moe_kernel`, same contract), which
+reads nothing back; graphs stay off for MoE models until they are checked on a GPU.
 """
 
 from __future__ import annotations
@@ -108,6 +110,14 @@ class FusedMoE(nn.Module):
         e, i, h = num_experts, self.inter, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), False)
+        #: the experts' compute, chosen once: the Triton kernel on CUDA where triton is there
+        #: (`vx.gpu.layers.moe_kernel`), else the torch reference
+        self.experts_fn = moe_reference
+        if torch.device(device).type == "cuda":
+            from vx.gpu.layers import moe_kernel
+
+            if moe_kernel.HAS_TRITON:
+                self.experts_fn = moe_kernel.fused_experts
 
     def weight_loader(self, loaded: torch.Tensor, expert: int, part: str) -> None:
         """Copy this rank's slice of one HF expert tensor: `part` is "gate", "up" (rows of
@@ -126,5 +136,5 @@ class FusedMoE(nn.Module):
             renormalize=self.renormalize,
             weights_in_fp32=self.weights_in_fp32,
         )
-        out = moe_reference(x, self.w13, self.w2, weights, ids)
+        out = self.experts_fn(x, self.w13, self.w2, weights, ids)
         return out if self.tp_size == 1 else _all_reduce(out)
