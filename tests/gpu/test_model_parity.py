@@ -224,6 +224,11 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path) -> None:
             tmp_path / "b", "llama", seed=8, num_key_value_heads=1, vocab_size=385,
             tie_word_embeddings=True,
         ),
+        # the families of issue 50: Phi-3's fused checkpoint cut per rank, Gemma 2's windowed
+        # and soft-capped attention over a rank's heads, Qwen3-MoE's slices of every expert
+        make_tiny_model(tmp_path / "c", "phi3", seed=9),
+        make_tiny_model(tmp_path / "d", "gemma2", seed=10),
+        make_tiny_model(tmp_path / "e", "qwen3_moe", seed=11),
     ]  # fmt: skip
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,5 @@
-"""The Triton kernels against their torch references, on CPU under TRITON_INTERPRET=1."""
+"""The Triton kernels against their torch references, on CPU under TRITON_INTERPRET=1 (the
+attention, norm and rotary kernels, and the fused-MoE experts)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ if "vx.gpu.attention.triton" in sys.modules:
 else:
     ta = importlib.import_module("vx.gpu.attention.triton")
 fresh = pytest.mark.skipif(not _FRESH, reason="triton imported compiled; run in a subprocess")
+if "vx.gpu.layers.moe_kernel" in sys.modules:
+    mk = importlib.reload(sys.modules["vx.gpu.layers.moe_kernel"])
+else:
+    mk = importlib.import_module("vx.gpu.layers.moe_kernel")
 
 from vx.gpu.attention.paged import build_attention_metadata  # noqa: E402
 
@@ -149,6 +154,39 @@ def test_rotary_kernel(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+
+
+@fresh
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 33])
+def test_fused_moe_kernel(dtype, tol, tokens):
+    """The grouped-GEMM experts against the torch reference: 8 experts top-2 (experts hit by
+    many, one or no pairs), padding blocks, renormalised fp32 routing weights."""
+    from vx.gpu.layers.fused_moe import moe_reference, select_experts
+
+    e, k, h, i = 8, 2, 32, 48
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=gen).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.2).to(dtype)
+    logits = torch.randn(tokens, e, generator=gen).to(dtype)
+    weights, ids = select_experts(logits, k, renormalize=True, weights_in_fp32=True)
+    got = mk.fused_experts(x, w13, w2, weights, ids)
+    want = moe_reference(x, w13, w2, weights, ids)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_moe_align_pads_each_expert_to_blocks():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3]])
+    sorted_ids, block_expert = mk.align(ids, 4, 4)
+    pairs = ids.numel()  # the sentinel
+    assert sorted_ids.numel() % 4 == 0 and block_expert.numel() == sorted_ids.numel() // 4
+    runs = sorted_ids.view(-1, 4)
+    for b, expert in enumerate(block_expert.tolist()):
+        live = [p for p in runs[b].tolist() if p < pairs]
+        assert all(ids.view(-1)[p] == expert for p in live)
+    assert sorted(p for p in sorted_ids.tolist() if p < pairs) == list(range(pairs))
 
 
 def test_rms_norm_ref_matches_layers():

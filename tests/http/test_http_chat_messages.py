@@ -130,3 +130,41 @@ async def test_valid_messages_are_served(tokenizer: Tokenizer) -> None:
             r = await c.post("/tokenize", json={"messages": messages})
             assert r.status_code == 200 and r.json()["tokens"] == ids, (messages, r.text)
         assert h.metrics.totals()["rejected"] == 0
+
+
+#: Gemma 2's chat template in short: no system role (it raises on one), turns as Gemma's.
+GEMMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content']"
+    " + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def test_system_message_folds_into_the_first_user_turn(tokenizer: Tokenizer) -> None:
+    """A template with no system role: the system text goes before the first user turn's, as
+    Gemma 3's template folds it itself; a template that has one renders it unchanged."""
+    from vx.http.chat import render_chat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = render_chat(tokenizer, msgs, add_generation_prompt=True, chat_template=GEMMA2_TEMPLATE)
+    assert text == "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+    plain = render_chat(tokenizer, msgs, add_generation_prompt=True)
+    assert "Be brief." in plain and "\n\nhi" not in plain
+
+
+def test_enable_thinking_reaches_the_template(tokenizer: Tokenizer) -> None:
+    """Qwen3's `enable_thinking` goes through `chat_template_kwargs` to the template."""
+    from vx.http.chat import render_chat
+
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    off = render_chat(
+        tokenizer, msgs, add_generation_prompt=True, chat_template=template,
+        extra={"enable_thinking": False},
+    )  # fmt: skip
+    assert off == "hi<think>\n\n</think>"
+    assert render_chat(tokenizer, msgs, add_generation_prompt=True, chat_template=template) == "hi"

@@ -134,6 +134,19 @@ def test_gguf_tokenizer_and_chat_template_survive(tiny_llama: str, tmp_path) -> 
             "original_max_position_embeddings": 8192,
         }}),  # rope_freqs tensor -> llama3 rope parameters
         ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 1}),
+        ("qwen3", {}),  # q/k norms, head_dim from key_length
+        ("qwen3_moe", {"norm_topk_prob": True}),  # stacked experts split per expert
+        ("mixtral", {}),  # llama with experts; q/k permuted
+        ("gemma2", {}),  # four norms a layer stored 1 + w, window 8, soft-caps
+        # Gemma 3: the default layer pattern (every 6th global, as llama.cpp's), linear rope
+        ("gemma3", {"layer_types": None, "num_hidden_layers": 7}),
+        # Phi-4-mini's rope: partial rotary, LongRoPE factors as tensors
+        ("phi3", {"rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
+            "original_max_position_embeddings": 48,
+        }, "original_max_position_embeddings": 48}),
     ],
 )  # fmt: skip
 def test_gguf_round_trip_variants(tmp_path, arch: str, overrides: dict) -> None:
@@ -152,6 +165,24 @@ def test_gguf_round_trip_variants(tmp_path, arch: str, overrides: dict) -> None:
         cfg = json.load(f)
     for key in ("architectures", "rope_parameters", "num_key_value_heads", "tie_word_embeddings"):
         assert cfg[key] == want_cfg[key], key
+    for key in ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "norm_topk_prob", "sliding_window", "layer_types",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                "original_max_position_embeddings"):  # fmt: skip
+        if want_cfg.get(key) is not None:
+            assert cfg[key] == want_cfg[key], key
+    # and vx serves the converted directory exactly as the HF one
+    import torch
+
+    from tests.gpu.conftest import PagedDriver
+    from vx.gpu.loader import load_model
+
+    prompt = {"a": list(range(3, 30))}
+    got, want = (
+        PagedDriver(load_model(d, dtype=torch.float32, progress=False)).step(prompt)["a"]
+        for d in (out, hf_dir)
+    )
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

@@ -293,12 +293,16 @@ class GraphedRunner(Protocol):
 
 def capture_cuda_graphs(runner: GraphedRunner) -> CudaGraphRunner | None:
     """Build and capture the graphs for `runner` (after its KV init), or None when graphs are
-    off: not CUDA, `enforce_eager`, or tensor parallelism."""
+    off: not CUDA, `enforce_eager`, tensor parallelism, or a model whose forward syncs with the
+    host (mixture of experts: `vx.gpu.layers.fused_moe`)."""
     config = runner.config
     if runner.device.type != "cuda" or config.enforce_eager:
         return None
     if config.parallel.tensor_parallel_size > 1:
         logger.info("CUDA graphs are off under tensor parallelism; running eagerly")
+        return None
+    if not getattr(runner.model, "graph_capturable", True):
+        logger.info("CUDA graphs are off: this model's forward reads values back to the host")
         return None
     sizes = cudagraph_capture_sizes(config.scheduler.max_num_seqs)
     max_blocks = -(-runner.max_model_len // config.cache.block_size)

@@ -167,6 +167,25 @@ def _check_tool_call(call: dict[str, Any], at: str) -> None:
             )  # fmt: skip
 
 
+def fold_system_role(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with a leading system (or developer) message's text put before the first
+    user turn's, a blank line between, for templates with no system role (Gemma 2's raises on
+    one; Gemma 3's does this fold itself). None where there is nothing to fold or a content is
+    not plain text."""
+    if not messages or messages[0].get("role") not in ("system", "developer"):
+        return None
+    system, rest = messages[0].get("content"), list(messages[1:])
+    if not isinstance(system, str):
+        return None
+    for i, m in enumerate(rest):
+        if m.get("role") == "user":
+            if not isinstance(m.get("content"), str):
+                return None
+            rest[i] = {**m, "content": f"{system}\n\n{m['content']}"}
+            return rest
+    return [{"role": "user", "content": system}, *rest]
+
+
 def render_chat(
     tok: Tokenizer,
     messages: list[dict[str, Any]],
@@ -187,10 +206,19 @@ def render_chat(
     if tools is not None:
         kwargs["tools"] = tools
     try:
-        text = tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            **kwargs,
-        )  # fmt: skip
+        try:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **kwargs,
+            )  # fmt: skip
+        except ChatTemplateError as e:
+            folded = fold_system_role(messages) if "system role" in str(e).lower() else None
+            if folded is None:
+                raise
+            text = tok.apply_chat_template(
+                folded, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **kwargs,
+            )  # fmt: skip
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     if continue_final_message:

@@ -41,25 +41,73 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+#: per GGUF architecture, names that differ from `_BLOCK`'s: Gemma's four norms a layer
+#: (llama.cpp's `ffn_norm` is Gemma's pre-feedforward norm), Phi-3's fused projections
+_ARCH_BLOCK = {
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK["gemma3"] = _ARCH_BLOCK["gemma2"]
 _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
+#: llama.cpp stores Gemma's norm weights as 1 + w (its norm multiplies by the weight alone)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+#: llama with `llama.expert_count` is llama.cpp's Mixtral
+_LLAMA_MOE = ("MixtralConfig", "MixtralForCausalLM")
+#: GGUF's stacked experts [E, ...] -> each expert's HF tensor, per HF family: (router, {GGUF
+#: name: HF name with {e} for the expert})
+_EXPERTS = {
+    "MixtralForCausalLM": ("block_sparse_moe.gate", {
+        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    }),
+    "Qwen3MoeForCausalLM": ("mlp.gate", {
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    }),
+}  # fmt: skip
 # GGUF general.file_type: 0 = ALL_F32, 1 = MOSTLY_F16; everything else serves as bf16.
 _FILE_TYPE_DTYPE = {0: "float32", 1: "float16"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to skip."""
-    if gguf_name == "rope_freqs.weight":
+def hf_tensor_name(
+    gguf_name: str, architecture: str = "LlamaForCausalLM", arch: str = "llama"
+) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None to skip.
+
+    A stacked expert tensor (`blk.3.ffn_gate_exps.weight`) gives a name with `{e}` where the
+    expert's index goes; `architecture` is the HF class it converts to, `arch` the GGUF one.
+    """
+    if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None  # folded into config.json's rope parameters
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP:
         return f"{_TOP[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk":
+        router, experts = _EXPERTS.get(architecture, ("", {}))
+        hf = _ARCH_BLOCK.get(arch, {}).get(parts[2]) or _BLOCK.get(parts[2])
+        hf = hf or experts.get(parts[2])
+        if parts[2] == "ffn_gate_inp" and router:
+            hf = router
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}.{kind}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
 
 
@@ -141,7 +189,11 @@ def _llama3_from_rope_freqs(theta: float, head_dim: int, rope_freqs: Any) -> dic
 
 
 def _build_config(
-    meta: _Meta, arch: str, shapes: dict[str, tuple[int, ...]], rope_freqs: Any
+    meta: _Meta,
+    arch: str,
+    shapes: dict[str, tuple[int, ...]],
+    rope_freqs: Any,
+    rope_tensors: dict[str, Any] | None = None,
 ) -> Any:
     import transformers
 
@@ -151,12 +203,14 @@ def _build_config(
     num_kv_heads = int(meta.get(p + "attention.head_count_kv", num_heads))
     head_dim = int(meta.get(p + "attention.key_length", hidden // num_heads))
     bos, eos, pad = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
-    config_cls = getattr(transformers, _ARCHS[arch][0])
+    experts = int(meta.get(p + "expert_count", 0) or 0)
+    names = _LLAMA_MOE if arch == "llama" and experts else _ARCHS[arch]
+    config_cls = getattr(transformers, names[0])
     kwargs: dict[str, Any] = dict(
-        architectures=[_ARCHS[arch][1]],
+        architectures=[names[1]],
         vocab_size=shapes["token_embd.weight"][0],
         hidden_size=hidden,
-        intermediate_size=int(meta.get(p + "feed_forward_length")),
+        intermediate_size=int(meta.get(p + "feed_forward_length", 0) or 0),
         num_hidden_layers=int(meta.get(p + "block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -168,8 +222,17 @@ def _build_config(
         pad_token_id=None if pad is None else int(pad),
         dtype=_FILE_TYPE_DTYPE.get(meta.get("general.file_type"), "bfloat16"),
     )
-    if head_dim != hidden // num_heads:
+    if head_dim != hidden // num_heads or arch.startswith("qwen3"):  # Qwen3's default is 128
         kwargs["head_dim"] = head_dim
+    if experts:
+        kwargs["num_experts_per_tok"] = int(meta.get(p + "expert_used_count"))
+        if arch == "llama":
+            kwargs["num_local_experts"] = experts
+        else:  # qwen3moe; llama.cpp renormalises its top-k unless told otherwise
+            kwargs["num_experts"] = experts
+            kwargs["moe_intermediate_size"] = int(meta.get(p + "expert_feed_forward_length"))
+            kwargs["norm_topk_prob"] = bool(meta.get(p + "expert_weights_norm", True))
+            kwargs["intermediate_size"] = int(meta.get(p + "feed_forward_length", 0) or 0)
     rope = _rope_parameters(meta, arch, head_dim, rope_freqs)
     if int(transformers.__version__.split(".")[0]) >= 5:
         kwargs["rope_parameters"] = rope
@@ -178,7 +241,65 @@ def _build_config(
         kwargs["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(meta, arch, kwargs, transformers)
+    if arch == "phi3":
+        _phi3_config(meta, kwargs, head_dim, rope_tensors or {})
     return config_cls(**kwargs)
+
+
+def _gemma_config(meta: _Meta, arch: str, kwargs: dict[str, Any], transformers: Any) -> None:
+    """Gemma's fields llama.cpp keeps, or derives as llama.cpp does: the attention scale is
+    1/sqrt(head_dim) except on the 27B models (1/sqrt(hidden / heads)); the layer pattern is
+    the HF config's default (Gemma 2: alternate; Gemma 3: every 6th layer global), which is
+    llama.cpp's; Gemma 3's sliding layers turn with base 10 000, as llama.cpp hard-codes."""
+    p = f"{arch}."
+    kwargs["head_dim"] = int(meta.get(p + "attention.key_length"))
+    kwargs["sliding_window"] = int(meta.get(p + "attention.sliding_window", 4096))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        kwargs[key] = meta.get_float(p + key, 0.0) or None
+    big = kwargs["num_hidden_layers"] in (46, 62)  # Gemma 2 27B, Gemma 3 27B
+    heads = kwargs["num_attention_heads"]
+    kwargs["query_pre_attn_scalar"] = kwargs["hidden_size"] // heads if big else kwargs["head_dim"]
+    if arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": 10000.0}
+        if "rope_parameters" in kwargs:
+            full = kwargs.pop("rope_parameters")
+            kwargs["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        else:  # transformers 4.x
+            kwargs["rope_local_base_freq"] = local["rope_theta"]
+
+
+def _decimals(a: Any) -> list[float]:
+    """float32 values as their shortest decimals (1.1, not 1.100000023841858), as HF wrote them."""
+    import numpy as np
+
+    return [float(str(np.float32(x))) for x in np.asarray(a).flatten()]
+
+
+def _phi3_config(
+    meta: _Meta, kwargs: dict[str, Any], head_dim: int, rope_tensors: dict[str, Any]
+) -> None:
+    """Phi-3's partial rotary (rope.dimension_count), sliding window and LongRoPE (the
+    `rope_factors_long/short` tensors and the original context length)."""
+    rope = kwargs.get("rope_parameters")
+    if rope is None:
+        raise NotImplementedError("Phi-3 GGUF needs transformers >= 5")
+    dims = int(meta.get("phi3.rope.dimension_count", head_dim))
+    rope["partial_rotary_factor"] = dims / head_dim
+    window = meta.get("phi3.attention.sliding_window")
+    kwargs["sliding_window"] = None if window is None else int(window)
+    if "rope_factors_long.weight" in rope_tensors:
+        original = int(meta.get("phi3.rope.scaling.original_context_length"))
+        rope.update(
+            rope_type="longrope",
+            long_factor=_decimals(rope_tensors["rope_factors_long.weight"]),
+            short_factor=_decimals(rope_tensors["rope_factors_short.weight"]),
+            original_max_position_embeddings=original,
+        )
+        kwargs["original_max_position_embeddings"] = original
+        if "phi3.rope.scaling.attn_factor" in meta:
+            rope["attention_factor"] = meta.get_float("phi3.rope.scaling.attn_factor", 1.0)
 
 
 def _save_tokenizer(gguf_path: str, meta: _Meta, out_dir: str) -> None:
@@ -259,7 +380,12 @@ def convert_gguf(gguf_path: str, out_dir: str, *, progress: bool = True) -> dict
     if "rope_freqs.weight" in by_name:
         t = by_name["rope_freqs.weight"]
         rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
-    config = _build_config(meta, arch, shapes, rope_freqs)
+    rope_tensors = {
+        name: gguf.quants.dequantize(by_name[name].data, by_name[name].tensor_type)
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        if name in by_name
+    }
+    config = _build_config(meta, arch, shapes, rope_freqs, rope_tensors)
     num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
 
     os.makedirs(out_dir, exist_ok=True)
@@ -267,19 +393,26 @@ def convert_gguf(gguf_path: str, out_dir: str, *, progress: bool = True) -> dict
     dtypes: dict[str, str] = {}
     bar = tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=not progress)
     for t in bar:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, config.architectures[0], arch)
         if name is None:
             continue
         a = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            a = a - 1.0
         if arch == "llama" and ".q_proj." in name:
             a = _unpermute(a, num_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = _unpermute(a, num_kv_heads)
-        x = torch.from_numpy(np.array(a, dtype=np.float32, order="C"))  # owns its memory
-        b = x.to(torch.bfloat16)
-        x = b if torch.equal(b.float(), x) else x
-        writer.add(name, x)
-        dtypes[name] = str(x.dtype).removeprefix("torch.")
+        # A stacked expert tensor [E, ...] becomes one HF tensor per expert.
+        parts = (
+            [(name.format(e=e), a[e]) for e in range(a.shape[0])] if "{e}" in name else [(name, a)]
+        )
+        for hf_name, part in parts:
+            x = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))  # owns its memory
+            b = x.to(torch.bfloat16)
+            x = b if torch.equal(b.float(), x) else x
+            writer.add(hf_name, x)
+            dtypes[hf_name] = str(x.dtype).removeprefix("torch.")
     bar.close()
     writer.close()
 

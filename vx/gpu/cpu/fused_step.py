@@ -39,6 +39,7 @@ by its int8 screen (`vx.gpu.cpu.screen`); on AVX2 builds one-row steps only, by 
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,8 @@ from vx.gpu.cpu.ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv
 from vx.gpu.cpu.row_plan import vnni_wins
 from vx.gpu.cpu.vnni import VNNI_MIN_ROWS
 from vx.gpu.cpu.widen import PANEL_FROM_ROWS
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FusedDecode"]
 
@@ -265,9 +268,19 @@ class FusedDecode:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
+        from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+        # The C step implements the Llama block exactly: a family whose blocks add anything
+        # (q/k norms, experts, soft-capping, windows) runs its module path, never this one.
+        if type(model) is not LlamaModel:
+            return None
         descs, quant_rows, avx2_rows = [], None, 1 << 30
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            blocks = (type(layer), type(attn), type(mlp))
+            if blocks != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
+                logger.info("fused CPU step declined: %s is not the Llama block", blocks)
+                return None
             if attn.attn_fn is not paged_attention or attn.head_dim % 2:
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

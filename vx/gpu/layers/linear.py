@@ -38,6 +38,7 @@ from vx.gpu.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 __all__ = [
     "ColumnParallelLinear",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
     "RMSNorm",
@@ -46,6 +47,7 @@ __all__ = [
     "apply_rotary",
     "cpu_prepack_enabled",
     "default_weight_loader",
+    "gelu_tanh_and_mul",
     "rope_inv_freq",
     "silu_and_mul",
 ]
@@ -341,6 +343,29 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from one, `(1 + w)`, and the multiply is done in
+    fp32 before the cast back (HF's Gemma2RMSNorm; Llama's casts first). `forward(x, residual)`
+    fuses the residual add as RMSNorm's does, the add in the model dtype."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate; up) -> gelu_tanh(gate) * up, [T, I] (GeGLU, HF's gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,21 +15,46 @@ from torch import nn
 
 from vx.gpu.layers import triton_ops
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
+__all__ = [
+    "RotaryEmbedding",
+    "apply_rotary",
+    "longrope_attention_factor",
+    "rope_inv_freq",
+    "rotary_dim",
+]
 
 
-def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+def rotary_dim(head_dim: int, rope: dict) -> int:
+    """How many leading dims of a head the rotary turns (all but with `partial_rotary_factor`)."""
+    return int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+
+
+def longrope_attention_factor(rope: dict) -> float:
+    """LongRoPE's scale of cos and sin: given, or sqrt(1 + ln(factor) / ln(original length)),
+    factor = max_position_embeddings / original_max_position_embeddings (HF's default)."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or rope["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_inv_freq(head_dim: int, rope: dict, *, long: bool = False) -> torch.Tensor:
     """Inverse frequencies (fp32) for `rope` (HF's rope_parameters / rope_scaling dict).
 
-    Supports "default", "linear" and "llama3" (Llama 3.1's smoothed interpolation, the same
-    arithmetic as HF's `_compute_llama3_parameters`).
+    Supports "default", "linear", "llama3" (Llama 3.1's smoothed interpolation, the same
+    arithmetic as HF's `_compute_llama3_parameters`) and "longrope" (Phi-3/4: the short factors
+    here; `long=True` gives the long ones). A `partial_rotary_factor` < 1 gives the frequencies
+    of the first `rotary_dim(head_dim, rope)` dims only.
     """
     base = float(rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-    if dim != head_dim:
-        raise NotImplementedError("partial rotary embeddings are not supported")
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    dim = rotary_dim(head_dim, rope)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if rope_type == "longrope":  # HF's _compute_longrope_parameters
+        ext = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -67,10 +92,22 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = rope_inv_freq(head_dim, rope)
-        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        #: the leading dims of a head that turn (the table is [max_position, rotary_dim // 2])
+        self.rotary_dim = rotary_dim(head_dim, rope)
+        positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
+        freqs = positions * rope_inv_freq(head_dim, rope)[None, :]
+        scale = 1.0
+        if rope.get("rope_type") == "longrope":
+            # HF switches to the long factors once a sequence is longer than the original
+            # context: position p is rotated by them from p = original on. (HF also re-rotates
+            # a whole prompt longer than that in one forward; vx turns each position once.)
+            original = int(rope["original_max_position_embeddings"])
+            long = positions * rope_inv_freq(head_dim, rope, long=True)[None, :]
+            freqs = torch.where(positions >= original, long, freqs)
+            scale = longrope_attention_factor(rope)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale  # fp32, then the model dtype (HF)
+        self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim // 2] for `positions` [T]; done once per step, not per layer."""

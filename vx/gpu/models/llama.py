@@ -18,6 +18,11 @@ the layers' business (`vx.gpu.layers`). Other ways of running a step are the Wor
 once at start-up (`vx.gpu.model_runner`): the fused CPU step (`vx.gpu.cpu.fused_step`) replaces
 `LlamaModel.run_layers` between `embed` and `final_norm`; CUDA graphs (`vx.gpu.cuda_graphs`)
 replay `forward`.
+
+The stack is also the other families' (qwen3.py, mixtral.py, qwen3_moe.py, phi3.py, gemma.py):
+`LlamaForCausalLM.build_blocks` gives each layer its attention and MLP, `args_cls` reads the
+config, `model_cls` (with its `layer_cls`/`norm_cls`) is the stack, and `LlamaAttention.project`
+is the one step between the hidden states and the attention that a family may change.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from vx.gpu.layers.linear import (
     apply_rotary,
     default_weight_loader,
 )
+from vx.gpu.layers.rotary import rotary_dim
 from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
@@ -75,6 +81,8 @@ class ModelArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None
+    #: the MLP's activation (HF's `hidden_act`, or Gemma's `hidden_activation`)
+    hidden_act: str
 
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelArgs:
@@ -82,11 +90,9 @@ class ModelArgs:
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
         window = getattr(cfg, "sliding_window", None)
-        if arch.startswith("Qwen2") and not getattr(cfg, "use_sliding_window", False):
-            window = None
+        if hasattr(cfg, "use_sliding_window") and not cfg.use_sliding_window:
+            window = None  # Qwen2/Qwen3 configs carry a window they do not use
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -103,6 +109,8 @@ class ModelArgs:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=window,
+            hidden_act=getattr(cfg, "hidden_activation", None)
+            or getattr(cfg, "hidden_act", "silu"),
         )
 
 
@@ -132,6 +140,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * a.head_dim
         self.scale = a.head_dim**-0.5
         self.attn_fn = attn_fn
+        #: the leading dims of each q/k head the rotary turns
+        self.rotary_dim = rotary_dim(a.head_dim, a.rope)
+        if self.rotary_dim != a.head_dim and type(self).project is LlamaAttention.project:
+            raise NotImplementedError("partial rotary needs a family's own `project` (Phi-3)")
 
     def forward(
         self,
@@ -142,6 +154,19 @@ class LlamaAttention(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or the rows `keep` only (every row's K/V is written)."""
+        t = x.shape[0]
+        q, k, v = self.project(rope, x)
+        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
+        o = o.reshape(t, self.q_size)
+        if keep is not None:
+            if keep.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            o = o[keep]
+        return self.o_proj(o)
+
+    def project(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated. A family with more
+        between the projection and the attention (q/k norms) overrides this alone."""
         t = x.shape[0]
         qk_size = self.q_size + self.kv_size
         qkv = self.qkv_proj.rope_forward(x, *rope)  # [T, q + 2 kv], q and k rotated (AMX)
@@ -154,18 +179,14 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads]  # [T, Hq, D]
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
-        o = o.reshape(t, self.q_size)
-        if keep is not None:
-            if keep.numel() == 0:
-                return x.new_empty((0, x.shape[1]))
-            o = o[keep]
-        return self.o_proj(o)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, a: ModelArgs, **kw: Any) -> None:
         super().__init__()
+        if a.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {a.hidden_act!r} is not supported")
         self.gate_up_proj = MergedColumnParallelLinear(
             a.hidden_size, [a.intermediate_size] * 2, bias=a.mlp_bias, silu_pairs=True, **kw
         )
@@ -178,11 +199,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
+    def __init__(self, a: ModelArgs, self_attn: nn.Module, mlp: nn.Module, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
-        self.self_attn = LlamaAttention(a, attn_fn, **kw)
-        self.mlp = LlamaMLP(a, **kw)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
 
@@ -218,9 +239,17 @@ class LlamaModel(nn.Module):
     A forward is three stages, each a method, so that a runner may replace the middle one (the
     fused CPU step runs every layer in one C call, `vx.gpu.cpu.fused_step`) and keep the others:
     `embed` -> `run_layers` -> `final_norm`. Invariant: `forward` is exactly those three.
+
+    `blocks` builds layer i's attention and MLP (`LlamaForCausalLM.build_blocks`); it is called
+    at construction only, never kept.
     """
 
-    def __init__(self, a: ModelArgs, attn_fn: Callable, **kw: Any) -> None:
+    #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
+    #: and the norm class; Gemma's stack has its own (models/gemma.py)
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
+    def __init__(self, a: ModelArgs, blocks: Callable[..., tuple], **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
         # The lookup table is never quantized (only the linears and the LM head are).
@@ -228,9 +257,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(a, attn_fn, **kw) for _ in range(a.num_layers)
+            self.layer_cls(a, *blocks(a, i, **kw), **kw) for i in range(a.num_layers)
         )
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, **dd)
+        self.norm = self.norm_cls(a.hidden_size, a.rms_norm_eps, **dd)
 
     def forward(
         self,
@@ -282,7 +311,18 @@ class LlamaForCausalLM(nn.Module):
     Invariants: parameters are created empty on `device` in `dtype` and every one of them is
     filled by `load_weights` (which raises if any is left out); `num_heads`/`num_kv_heads` are
     per tensor-parallel rank; `forward` never synchronises with the host.
+
+    A family that differs from Llama only in its config fields, its attention or its MLP
+    subclasses this and overrides `args_cls` and/or `build_blocks` (models/qwen3.py,
+    models/moe.py); the decoder stack, the LM head and the weight loading stay these.
     """
+
+    #: reads the HF config into the fields the model uses
+    args_cls: type[ModelArgs] = ModelArgs
+    #: the decoder stack
+    model_cls: type[LlamaModel] = LlamaModel
+    #: `forward` never reads a value back to the host, so CUDA graphs may capture it
+    graph_capturable: bool = True
 
     def __init__(
         self,
@@ -298,14 +338,15 @@ class LlamaForCausalLM(nn.Module):
         # Imported here, not at module level: tests may install their own attention module.
         from vx.gpu.attention.paged import paged_attention
 
-        a = ModelArgs.from_hf(hf_config)
+        a = self.args_cls.from_hf(hf_config)
         self.args = a
+        self.attn_fn = paged_attention
         self.dtype, self.device = dtype, torch.device(device)
         kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        self.model = LlamaModel(a, paged_attention, quantization=quantization, **kw)
+        self.model = self.model_cls(a, self.build_blocks, quantization=quantization, **kw)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
         self.lm_head.quantization = quantization
         if a.tie_word_embeddings:
@@ -320,6 +361,10 @@ class LlamaForCausalLM(nn.Module):
         #: Mistral-style sliding window (tokens) or None. NOTE: the paged attention attends to
         #: the whole context; the runner must cap max_model_len at the window when it is set.
         self.sliding_window = a.sliding_window
+
+    def build_blocks(self, a: ModelArgs, layer: int, **kw: Any) -> tuple[nn.Module, nn.Module]:
+        """Layer `layer`'s (attention, MLP) modules."""
+        return LlamaAttention(a, self.attn_fn, **kw), LlamaMLP(a, **kw)
 
     def forward(
         self,
@@ -351,6 +396,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            key = self.load_family_weight(params, name, tensor)
+            if key is not None:
+                loaded.add(key)
+                continue
             for hf_part, (fused_part, shard_id) in _STACKED.items():
                 if hf_part in name:
                     target = name.replace(hf_part, fused_part)
@@ -369,6 +418,13 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_names(params) if n not in loaded]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    def load_family_weight(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> str | None:
+        """A family's own checkpoint tensors (experts): load `name` and return the key that
+        `_expected_names` lists for it, or None for the Llama rules to load it."""
+        return None
 
     def _expected_names(self, params: dict[str, nn.Parameter]) -> list[str]:
         names = []
