@@ -148,6 +148,8 @@ class ModelRunner:
             quantization=m.quantization,
         )
         self.dtype = next(self.model.parameters()).dtype
+        if self.config.batch_invariant:
+            _check_invariant_blocks(self.model)
         if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
             collapse_weights(self.model)
             # the layers' linears only: the LM head takes one row a request
@@ -710,3 +712,25 @@ def _first_rows(lp: Logprobs | None, n: int) -> Logprobs | None:
     if lp is None or len(lp.ranks) <= n:
         return lp
     return Logprobs(token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n])
+
+
+def _check_invariant_blocks(model) -> None:
+    """`--batch-invariant` covers the Llama decoder block (Llama, Mistral, Qwen2): its linears
+    take the invariant chain and its attention the paged kernels. Other families' experts,
+    windows or soft-caps run torch's kernels, whose sums follow the batch: refused."""
+    from vx.gpu.attention.paged import paged_attention
+    from vx.gpu.layers.linear_method import BatchInvariantError
+    from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+    inner = model.model
+    ok = type(inner) is LlamaModel and all(
+        (type(layer), type(layer.self_attn), type(layer.mlp))
+        == (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
+        and layer.self_attn.attn_fn is paged_attention
+        for layer in inner.layers
+    )
+    if not ok:
+        raise BatchInvariantError(
+            f"--batch-invariant is implemented for the Llama decoder block (Llama, Mistral, "
+            f"Qwen2); not for {type(model).__name__}"
+        )
