@@ -137,9 +137,10 @@ def test_outputs_do_not_depend_on_batch_cache_chunking_or_scheduling(model: str,
     logger.info("batch invariant: %d runs x %d requests identical", runs, len(targets))
 
 
-def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
+def test_refused_where_no_gemm_takes_every_row(model: str, tmp_path) -> None:
     """Weight-only quantization has no row-invariant GEMM (its kernels take a few rows): the
-    start-up fails and says so; so does a CPU without a GEMM for every row count."""
+    start-up fails and says so; so does a CPU without a GEMM for every row count, and a family
+    whose blocks run torch's kernels (experts here)."""
     from vx.gpu.layers.linear_method import BatchInvariantError
 
     kinds = [{"quantization": "int8"}] + ([] if _invariant_here() else [{}])
@@ -147,6 +148,10 @@ def test_refused_where_no_gemm_takes_every_row(model: str) -> None:
         with pytest.raises(Exception, match="--batch-invariant is implemented for bf16") as e:
             LLM(model, batch_invariant=True, num_threads=1, **kw)
         assert e.type is not BatchInvariantError or "not for" in str(e.value)
+    # its router's 8 rows, or its blocks: refused either way, with what is not covered
+    moe = make_tiny_model(tmp_path, "mixtral", **SERVED)
+    with pytest.raises(Exception, match="--batch-invariant is implemented for .*; not for"):
+        LLM(moe, batch_invariant=True, num_threads=1)
 
 
 def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> None:
