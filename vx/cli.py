@@ -91,6 +91,22 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds a stream may wait for a client that stopped reading")
+    _add_output_flags(p)
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Structured outputs, tool calls and reasoning (the front's parsing of the text)."""
+    p.add_argument("--structured-outputs-timeout", type=float, default=5.0,
+                   help="seconds a new JSON schema, regex or grammar may take to compile; a "
+                        "request whose constraint fails or takes longer gets a 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=True,
+                   help="accepted for vLLM compatibility: tool_choice auto is always parsed")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="how tool calls are found in the text under tool_choice auto")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split <think>...</think> into reasoning_content")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of the tokenizer's")
 
 
 def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
@@ -174,6 +190,10 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(args.allowed_origins),
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
+        structured_outputs_timeout_s=args.structured_outputs_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
     )
     try:
         return anyio.run(serve, config, settings)

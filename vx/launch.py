@@ -44,6 +44,14 @@ class ServerSettings:
     stall_timeout_s: float = 60.0
     #: How long a dead engine's streams get to flush their error events before teardown.
     death_grace_s: float = 1.0
+    #: Seconds a new grammar may take to compile before its request gets a 400.
+    structured_outputs_timeout_s: float = 5.0
+    #: How `tool_choice: auto` finds tool calls in the text (`vx.http.tool_calls.PARSERS`).
+    tool_call_parser: str = "hermes"
+    #: How reasoning is split from the answer (`vx.http.reasoning.PARSERS`); None: not split.
+    reasoning_parser: str | None = None
+    #: A Jinja chat template file to use instead of the tokenizer's.
+    chat_template: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -98,6 +106,10 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                 allowed_origins=list(settings.allowed_origins),
                 max_body_bytes=settings.max_body_bytes,
                 stall_timeout_s=settings.stall_timeout_s,
+                structured_outputs_timeout_s=settings.structured_outputs_timeout_s,
+                tool_call_parser=settings.tool_call_parser,
+                reasoning_parser=settings.reasoning_parser,
+                chat_template=settings.chat_template,
             )
             shutdown = anyio.Event()
 

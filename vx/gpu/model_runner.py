@@ -39,6 +39,7 @@ from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from vx.gpu.cpu.fused_step import FusedDecode
+    from vx.gpu.sample.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        #: The grammar state of the constrained requests (`vx.gpu.sample.matchers`).
+        self.matchers: GrammarMatchers | None = None
         #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
         self.cuda_graphs = None
         #: The fused CPU step (vx.gpu.cpu.fused_step), chosen once by `load_model` once the
@@ -164,6 +167,9 @@ class ModelRunner:
             math.ceil(self.max_model_len / BLOCK_SIZE),
         )
         self.sampler = Sampler()
+        from vx.gpu.sample.matchers import GrammarMatchers
+
+        self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
 
     def _block_bytes(self) -> int:
         m = self._model
@@ -271,6 +277,9 @@ class ModelRunner:
         if batch is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and initialize_kv_cache()")
         batch.apply(so)
+        matchers = self.matchers
+        if matchers is not None and (matchers.num_active or so.scheduled_new_reqs):
+            matchers.apply(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
@@ -312,9 +321,16 @@ class ModelRunner:
             self._count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
+            constrained = matchers is not None and matchers.num_active > 0
+            if constrained:
+                sample_req_ids = [inputs.req_ids[j] for j in sample_idx.tolist()]
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
+                if constrained:  # before anything reads the logits (logprobs included)
+                    matchers.mask_logits(logits, sample_req_ids)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
+            if constrained:
+                matchers.accept(sample_req_ids, sampled.tolist())
             # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
             # harmless token until the EngineCore's finished_req_ids drops it.
             batch.append_tokens(rows, np.maximum(sampled, 0))

@@ -10,6 +10,7 @@ Every error a client can see uses OpenAI's envelope, including 404 and 405 from 
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from vx.http.dashboard import EngineEvents, StatsLogger, UIMiddleware, make_life
 from vx.http.engine_client import EngineClient
 from vx.http.errors import APIError, error_response
 from vx.http.generation import ServerContext
+from vx.http.grammars import GrammarChecker
 from vx.http.metrics import CONTENT_TYPE, Metrics
 from vx.http.middleware import (
     AuthMiddleware,
@@ -278,6 +280,10 @@ def build_app(
     max_body_bytes: int = 32 * 1024 * 1024,
     keepalive_s: float = 15.0,
     stall_timeout_s: float = 60.0,
+    structured_outputs_timeout_s: float = 5.0,
+    tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> ASGIApp:
     """The ASGI app serving `engine_client`'s model under `served_model_name`.
 
@@ -288,6 +294,10 @@ def build_app(
         api_keys: accepted keys; empty means no auth.
         allowed_origins: CORS origins ("*" for any); empty means no CORS headers.
         max_body_bytes: larger request bodies get 413.
+        structured_outputs_timeout_s: a new grammar's compile limit (then a 400).
+        tool_call_parser: how `tool_choice: auto` finds calls (`vx.http.tool_calls`).
+        reasoning_parser: how reasoning is split from content (`vx.http.reasoning`), or None.
+        chat_template: a Jinja file replacing the tokenizer's chat template.
     """
     if tokenizer is None:
         if tokenizer_path is None:
@@ -296,6 +306,8 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(names):
         raise ValueError("served_model_name must be a non-empty name")
+    if chat_template is not None:
+        tokenizer.chat_template = pathlib.Path(chat_template).read_text()
     metrics = Metrics(engine_client, names[0])
     engine_client.observer = metrics
     ctx = ServerContext(
@@ -305,6 +317,9 @@ def build_app(
         metrics=metrics,
         keepalive_s=keepalive_s,
         stall_timeout_s=stall_timeout_s,
+        grammars=GrammarChecker(tokenizer, metrics, structured_outputs_timeout_s),
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     ep = Endpoints(ctx, time.time())
     events = EngineEvents(engine_client, metrics, model_name=names[0])

@@ -31,6 +31,7 @@ from vx.http.stream import DONE, SSEResponse, Write, run_until_disconnect, sse_e
 
 if TYPE_CHECKING:
     from vx.http.engine_client import EngineClient
+    from vx.http.grammars import GrammarChecker
     from vx.http.metrics import Metrics
     from vx.http.tokenizer import Tokenizer
     from vx.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ class ServerContext:
     metrics: Metrics
     keepalive_s: float = 15.0
     stall_timeout_s: float = 60.0
+    grammars: GrammarChecker | None = None
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:

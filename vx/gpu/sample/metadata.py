@@ -143,6 +143,7 @@ def argmax_only(
             or p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
+            or p.structured_outputs is not None  # its grammar masks the logits
         ):
             return False
     return True

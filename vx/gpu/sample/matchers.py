@@ -1,0 +1,179 @@
+"""GrammarMatchers: the parse state of every constrained request in a Worker's batch, and the
+allowed-token mask each one puts on its row's logits before sampling.
+
+Runs in: each Worker process (vx/gpu). The model runner calls `apply` with each step's diff,
+`mask_logits` on the logits of the rows that sample, and `accept` with the tokens sampled.
+
+Why here and not in the EngineCore (where vLLM keeps its StructuredOutputManager): with async
+scheduling the EngineCore schedules step n+1 before it knows step n's token, so it cannot fill
+step n+1's mask without waiting for step n (vLLM defers those rows). The Worker knows each
+token the moment it samples it, so the mask for the next step is always current, the
+EngineCore keeps its two steps in flight, and no bitmask crosses a ring.
+
+The masks are filled on the Worker's own thread, one row after another, between the forward
+and the sampler: llguidance's parallel fill would start threads that fight the OpenMP compute
+threads for the cores (vLLM #49013), and a row costs about 20 µs for a JSON schema.
+
+Invariants:
+- a request has a matcher iff its `SamplingParams.structured_outputs` is set and it is in the
+  batch; the matcher has consumed exactly the request's output tokens so far (a request resumed
+  after preemption replays its `output_token_ids` into a fresh matcher);
+- an unconstrained step does nothing here: `num_active == 0` short-circuits every call;
+- a matcher in an error state (a grammar the Worker could not compile, which the front
+  refuses first) allows only the request's EOS, so the request ends instead of running free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import threading
+import time
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+import torch
+
+from vx.grammar import GrammarCache, GrammarError, fingerprint_of, grammar_of, load_ll_tokenizer
+from vx.messages import NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarMatchers"]
+
+
+class _Row:
+    """One constrained request: its matcher and the EOS that ends it."""
+
+    __slots__ = ("eos_token_id", "failed", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher | None, eos_token_id: int | None) -> None:
+        self.matcher = matcher
+        self.eos_token_id = eos_token_id
+        self.failed = matcher is None
+
+
+class GrammarMatchers:
+    """See the module docstring. `model_path` holds the `tokenizer.json` the grammars are
+    compiled against; `vocab_size` is the logits' width."""
+
+    def __init__(self, model_path: str, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._model_path = pathlib.Path(model_path)
+        self._rows: dict[str, _Row] = {}
+        # One cache per EOS id (the grammar's end allows the request's EOS).
+        self._caches: dict[int | None, GrammarCache] = {}
+        self._tokenizer_json: str | None = None
+        self._bitmask = np.empty((0, 0), dtype=np.int32)
+        #: Totals for the step profile: rows masked and seconds spent filling masks.
+        self.num_rows_masked = 0
+        self.mask_time_s = 0.0
+        # Reading the tokenizer (a few MB of JSON) starts now, off the step loop.
+        self._loader = threading.Thread(target=self._read_tokenizer, daemon=True)
+        self._loader.start()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._rows)
+
+    def _read_tokenizer(self) -> None:
+        path = self._model_path / "tokenizer.json"
+        try:
+            self._tokenizer_json = path.read_text()
+        except OSError as e:
+            logger.warning("structured outputs unavailable: cannot read %s (%s)", path, e)
+
+    def _cache(self, eos_token_id: int | None) -> GrammarCache:
+        cache = self._caches.get(eos_token_id)
+        if cache is None:
+            self._loader.join()
+            if self._tokenizer_json is None:
+                raise GrammarError("the model has no tokenizer.json to compile grammars with")
+            eos = [eos_token_id] if eos_token_id is not None else []
+            t0 = time.perf_counter()
+            tok = load_ll_tokenizer(self._tokenizer_json, vocab_size=self.vocab_size,
+                                    eos_token_ids=eos)  # fmt: skip
+            logger.info("grammar tokenizer built in %.3f s", time.perf_counter() - t0)
+            fp = fingerprint_of(self._tokenizer_json, self.vocab_size, eos)
+            cache = self._caches[eos_token_id] = GrammarCache(tok, fp)
+        return cache
+
+    # ─────────────────────────── the batch's diff ───────────────────────────
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Drop finished and preempted requests; add the new (or resumed) constrained ones."""
+        if self._rows:
+            for req_id in so.finished_req_ids:
+                self._rows.pop(req_id, None)
+            for req_id in so.preempted_req_ids:
+                self._rows.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            if new.sampling_params.structured_outputs is not None:
+                self._add(new)
+
+    def _add(self, new: NewRequestData) -> None:
+        spec = new.sampling_params.structured_outputs
+        assert spec is not None
+        try:
+            matcher = self._cache(new.eos_token_id).matcher(grammar_of(spec))
+        except GrammarError as e:
+            logger.warning("request %s: grammar failed in the worker: %s", new.req_id, e)
+            matcher = None
+        row = _Row(matcher, new.eos_token_id)
+        if matcher is not None and new.output_token_ids:  # resumed after preemption
+            if not matcher.consume_tokens(list(new.output_token_ids)):
+                row.failed = True
+        self._rows[new.req_id] = row
+
+    # ─────────────────────────── per step ───────────────────────────
+
+    def mask_logits(self, logits: torch.Tensor, req_ids: list[str]) -> None:
+        """Set to -inf every token the grammar forbids, in the rows of constrained requests.
+
+        `logits[i]` is the row of `req_ids[i]`; other rows are left as they are.
+        """
+        rows = [(i, self._rows[r]) for i, r in enumerate(req_ids) if r in self._rows]
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            self._bitmask = np.empty((max(len(rows), 8), words), dtype=np.int32)
+        bitmask = self._bitmask
+        for k, (_, row) in enumerate(rows):
+            m = row.matcher
+            if row.failed or m is None or m.is_error():
+                bitmask[k] = 0
+                if row.eos_token_id is not None:
+                    bitmask[k, row.eos_token_id >> 5] = np.int32(
+                        np.uint32(1 << (row.eos_token_id & 31)).view(np.int32)
+                    )
+                continue
+            llguidance.numpy.fill_next_token_bitmask(m, bitmask, k)
+        # Bit j of word w allows token 32 w + j (little-endian bits).
+        allowed = np.unpackbits(
+            bitmask[: len(rows)].view(np.uint8), axis=1, bitorder="little"
+        )[:, : logits.shape[1]]
+        index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
+        forbid = torch.from_numpy(allowed == 0).to(logits.device)
+        sub = logits.index_select(0, index).masked_fill_(forbid, float("-inf"))
+        logits.index_copy_(0, index, sub)
+        self.num_rows_masked += len(rows)
+        self.mask_time_s += time.perf_counter() - t0
+
+    def accept(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Advance the matchers of the constrained requests among `req_ids` by their token."""
+        for req_id, token in zip(req_ids, token_ids, strict=True):
+            row = self._rows.get(req_id)
+            if row is None or row.failed or row.matcher is None or token < 0:
+                continue
+            if token == row.eos_token_id and row.matcher.is_accepting():
+                continue  # the request ends here
+            if not row.matcher.consume_token(token):
+                logger.warning(
+                    "request %s: sampled token %d outside its grammar: %s",
+                    req_id, token, json.dumps(row.matcher.get_error()[:200]),
+                )  # fmt: skip
+                row.failed = True

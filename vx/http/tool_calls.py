@@ -1,0 +1,261 @@
+"""Tool calls: `tool_choice` as a grammar, and the model's text as OpenAI `tool_calls`.
+
+Runs in: the ApiServer process.
+
+- `required` and a named function are enforced by the grammar (`tool_constraint`): the model
+  can only write a JSON array of {"name", "arguments"} objects (required), or the named
+  function's arguments (named), each matching the function's parameter schema.
+- `auto` lets the model write; a parser (`PARSERS`, `--tool-call-parser`) finds its calls.
+  `hermes` reads Qwen2.5/Qwen3-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks, the form vx's shipped ChatML tool template asks for.
+
+Each parser is a `ToolCallParser`: `feed(text)` with however much text a step delivered, then
+`finish()`. Both return `ToolDelta`s in order. Invariant: the concatenation of every delta's
+`content` is the text outside tool calls, and the concatenation of one call's `arguments`
+fragments is that call's whole arguments JSON, however the text was split into deltas (a
+parser holds back what might be the start of a marker rather than guess).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from vx.http.errors import APIError
+
+__all__ = [
+    "PARSERS",
+    "ToolCallParser",
+    "ToolDelta",
+    "parser_for",
+    "tool_constraint",
+    "tool_mode",
+]
+
+
+@dataclass
+class ToolDelta:
+    """Either content text, or (part of) tool call `index`: its id and name come once, with the
+    first fragment of its arguments; later deltas of the same call carry arguments only."""
+
+    content: str = ""
+    index: int = -1
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    @property
+    def is_call(self) -> bool:
+        return self.index >= 0
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_functions(tools: list[Any] | None) -> dict[str, dict[str, Any]]:
+    """{name: function} of the request's tools; a 400 for a malformed tool."""
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, "each tool needs a function with a name", param=f"tools[{i}]")
+        if tool.get("type", "function") != "function":
+            raise APIError(400, "only tools of type function are supported",
+                           param=f"tools[{i}].type")  # fmt: skip
+        functions[fn["name"]] = fn
+    return functions
+
+
+def tool_mode(tools: list[Any] | None, tool_choice: Any) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", the named function's name)."""
+    functions = _tool_functions(tools)
+    if tool_choice is None:
+        return ("auto" if functions else "none"), None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise APIError(400, f"tool_choice {tool_choice!r} is not none, auto, required or "
+                           "a named function", param="tool_choice")  # fmt: skip
+        if tool_choice != "none" and not functions:
+            raise APIError(400, f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+        return tool_choice, None
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str):
+        raise APIError(400, "a named tool_choice is {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", param="tool_choice")  # fmt: skip
+    if name not in functions:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                       param="tool_choice")  # fmt: skip
+    return "named", name
+
+
+def tool_constraint(
+    tools: list[Any] | None, mode: str, name: str | None, parallel: bool = True
+) -> dict[str, Any] | None:
+    """The `StructuredOutputsParams` fields enforcing `mode` (None for none/auto)."""
+    functions = _tool_functions(tools)
+    if mode == "named":
+        assert name is not None
+        return {"json": _parameters(functions[name])}
+    if mode != "required":
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": fname}, "arguments": _parameters(fn)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for fname, fn in functions.items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+class ToolCallParser:
+    """Base: turns the model's text, fed in pieces, into `ToolDelta`s (see the module)."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[ToolDelta]:
+        raise NotImplementedError
+
+    def finish(self) -> list[ToolDelta]:
+        return []
+
+    def _call(self, name: str, arguments: str) -> ToolDelta:
+        self.num_calls += 1
+        return ToolDelta(index=self.num_calls - 1, id=new_call_id(), name=name,
+                         arguments=arguments)  # fmt: skip
+
+
+class NamedParser(ToolCallParser):
+    """tool_choice names one function: the whole text is its arguments, streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> list[ToolDelta]:
+        if self.num_calls == 0:
+            return [self._call(self.name, text)]
+        return [ToolDelta(index=0, arguments=text)] if text else []
+
+    def finish(self) -> list[ToolDelta]:
+        return [] if self.num_calls else [self._call(self.name, "")]
+
+
+class RequiredParser(ToolCallParser):
+    """tool_choice required: the text is a JSON array of {"name", "arguments"}; each call goes
+    out once the array is complete (the grammar guarantees it parses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text: list[str] = []
+
+    def feed(self, text: str) -> list[ToolDelta]:
+        self._text.append(text)
+        return []
+
+    def finish(self) -> list[ToolDelta]:
+        text = "".join(self._text)
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:  # cut by max_tokens: give the text back as it is
+            return [ToolDelta(content=text)] if text else []
+        out = []
+        for call in calls if isinstance(calls, list) else []:
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                out.append(self._call(call["name"], json.dumps(call.get("arguments", {}))))
+        return out
+
+
+class HermesParser(ToolCallParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks within free text."""
+
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> list[ToolDelta]:
+        self._buffer += text
+        out: list[ToolDelta] = []
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(self.START)
+                if at < 0:
+                    # Hold back a tail that could begin the marker.
+                    keep = _partial_suffix(self._buffer, self.START)
+                    content = self._buffer[: len(self._buffer) - keep]
+                    if content:
+                        out.append(ToolDelta(content=content))
+                    self._buffer = self._buffer[len(content) :]
+                    return out
+                if at:
+                    out.append(ToolDelta(content=self._buffer[:at]))
+                self._buffer = self._buffer[at + len(self.START) :]
+                self._in_call = True
+            at = self._buffer.find(self.END)
+            if at < 0:
+                return out
+            out.extend(self._emit(self._buffer[:at]))
+            self._buffer = self._buffer[at + len(self.END) :]
+            self._in_call = False
+
+    def _emit(self, body: str) -> list[ToolDelta]:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            # Not a call after all: the text goes back to the client as content.
+            return [ToolDelta(content=f"{self.START}{body}{self.END}")]
+        args = call.get("arguments", call.get("parameters", {}))
+        return [self._call(call["name"], args if isinstance(args, str) else json.dumps(args))]
+
+    def finish(self) -> list[ToolDelta]:
+        rest, self._buffer = self._buffer, ""
+        if not self._in_call:
+            return [ToolDelta(content=rest)] if rest else []
+        self._in_call = False
+        out = self._emit(rest.strip())  # ended (EOS) before its closing tag
+        if out and not out[0].is_call:
+            out = [ToolDelta(content=self.START + rest)]
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
+
+
+def parser_for(mode: str, name: str | None, auto_parser: str) -> ToolCallParser | None:
+    """The parser of one choice's text under `mode` (None: the text is plain content)."""
+    if mode == "named":
+        assert name is not None
+        return NamedParser(name)
+    if mode == "required":
+        return RequiredParser()
+    if mode == "auto":
+        return PARSERS[auto_parser]()
+    return None
