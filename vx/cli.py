@@ -106,7 +106,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> into reasoning_content")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file used instead of the tokenizer's")
+                   help="a Jinja chat template file used instead of the tokenizer's, or the "
+                        "name of one vx ships: chatml_tools (ChatML with hermes tool calls)")
 
 
 def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:

@@ -269,6 +269,21 @@ def _error_handlers() -> dict[Any, Any]:
     }
 
 
+#: The chat templates vx ships (`--chat-template NAME`): `chatml_tools`, ChatML with tools.
+TEMPLATES = pathlib.Path(__file__).parent / "templates"
+
+
+def read_chat_template(name_or_path: str) -> str:
+    """`--chat-template`'s text: a file, or the name of a template in `TEMPLATES`."""
+    path = pathlib.Path(name_or_path)
+    if not path.is_file():
+        path = TEMPLATES / f"{name_or_path}.jinja"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+        raise ValueError(f"--chat-template {name_or_path!r}: no such file, nor one of {shipped}")
+    return path.read_text()
+
+
 def build_app(
     engine_client: EngineClient,
     *,
@@ -307,7 +322,7 @@ def build_app(
     if not names or not all(names):
         raise ValueError("served_model_name must be a non-empty name")
     if chat_template is not None:
-        tokenizer.chat_template = pathlib.Path(chat_template).read_text()
+        tokenizer.chat_template = read_chat_template(chat_template)
     metrics = Metrics(engine_client, names[0])
     engine_client.observer = metrics
     ctx = ServerContext(
