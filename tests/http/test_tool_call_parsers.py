@@ -134,3 +134,10 @@ def test_reasoning_parsers_differ_without_an_opening_tag() -> None:
         "thinking...", "answer"]  # fmt: skip
     assert [a + b for a, b in zip(qwen.feed(text), qwen.finish(), strict=True)] == [
         "", text]  # fmt: skip
+
+
+def test_required_cut_by_max_tokens_keeps_the_calls_it_finished() -> None:
+    text = '[{"name": "add", "arguments": {"a": 1}},\n{"name": "add", "argu'
+    for pieces in _splits(text):
+        content, calls = _run(RequiredParser(), pieces)
+        assert content == "" and len(calls) == 1 and calls[0]["arguments"] == '{"a": 1}'

@@ -156,28 +156,40 @@ class NamedParser(ToolCallParser):
 
 
 class RequiredParser(ToolCallParser):
-    """tool_choice required: the text is a JSON array of {"name", "arguments"}; each call goes
-    out once the array is complete (the grammar guarantees it parses)."""
+    """tool_choice required: the text is a JSON array of {"name", "arguments"} (the grammar
+    guarantees its form). Each call goes out as soon as its object is complete, so a text cut
+    by max_tokens still gives every call it finished."""
+
+    _DECODER = json.JSONDecoder()
 
     def __init__(self) -> None:
         super().__init__()
-        self._text: list[str] = []
+        self._text = ""
+        self._pos = 0  # where the next array element (or separator) starts
+        self._opened = False
 
     def feed(self, text: str) -> list[ToolDelta]:
-        self._text.append(text)
-        return []
-
-    def finish(self) -> list[ToolDelta]:
-        text = "".join(self._text)
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:  # cut by max_tokens: give the text back as it is
-            return [ToolDelta(content=text)] if text else []
-        out = []
-        for call in calls if isinstance(calls, list) else []:
+        self._text += text
+        out: list[ToolDelta] = []
+        while True:
+            rest = self._text[self._pos :]
+            stripped = rest.lstrip(" \t\n\r,")
+            if not self._opened:
+                if not stripped.startswith("["):
+                    return out
+                self._opened = True
+                self._pos += len(rest) - len(stripped) + 1
+                continue
+            if not stripped.startswith("{"):
+                return out
+            start = self._pos + len(rest) - len(stripped)
+            try:
+                call, end = self._DECODER.raw_decode(self._text, start)
+            except json.JSONDecodeError:
+                return out  # the object is not complete yet
+            self._pos = end
             if isinstance(call, dict) and isinstance(call.get("name"), str):
                 out.append(self._call(call["name"], json.dumps(call.get("arguments", {}))))
-        return out
 
 
 class HermesParser(ToolCallParser):
