@@ -309,3 +309,42 @@ def test_llm_structured_outputs_on_the_tiny_model(
         with pytest.raises(ValueError, match="regex"):
             llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
                 regex="[a-")), use_tqdm=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed_and_follow_their_schema(client, stream: bool) -> None:
+    """Under auto the model writes freely; once it opens `<tool_call>` the structural tag holds
+    the call to a tool's schema, and the hermes parser returns it as `tool_calls`."""
+    messages: list[dict] = []
+    for city in ("Rome", "Oslo", "Lima"):  # a few shots, rendered by the template's tool form
+        call = {"id": f"call_{city}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "c"})}}
+        messages += [*_ask(f"Weather in {city}?"),
+                     {"role": "assistant", "content": None, "tool_calls": [call]}]  # fmt: skip
+    messages += _ask("Weather in Paris?")
+    num_calls = 0
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, n=8,
+                                           max_tokens=80, seed=seed, stream=stream)  # fmt: skip
+        calls: dict[tuple[int, int], dict[str, str]] = {}
+        reasons: dict[int, str | None] = {}
+        if stream:
+            for chunk in r:
+                for c in chunk.choices:
+                    reasons[c.index] = c.finish_reason or reasons.get(c.index)
+                    for tc in c.delta.tool_calls or []:
+                        call = calls.setdefault((c.index, tc.index), {"name": "", "args": ""})
+                        call["name"] += tc.function.name or ""
+                        call["args"] += tc.function.arguments or ""
+        else:
+            for c in r.choices:
+                reasons[c.index] = c.finish_reason
+                for j, tc in enumerate(c.message.tool_calls or []):
+                    calls[(c.index, j)] = {"name": tc.function.name, "args": tc.function.arguments}
+        for (index, _), call in calls.items():
+            jsonschema_rs.validate(TOOL_SCHEMAS[call["name"]], json.loads(call["args"]))
+            assert reasons[index] in ("tool_calls", "length")
+        num_calls += len(calls)
+        if num_calls:
+            break
+    assert num_calls, "no choice called a tool in 32 tries"

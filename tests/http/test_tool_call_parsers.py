@@ -62,8 +62,8 @@ def test_hermes_gives_the_same_calls_however_the_text_is_split(pieces: list[str]
     content, calls = _run(HermesParser(), pieces)
     assert content == "Let me check. \n done <"
     assert [c["name"] for c in calls.values()] == ["get_weather", "add"]
-    assert json.loads(calls[0]["arguments"]) == {"city": "Paris <3"}
-    assert json.loads(calls[1]["arguments"]) == {"a": 1, "b": 2}
+    assert calls[0]["arguments"] == '{"city": "Paris <3"}'
+    assert calls[1]["arguments"] == '{"a": 1, "b": 2}'
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
@@ -104,7 +104,8 @@ def test_tool_choice_modes_and_their_grammar() -> None:
     assert tool_constraint(TOOLS, "named", "add") == {"json": TOOLS[1]["function"]["parameters"]}
     required = tool_constraint(TOOLS, "required", None)["json"]
     assert required["minItems"] == 1 and len(required["items"]["anyOf"]) == 2
-    assert tool_constraint(TOOLS, "auto", None) is None
+    assert tool_constraint(TOOLS, "none", None) is None
+    assert "structural_tag" in tool_constraint(TOOLS, "auto", None)
     for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}}):
         with pytest.raises(APIError) as e:
             tool_mode(TOOLS, bad)
@@ -141,3 +142,41 @@ def test_required_cut_by_max_tokens_keeps_the_calls_it_finished() -> None:
     for pieces in _splits(text):
         content, calls = _run(RequiredParser(), pieces)
         assert content == "" and len(calls) == 1 and calls[0]["arguments"] == '{"a": 1}'
+
+
+def test_auto_enforces_the_call_grammar_after_the_marker() -> None:
+    """Under auto, hermes' structural tag lets text through and forces a call's body to its
+    function's schema once `<tool_call>` appears (checked with llguidance's matcher)."""
+    import llguidance
+
+    from vx.grammar import grammar_of
+    from vx.sampling_params import StructuredOutputsParams
+
+    so = tool_constraint(TOOLS, "auto", None)
+    grammar = grammar_of(StructuredOutputsParams(**so))
+    ok = ('Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> '
+          "and more text")  # fmt: skip
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": "one"}}\n</tool_call>'
+    from tests.models import _tokenizer_json
+
+    tok = llguidance.LLTokenizer(_tokenizer_json(384))
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        ids = tok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and not m.is_error()
+
+    assert accepts(ok)
+    assert not accepts(bad)
+
+
+def test_hermes_streams_arguments_before_the_end_tag() -> None:
+    parser = HermesParser()
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": {"c": "}"}} }\n</tool_call>'
+    at = text.index("</tool_call>")
+    early = [d for ch in text[:at] for d in parser.feed(ch)]
+    assert early[0].name == "add" and early[0].id
+    sent = "".join(d.arguments for d in early)
+    assert len([d for d in early if d.arguments]) > 5 and sent.startswith('{"a": 12, "b": {"c": "')
+    late = parser.feed(text[at:]) + parser.finish()
+    assert sent + "".join(d.arguments for d in late) == '{"a": 12, "b": {"c": "}"}}'

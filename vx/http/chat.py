@@ -389,7 +389,10 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
     ctx.check_available()
     mode = tool_mode(req.tools, req.tool_choice)
     constraint = structured_outputs_of(req)
-    tool_grammar = tool_constraint(req.tools, *mode, parallel=req.parallel_tool_calls is not False)
+    tool_grammar = tool_constraint(req.tools, *mode, parallel=req.parallel_tool_calls is not False,
+                                   auto_parser=ctx.tool_call_parser)  # fmt: skip
+    if tool_grammar is not None and mode[0] == "auto" and constraint is not None:
+        tool_grammar = None  # the client's own constraint wins over auto's call grammar
     if tool_grammar is not None:
         if constraint is not None:
             raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with "

@@ -19,6 +19,7 @@ parser holds back what might be the start of a marker rather than guess).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -92,10 +93,19 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> tuple[str, str | Non
 
 
 def tool_constraint(
-    tools: list[Any] | None, mode: str, name: str | None, parallel: bool = True
+    tools: list[Any] | None,
+    mode: str,
+    name: str | None,
+    parallel: bool = True,
+    auto_parser: str = "hermes",
 ) -> dict[str, Any] | None:
-    """The `StructuredOutputsParams` fields enforcing `mode` (None for none/auto)."""
+    """The `StructuredOutputsParams` fields enforcing `mode`: None for none; for auto, the
+    parser's structural tag (free text, but a call's body follows its function's schema once
+    its start marker appears), or None where the parser has none."""
     functions = _tool_functions(tools)
+    if mode == "auto":
+        tag = PARSERS[auto_parser].structural_tag(functions)
+        return {"structural_tag": json.dumps(tag)} if tag is not None else None
     if mode == "named":
         assert name is not None
         return {"json": _parameters(functions[name])}
@@ -126,6 +136,11 @@ class ToolCallParser:
 
     def __init__(self) -> None:
         self.num_calls = 0
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        """vLLM's structural tag enforcing this format's calls under tool_choice auto."""
+        return None
 
     def feed(self, text: str) -> list[ToolDelta]:
         raise NotImplementedError
@@ -193,15 +208,36 @@ class RequiredParser(ToolCallParser):
 
 
 class HermesParser(ToolCallParser):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks within free text."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks within free text.
+
+    A call's arguments stream as they arrive once its header (`{"name": "...", "arguments": `)
+    is complete: every fragment sent is a prefix of the final arguments, because the text from
+    the last `}` seen (and the blanks before it) is held back until the end tag shows which
+    `}` closes the call. Arguments are the model's own JSON text, streamed or not.
+    """
 
     START = "<tool_call>"
     END = "</tool_call>"
+    _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        # The form vx's chatml_tools template (and Qwen's) shows the model.
+        structures = [
+            {"begin": f'{cls.START}\n{{"name": {json.dumps(name)}, "arguments": ',
+             "schema": _parameters(fn), "end": f"}}\n{cls.END}"}
+            for name, fn in functions.items()
+        ]  # fmt: skip
+        return {"structures": structures, "triggers": [cls.START]}
 
     def __init__(self) -> None:
         super().__init__()
         self._buffer = ""
         self._in_call = False
+        #: Of the call being streamed: where its arguments start in `_buffer`, and how much
+        #: of them went out (None: its header is not complete yet).
+        self._args_start: int | None = None
+        self._sent = 0
 
     def feed(self, text: str) -> list[ToolDelta]:
         self._buffer += text
@@ -223,12 +259,37 @@ class HermesParser(ToolCallParser):
                 self._in_call = True
             at = self._buffer.find(self.END)
             if at < 0:
+                out.extend(self._stream_arguments())
                 return out
-            out.extend(self._emit(self._buffer[:at]))
+            out.extend(self._end_call(self._buffer[:at]))
             self._buffer = self._buffer[at + len(self.END) :]
-            self._in_call = False
 
-    def _emit(self, body: str) -> list[ToolDelta]:
+    def _stream_arguments(self) -> list[ToolDelta]:
+        """The next fragment of the open call's arguments (its header first), if any is sure."""
+        out: list[ToolDelta] = []
+        if self._args_start is None:
+            header = self._HEADER.match(self._buffer)
+            if header is None:
+                return out
+            self._args_start, self._sent = header.end(), 0
+            out.append(self._call(json.loads(f'"{header.group(1)}"'), ""))
+        # Up to the last `}` (it may close the call), less the blanks before it (they would
+        # not be part of the arguments if it does).
+        brace = self._buffer.rfind("}", self._args_start)
+        sure = self._buffer[self._args_start : brace if brace >= 0 else None].rstrip()
+        if len(sure) > self._sent:
+            out.append(ToolDelta(index=self.num_calls - 1, arguments=sure[self._sent :]))
+            self._sent = len(sure)
+        return out
+
+    def _end_call(self, body: str) -> list[ToolDelta]:
+        """The rest of the call whose body is `body` (its end tag seen, or EOS)."""
+        streamed, self._args_start = self._args_start, None
+        self._in_call = False
+        if streamed is not None:
+            final = body[streamed : body.rfind("}")].rstrip()
+            rest = final[self._sent :]
+            return [ToolDelta(index=self.num_calls - 1, arguments=rest)] if rest else []
         try:
             call = json.loads(body)
         except json.JSONDecodeError:
@@ -243,8 +304,9 @@ class HermesParser(ToolCallParser):
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
             return [ToolDelta(content=rest)] if rest else []
-        self._in_call = False
-        out = self._emit(rest.strip())  # ended (EOS) before its closing tag
+        if self._args_start is not None:  # ended (EOS) before its end tag
+            return self._end_call(rest)
+        out = self._end_call(rest.strip())
         if out and not out[0].is_call:
             out = [ToolDelta(content=self.START + rest)]
         return out
