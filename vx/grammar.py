@@ -42,6 +42,37 @@ class GrammarError(ValueError):
 
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar text of `spec` (deterministic: equal specs give equal texts)."""
+    text = _constraint_grammar(spec)
+    if spec.reasoning_parser is not None:
+        return _after_reasoning(text, opened=spec.reasoning_parser == "deepseek_r1")
+    return text
+
+
+#: The free reasoning before a constraint; `[lazy]` ends it at the first `</think>`.
+_REASONING_LARK = """%llguidance {{}}
+start: think @{name}
+think[lazy]: {opening}THINK_TEXT "</think>"
+THINK_TEXT: /(.|\\n)*/
+"""
+
+
+def _after_reasoning(text: str, *, opened: bool) -> str:
+    """`text`'s grammar after a `<think>...</think>` block: required and already opened in the
+    prompt for deepseek_r1 (a leading `<think>` is still allowed), optional for qwen3."""
+    if text.lstrip().startswith("{"):
+        grammars = json.loads(text)["grammars"]
+    else:
+        grammars = [{"lark_grammar": text}]
+    inner = dict(grammars[0])
+    name = inner.setdefault("name", "constraint")
+    opening = '"<think>"? ' if opened else '"<think>" '
+    outer = _REASONING_LARK.format(name=name, opening=opening)
+    if not opened:
+        outer = outer.replace("start: think @", "start: think? @")
+    return json.dumps({"grammars": [{"lark_grammar": outer}, inner, *grammars[1:]]})
+
+
+def _constraint_grammar(spec: StructuredOutputsParams) -> str:
     try:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

@@ -35,6 +35,9 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    #: Set by the ApiServer's `--reasoning-parser` ("deepseek_r1", "qwen3"): the constraint
+    #: applies after the reasoning's `</think>`, the reasoning itself is free.
+    reasoning_parser: str | None = None
 
     def validate(self) -> None:
         given = [
@@ -47,6 +50,8 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
                 "structured_outputs takes exactly one of json, json_object, regex, choice, "
                 f"grammar, structural_tag; got {given or 'none'}"
             )
+        if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
+            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs.choice must not be empty")
 

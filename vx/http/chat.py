@@ -398,6 +398,9 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
             raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with "
                            "another output constraint", param="tool_choice")  # fmt: skip
         constraint = tool_grammar
+    if constraint is not None and ctx.reasoning_parser is not None:
+        # The grammar holds from the reasoning's end: the thinking itself is free.
+        constraint = {**constraint, "reasoning_parser": ctx.reasoning_parser}
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     check_stream_options(req)
