@@ -176,6 +176,8 @@ class SchedulerStats(_StepMsg, frozen=True):
     #: Host-side time of this step split by phase (schedule, ipc wait, update), seconds.
     schedule_time_s: float = 0.0
     update_time_s: float = 0.0
+    #: Unfinished requests whose output follows a grammar (structured outputs, tool calls).
+    num_constrained: int = 0
 
 
 class EngineCoreOutputs(_StepMsg, frozen=True):

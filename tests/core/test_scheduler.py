@@ -369,3 +369,17 @@ def test_small_steps_off_by_default() -> None:
     s = make_scheduler(64, max_num_batched_tokens=64)
     s.add_request(make_add_request("a", list(range(100))))
     assert s.schedule().total_num_scheduled_tokens == 64
+
+
+def test_constrained_requests_are_counted_until_freed() -> None:
+    """The dashboard's count: requests with a grammar, from admission to the one free funnel."""
+    s = make_scheduler()
+    s.add_request(make_add_request("free", [1, 2, 3]))
+    s.add_request(make_add_request("json", [1, 2, 3], structured_outputs={"json_object": True}))
+    s.add_request(make_add_request("re", [4, 5], structured_outputs={"regex": "[0-9]+"}))
+    s.schedule()
+    assert s.make_stats().num_constrained == 2
+    s.finish_requests(["json", "free"], RequestStatus.FINISHED_ABORTED)
+    assert s.make_stats().num_constrained == 1
+    s.finish_requests("re", RequestStatus.FINISHED_ABORTED)
+    assert s.make_stats().num_constrained == 0
