@@ -101,7 +101,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "request whose constraint fails or takes longer gets a 400")
     p.add_argument("--enable-auto-tool-choice", action="store_true", default=True,
                    help="accepted for vLLM compatibility: tool_choice auto is always parsed")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
                    help="how tool calls are found in the text under tool_choice auto")
     p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> into reasoning_content")

@@ -15,6 +15,8 @@ from vx.http.errors import APIError
 from vx.http.reasoning import PARSERS as REASONING
 from vx.http.tool_calls import (
     HermesParser,
+    Llama3JsonParser,
+    MistralParser,
     NamedParser,
     RequiredParser,
     ToolCallParser,
@@ -180,3 +182,36 @@ def test_hermes_streams_arguments_before_the_end_tag() -> None:
     assert len([d for d in early if d.arguments]) > 5 and sent.startswith('{"a": 12, "b": {"c": "')
     late = parser.feed(text[at:]) + parser.finish()
     assert sent + "".join(d.arguments for d in late) == '{"a": 12, "b": {"c": "}"}}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [
+        (MistralParser, 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                        '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "Sure."),
+        (Llama3JsonParser, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+                           '{"name": "get_weather", "parameters": {"city": "Oslo"}}', ""),
+        (Llama3JsonParser, ' {"name": "add", "parameters": {"a": 1}};{"name": "get_weather", '
+                           '"parameters": {"city": "Oslo"}}', ""),
+    ],
+)  # fmt: skip
+def test_mistral_and_llama3_json_calls_however_split(parser, text: str, content: str) -> None:
+    for pieces in _splits(text):
+        got, calls = _run(parser(), pieces)
+        assert got == content
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            ("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]  # fmt: skip
+
+
+def test_llama3_json_plain_text_is_content() -> None:
+    for pieces in _splits("The answer is {not a call} 42."):
+        assert _run(Llama3JsonParser(), pieces) == ("The answer is {not a call} 42.", {})
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json"])
+def test_each_parsers_structural_tag_compiles(parser: str) -> None:
+    from vx.grammar import grammar_of
+    from vx.sampling_params import StructuredOutputsParams
+
+    so = tool_constraint(TOOLS, "auto", None, auto_parser=parser)
+    assert grammar_of(StructuredOutputsParams(**so))

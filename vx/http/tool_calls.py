@@ -170,31 +170,33 @@ class NamedParser(ToolCallParser):
         return [] if self.num_calls else [self._call(self.name, "")]
 
 
-class RequiredParser(ToolCallParser):
-    """tool_choice required: the text is a JSON array of {"name", "arguments"} (the grammar
-    guarantees its form). Each call goes out as soon as its object is complete, so a text cut
-    by max_tokens still gives every call it finished."""
+class _JsonCallsParser(ToolCallParser):
+    """Calls as JSON objects ({"name", ARGS_KEY}) after an opening marker, in an array or
+    separated by `;`. Each call goes out as soon as its object is complete, so a text cut by
+    max_tokens still gives every call it finished. Text before the marker is content."""
 
     _DECODER = json.JSONDecoder()
+    #: What opens the calls ("" for text that is calls from its start).
+    MARKER = ""
+    ARGS_KEY = "arguments"
+    _SKIP = " \t\n\r,;["
 
     def __init__(self) -> None:
         super().__init__()
         self._text = ""
-        self._pos = 0  # where the next array element (or separator) starts
-        self._opened = False
+        self._pos = 0  # where the next object (or separator) starts
+        self._in_calls = not self.MARKER
 
     def feed(self, text: str) -> list[ToolDelta]:
         self._text += text
         out: list[ToolDelta] = []
+        if not self._in_calls:
+            out += self._content()
+            if not self._in_calls:
+                return out
         while True:
             rest = self._text[self._pos :]
-            stripped = rest.lstrip(" \t\n\r,")
-            if not self._opened:
-                if not stripped.startswith("["):
-                    return out
-                self._opened = True
-                self._pos += len(rest) - len(stripped) + 1
-                continue
+            stripped = rest.lstrip(self._SKIP)
             if not stripped.startswith("{"):
                 return out
             start = self._pos + len(rest) - len(stripped)
@@ -204,7 +206,89 @@ class RequiredParser(ToolCallParser):
                 return out  # the object is not complete yet
             self._pos = end
             if isinstance(call, dict) and isinstance(call.get("name"), str):
-                out.append(self._call(call["name"], json.dumps(call.get("arguments", {}))))
+                args = call.get(self.ARGS_KEY, {})
+                out.append(self._call(call["name"], args if isinstance(args, str)
+                                      else json.dumps(args)))  # fmt: skip
+
+    def _content(self) -> list[ToolDelta]:
+        """Content up to the marker (a tail that could begin it is held back)."""
+        at = self._text.find(self.MARKER, self._pos)
+        if at < 0:
+            keep = _partial_suffix(self._text, self.MARKER)
+            content = self._text[self._pos : len(self._text) - keep]
+            self._pos += len(content)
+            return [ToolDelta(content=content)] if content else []
+        content = self._text[self._pos : at]
+        self._pos, self._in_calls = at + len(self.MARKER), True
+        return [ToolDelta(content=content)] if content else []
+
+    def finish(self) -> list[ToolDelta]:
+        if self._in_calls:
+            return []
+        rest = self._text[self._pos :]
+        self._pos = len(self._text)
+        return [ToolDelta(content=rest)] if rest else []
+
+
+class RequiredParser(_JsonCallsParser):
+    """tool_choice required: the text is a JSON array of {"name", "arguments"} (the grammar
+    guarantees its form)."""
+
+
+class MistralParser(_JsonCallsParser):
+    """Mistral's `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after free text.
+
+    NOTE: `[TOOL_CALLS]` is a special token in Mistral's tokenizers; the client must send
+    `skip_special_tokens: false` for it to reach the text (as with vLLM)."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        structures = [
+            {"begin": f'{cls.MARKER}[{{"name": {json.dumps(name)}, "arguments": ',
+             "schema": _parameters(fn), "end": "}]"}
+            for name, fn in functions.items()
+        ]  # fmt: skip
+        return {"structures": structures, "triggers": [cls.MARKER]}
+
+
+class Llama3JsonParser(_JsonCallsParser):
+    """Llama 3.1/3.2's JSON calls: `{"name": ..., "parameters": {...}}`, several joined by `;`,
+    optionally after `<|python_tag|>`. A text that opens with anything else is content."""
+
+    ARGS_KEY = "parameters"
+    PYTHON_TAG = "<|python_tag|>"
+    MARKER = "{"  # stands for the decision below; never searched for
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plain = False  # decided: the text is no call
+
+    def _content(self) -> list[ToolDelta]:
+        if self._plain:
+            content, self._pos = self._text[self._pos :], len(self._text)
+            return [ToolDelta(content=content)] if content else []
+        stripped = self._text.lstrip()
+        if stripped.startswith(self.PYTHON_TAG) or stripped.startswith("{"):
+            self._in_calls = True
+            self._pos = len(self._text) - len(stripped)
+            if stripped.startswith(self.PYTHON_TAG):
+                self._pos += len(self.PYTHON_TAG)
+            return []
+        if not stripped or self.PYTHON_TAG.startswith(stripped):
+            return []  # not decided yet
+        self._plain = True  # all of it is content, now and later
+        return self._content()
+
+    @classmethod
+    def structural_tag(cls, functions: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        structures = [
+            {"begin": f'{{"name": {json.dumps(name)}, "parameters": ', "schema": _parameters(fn),
+             "end": "}"}
+            for name, fn in functions.items()
+        ]  # fmt: skip
+        return {"structures": structures, "triggers": ['{"name": ']}
 
 
 class HermesParser(ToolCallParser):
@@ -320,7 +404,11 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser}
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
 
 
 def parser_for(mode: str, name: str | None, auto_parser: str) -> ToolCallParser | None:
