@@ -348,3 +348,28 @@ def test_auto_tool_calls_are_parsed_and_follow_their_schema(client, stream: bool
         if num_calls:
             break
     assert num_calls, "no choice called a tool in 32 tries"
+
+
+def test_constrained_requests_stay_valid_through_preemption(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A KV pool too small for the crowd preempts requests mid-output; each resumes with a
+    matcher that replayed its tokens, so every output still matches (tiny random model)."""
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-preempt"), arch="llama", **SERVED)
+    pattern = "[a-z]{2,6}( [a-z]{2,6}){20,30}\\."
+    with VxServer(model, "--served-model-name", "tiny", "--num-gpu-blocks-override", "24",
+                  "--max-model-len", "256") as srv:  # fmt: skip
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+        def one(i: int) -> list[str]:
+            r = c.completions.create(model="tiny", prompt=f"story {i} " * 8, n=2, max_tokens=200,
+                                     extra_body={"guided_regex": pattern})  # fmt: skip
+            return [ch.text for ch in r.choices if ch.finish_reason == "stop"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = [t for ts in pool.map(one, range(8)) for t in ts]
+        metrics = httpx.get(srv.url + "/metrics").text
+    preempted = re.search(r'vx:num_preemptions_total\{[^}]*\} ([0-9.]+)', metrics)
+    assert preempted and float(preempted.group(1)) > 0, "the pool was meant to preempt"
+    assert len(texts) >= 8
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
