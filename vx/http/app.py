@@ -332,7 +332,7 @@ def build_app(
         metrics=metrics,
         keepalive_s=keepalive_s,
         stall_timeout_s=stall_timeout_s,
-        grammars=GrammarChecker(tokenizer, metrics, structured_outputs_timeout_s),
+        grammars=GrammarChecker(tokenizer, metrics, structured_outputs_timeout_s).prepare(),
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
     )

@@ -48,13 +48,30 @@ class GrammarChecker:
         self._cache: GrammarCache | None = None
         self._lock = threading.Lock()
 
+    def prepare(self) -> GrammarChecker:
+        """Build the cache's tokenizer on a daemon thread now, so the first constrained
+        request finds it ready; returns self."""
+        def build() -> None:
+            try:
+                self._get_cache()
+            except GrammarError as e:
+                logger.warning("%s", e)
+
+        threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+        return self
+
     def _get_cache(self) -> GrammarCache:
+        """The cache; `GrammarError` where llguidance cannot read this tokenizer."""
         with self._lock:
             if self._cache is None:
                 text = self._tokenizer.backend.to_str()
                 eos = list(self._tokenizer.eos_token_ids)
                 vocab = self._tokenizer.vocab_size
-                tok = load_ll_tokenizer(text, vocab_size=vocab, eos_token_ids=eos)
+                try:
+                    tok = load_ll_tokenizer(text, vocab_size=vocab, eos_token_ids=eos)
+                except Exception as e:  # llguidance raises plain ValueErrors and RuntimeErrors
+                    raise GrammarError(f"structured outputs are unavailable for this "
+                                       f"model's tokenizer: {e}") from None  # fmt: skip
                 self._cache = GrammarCache(tok, fingerprint_of(text, vocab, eos))
             return self._cache
 
@@ -65,7 +82,10 @@ class GrammarChecker:
             text = grammar_of(spec)
         except GrammarError as e:
             self._fail("invalid", f"the output constraint is invalid: {e}", param)
-        cache = self._cache or await anyio.to_thread.run_sync(self._get_cache)
+        try:
+            cache = self._cache or await anyio.to_thread.run_sync(self._get_cache)
+        except GrammarError as e:
+            self._fail("invalid", str(e), param)
         if cache.contains(text):
             try:
                 cache.matcher(text)

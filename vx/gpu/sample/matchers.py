@@ -44,6 +44,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["GrammarMatchers"]
 
 
+def _model_eos_token_id(model_path: pathlib.Path, tokenizer_json: str) -> int | None:
+    """The EOS the ApiServer will send with each request (`Tokenizer.eos_token_id`: the
+    tokenizer's own EOS, else generation_config.json's first), or None where unknown."""
+    from tokenizers import Tokenizer
+
+    try:
+        cfg = json.loads((model_path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    eos = cfg.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if isinstance(eos, str):
+        token_id = Tokenizer.from_str(tokenizer_json).token_to_id(eos)
+        if token_id is not None:
+            return token_id
+    try:
+        gen = json.loads((model_path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    return gen[0] if isinstance(gen, list) and gen else gen if isinstance(gen, int) else None
+
+
 class _Row:
     """One constrained request: its matcher and the EOS that ends it."""
 
@@ -70,20 +93,29 @@ class GrammarMatchers:
         #: Totals for the step profile: rows masked and seconds spent filling masks.
         self.num_rows_masked = 0
         self.mask_time_s = 0.0
-        # Reading the tokenizer (a few MB of JSON) starts now, off the step loop.
-        self._loader = threading.Thread(target=self._read_tokenizer, daemon=True)
+        self._lock = threading.Lock()
+        # Reading the tokenizer and building llguidance's view of it for the model's EOS
+        # (about 0.2 s) start now, off the step loop: the first constrained request finds
+        # them ready.
+        self._loader = threading.Thread(target=self._prepare, daemon=True)
         self._loader.start()
 
     @property
     def num_active(self) -> int:
         return len(self._rows)
 
-    def _read_tokenizer(self) -> None:
+    def _prepare(self) -> None:
         path = self._model_path / "tokenizer.json"
         try:
             self._tokenizer_json = path.read_text()
         except OSError as e:
             logger.warning("structured outputs unavailable: cannot read %s (%s)", path, e)
+            return
+        eos = _model_eos_token_id(self._model_path, self._tokenizer_json)
+        try:
+            self._build_cache(eos)
+        except Exception:  # the first constrained request retries, and reports it
+            logger.exception("building the grammar tokenizer failed")
 
     def _cache(self, eos_token_id: int | None) -> GrammarCache:
         cache = self._caches.get(eos_token_id)
@@ -91,6 +123,15 @@ class GrammarMatchers:
             self._loader.join()
             if self._tokenizer_json is None:
                 raise GrammarError("the model has no tokenizer.json to compile grammars with")
+            cache = self._build_cache(eos_token_id)
+        return cache
+
+    def _build_cache(self, eos_token_id: int | None) -> GrammarCache:
+        with self._lock:
+            cache = self._caches.get(eos_token_id)
+            if cache is not None:
+                return cache
+            assert self._tokenizer_json is not None
             eos = [eos_token_id] if eos_token_id is not None else []
             t0 = time.perf_counter()
             tok = load_ll_tokenizer(self._tokenizer_json, vocab_size=self.vocab_size,
@@ -98,7 +139,7 @@ class GrammarMatchers:
             logger.info("grammar tokenizer built in %.3f s", time.perf_counter() - t0)
             fp = fingerprint_of(self._tokenizer_json, self.vocab_size, eos)
             cache = self._caches[eos_token_id] = GrammarCache(tok, fp)
-        return cache
+            return cache
 
     # ─────────────────────────── the batch's diff ───────────────────────────
 
