@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GrammarCache", "GrammarError", "fingerprint_of", "grammar_of", "load_ll_tokenizer"]
 
+#: JSON may put at most this many blanks between two tokens. Why: JSON allows any run, and a
+#: small model at temperature 1 can emit blanks until max_tokens (xgrammar's
+#: `max_whitespace_cnt` guards the same); pretty-printed JSON needs far fewer.
+MAX_JSON_WHITESPACE = 24
+_JSON_OPTIONS = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{MAX_JSON_WHITESPACE}}}"}
+
 #: Compiled grammars kept per process (a pristine matcher each, a few KB to a few MB).
 CACHE_SIZE = 256
 
@@ -77,9 +83,11 @@ def _constraint_grammar(spec: StructuredOutputsParams) -> str:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             json.loads(schema)  # a clear error for text that is not JSON at all
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=_JSON_OPTIONS
+            )
         if spec.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if spec.choice is not None:
@@ -107,7 +115,7 @@ def _structural_tag_grammar(text: str) -> str:
             llguidance.StructTag(
                 trigger=next(t for t in triggers if s["begin"].startswith(t)),
                 begin=s["begin"],
-                grammar=s.get("schema", {}),
+                grammar={"x-guidance": _JSON_OPTIONS, **s.get("schema", {})},
                 end=s["end"],
             )
             for s in structures

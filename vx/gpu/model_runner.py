@@ -329,6 +329,9 @@ class ModelRunner:
                 if constrained:  # before anything reads the logits (logprobs included)
                     matchers.mask_logits(logits, sample_req_ids)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs)
+            elif constrained:
+                sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
+                                                   sample_req_ids, num_reqs)  # fmt: skip
             if constrained:
                 matchers.accept(sample_req_ids, sampled.tolist())
             # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
@@ -413,6 +416,31 @@ class ModelRunner:
             attn_metadata=md,
             sample_idx=np.flatnonzero(ends == known),
         )
+
+    def _sample_constrained(
+        self,
+        hidden: torch.Tensor,
+        sampled: np.ndarray,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        req_ids: list[str],
+        num_reqs: int,
+    ) -> np.ndarray:
+        """A greedy step took its tokens from the LM head's argmax (fused step or C argmax):
+        re-take the constrained rows' tokens from their masked logits, so the unconstrained
+        rows beside them keep that fast path (`argmax_only` admits greedy constrained rows)."""
+        matchers = self.matchers
+        assert matchers is not None
+        pos = [k for k, r in enumerate(req_ids) if matchers.is_constrained(r)]
+        if not pos:
+            return sampled
+        index = torch.tensor(pos, dtype=torch.long, device=hidden.device)
+        logits = self._model.compute_logits(hidden.index_select(0, index))
+        matchers.mask_logits(logits, [req_ids[k] for k in pos])
+        tokens, _ = self._sample(logits, rows[pos], sample_idx[pos], num_reqs)
+        sampled = np.array(sampled, dtype=np.int64, copy=True)
+        sampled[pos] = tokens
+        return sampled
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
         """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.sample.greedy`);

@@ -3,6 +3,9 @@ allowed-token mask each one puts on its row's logits before sampling.
 
 Runs in: each Worker process (vx/gpu). The model runner calls `apply` with each step's diff,
 `mask_logits` on the logits of the rows that sample, and `accept` with the tokens sampled.
+In a greedy step whose tokens come from the LM head's argmax (the fused C step), only the
+constrained rows' logits are formed and masked, and their tokens re-taken from them, so the
+unconstrained rows beside them keep that path.
 
 Why here and not in the EngineCore (where vLLM keeps its StructuredOutputManager): with async
 scheduling the EngineCore schedules step n+1 before it knows step n's token, so it cannot fill
@@ -103,6 +106,9 @@ class GrammarMatchers:
     @property
     def num_active(self) -> int:
         return len(self._rows)
+
+    def is_constrained(self, req_id: str) -> bool:
+        return req_id in self._rows
 
     def _prepare(self) -> None:
         path = self._model_path / "tokenizer.json"
