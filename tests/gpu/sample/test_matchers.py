@@ -113,3 +113,20 @@ def test_a_preempted_request_resumes_where_it_was(tok_dir, hf_tok) -> None:
     m.mask_logits(logits, ["p"])
     allowed = torch.nonzero(~torch.isinf(logits[0])).flatten().tolist()
     assert [hf_tok.decode([t]) for t in allowed] == ["x"]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.0001, 0.002, 0.05, 0.5, 1.0])
+def test_masking_a_row_sparse_or_dense_forbids_exactly_the_cleared_bits(density: float) -> None:
+    import numpy as np
+
+    from vx.gpu.sample.matchers import SPARSE_WORDS, _mask_row
+
+    rng = np.random.default_rng(1)
+    width = 49152 - 5  # the bitmask covers a few tokens past the logits
+    bits = rng.random(49152) < density
+    words = np.packbits(bits.astype(np.uint8), bitorder="little").view(np.int32).copy()
+    row = rng.standard_normal(width).astype(np.float32)
+    expect = np.where(bits[:width], row, -np.inf)
+    _mask_row(row, words)
+    assert np.array_equal(row, expect)
+    assert SPARSE_WORDS < words.size

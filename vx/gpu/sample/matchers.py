@@ -70,6 +70,35 @@ def _model_eos_token_id(model_path: pathlib.Path, tokenizer_json: str) -> int | 
     return gen[0] if isinstance(gen, list) and gen else gen if isinstance(gen, int) else None
 
 
+#: A row whose mask allows tokens in at most this many 32-token words is masked by saving
+#: the allowed logits, filling the row with -inf and putting them back (a JSON key or
+#: punctuation allows a few dozen tokens); a denser one by a masked write over the row.
+SPARSE_WORDS = 64
+_BIT_INDEX = np.arange(32, dtype=np.int32)
+
+
+def _forbidden(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """[rows, width] bools, True where the bitmask forbids the token. Bit j of word w allows
+    token 32 w + j (little-endian bits): the inverted words' bits, unpacked, are 0/1 bytes
+    already, viewed as bools with no comparison pass (one cost more than the fill itself)."""
+    inverted = np.invert(bitmask).view(np.uint8)
+    return np.unpackbits(inverted, axis=-1, bitorder="little")[..., :width].view(np.bool_)
+
+
+def _mask_row(row: np.ndarray, words: np.ndarray) -> None:
+    """Set `row`'s forbidden logits (per the bitmask `words`) to -inf, in place."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) <= SPARSE_WORDS:
+        bits = ((words[nonzero][:, None] >> _BIT_INDEX) & 1).astype(np.bool_)
+        allowed = (nonzero[:, None] * 32 + _BIT_INDEX)[bits]
+        allowed = allowed[allowed < row.shape[0]]
+        kept = row[allowed]
+        row.fill(-np.inf)
+        row[allowed] = kept
+        return
+    row[_forbidden(words, row.shape[0])] = -np.inf  # measured ahead of putmask and copyto
+
+
 class _Row:
     """One constrained request: its matcher and the EOS that ends it."""
 
@@ -199,14 +228,17 @@ class GrammarMatchers:
                     )
                 continue
             llguidance.numpy.fill_next_token_bitmask(m, bitmask, k)
-        # Bit j of word w allows token 32 w + j (little-endian bits).
-        allowed = np.unpackbits(
-            bitmask[: len(rows)].view(np.uint8), axis=1, bitorder="little"
-        )[:, : logits.shape[1]]
-        index = torch.tensor([i for i, _ in rows], dtype=torch.long, device=logits.device)
-        forbid = torch.from_numpy(allowed == 0).to(logits.device)
-        sub = logits.index_select(0, index).masked_fill_(forbid, float("-inf"))
-        logits.index_copy_(0, index, sub)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and (
+            logits.is_contiguous()
+        ):
+            view = logits.numpy()  # the same memory: rows are masked in place
+            for k, (i, _) in enumerate(rows):
+                _mask_row(view[i], bitmask[k])
+        else:
+            forbid = torch.from_numpy(_forbidden(bitmask[: len(rows)], logits.shape[1]))
+            forbid = forbid.to(logits.device)
+            for k, (i, _) in enumerate(rows):
+                logits[i].masked_fill_(forbid[k], float("-inf"))
         self.num_rows_masked += len(rows)
         self.mask_time_s += time.perf_counter() - t0
 
