@@ -22,12 +22,16 @@ Invariants:
   batch; the matcher has consumed exactly the request's output tokens so far (a request resumed
   after preemption replays its `output_token_ids` into a fresh matcher);
 - an unconstrained step does nothing here: `num_active == 0` short-circuits every call;
+- a new grammar compiles on one background thread from the moment its request joins the batch
+  and is waited for only when the request first samples: its compile overlaps the forward
+  (and any later prefill chunks); a cached one is a copy made at once;
 - a matcher in an error state (a grammar the Worker could not compile, which the front
   refuses first) allows only the request's EOS, so the request ends instead of running free.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import pathlib
@@ -100,14 +104,35 @@ def _mask_row(row: np.ndarray, words: np.ndarray) -> None:
 
 
 class _Row:
-    """One constrained request: its matcher and the EOS that ends it."""
+    """One constrained request: its matcher (or the compile that will give it, with the
+    output tokens to replay into it) and the EOS that ends it."""
 
-    __slots__ = ("eos_token_id", "failed", "matcher")
+    __slots__ = ("eos_token_id", "failed", "matcher", "pending", "replay")
 
-    def __init__(self, matcher: llguidance.LLMatcher | None, eos_token_id: int | None) -> None:
-        self.matcher = matcher
+    def __init__(self, eos_token_id: int | None) -> None:
+        self.matcher: llguidance.LLMatcher | None = None
+        self.pending: concurrent.futures.Future | None = None
+        self.replay: list[int] = []
         self.eos_token_id = eos_token_id
-        self.failed = matcher is None
+        self.failed = False
+
+    def set_matcher(self, matcher: llguidance.LLMatcher | None, req_id: str) -> None:
+        self.matcher, self.failed = matcher, matcher is None
+        if matcher is not None and self.replay:  # resumed after preemption
+            if not matcher.consume_tokens(self.replay):
+                logger.warning("request %s: its output no longer parses on resume", req_id)
+                self.failed = True
+        self.replay = []
+
+    def resolve(self, req_id: str) -> None:
+        """Wait for a compile still running (it ran beside the forward)."""
+        future, self.pending = self.pending, None
+        assert future is not None
+        try:
+            self.set_matcher(future.result(), req_id)
+        except GrammarError as e:
+            logger.warning("request %s: grammar failed in the worker: %s", req_id, e)
+            self.set_matcher(None, req_id)
 
 
 class GrammarMatchers:
@@ -126,6 +151,8 @@ class GrammarMatchers:
         self.num_rows_masked = 0
         self.mask_time_s = 0.0
         self._lock = threading.Lock()
+        #: New grammars compile here, one at a time, beside the step's forward.
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # Reading the tokenizer and building llguidance's view of it for the model's EOS
         # (about 0.2 s) start now, off the step loop: the first constrained request finds
         # them ready.
@@ -190,18 +217,33 @@ class GrammarMatchers:
                 self._add(new)
 
     def _add(self, new: NewRequestData) -> None:
+        """A cached grammar's matcher is a copy, made now; a new grammar compiles on the
+        compile thread, beside this step's forward (and any further prefill chunks), and
+        the row waits for it only when it first samples (`_resolve`)."""
         spec = new.sampling_params.structured_outputs
         assert spec is not None
+        row = self._rows[new.req_id] = _Row(new.eos_token_id)
+        row.replay = list(new.output_token_ids)
         try:
-            matcher = self._cache(new.eos_token_id).matcher(grammar_of(spec))
+            cache = self._cache(new.eos_token_id)
+            text = grammar_of(spec)
         except GrammarError as e:
             logger.warning("request %s: grammar failed in the worker: %s", new.req_id, e)
-            matcher = None
-        row = _Row(matcher, new.eos_token_id)
-        if matcher is not None and new.output_token_ids:  # resumed after preemption
-            if not matcher.consume_tokens(list(new.output_token_ids)):
-                row.failed = True
-        self._rows[new.req_id] = row
+            row.set_matcher(None, new.req_id)
+            return
+        if cache.contains(text):
+            try:
+                row.set_matcher(cache.matcher(text), new.req_id)
+            except GrammarError as e:
+                logger.warning("request %s: grammar failed in the worker: %s", new.req_id, e)
+                row.set_matcher(None, new.req_id)
+            return
+        row.pending = self._compiler.submit(cache.matcher, text)
+
+    def _resolve(self, req_id: str, row: _Row) -> _Row:
+        if row.pending is not None:
+            row.resolve(req_id)
+        return row
 
     # ─────────────────────────── per step ───────────────────────────
 
@@ -210,7 +252,8 @@ class GrammarMatchers:
 
         `logits[i]` is the row of `req_ids[i]`; other rows are left as they are.
         """
-        rows = [(i, self._rows[r]) for i, r in enumerate(req_ids) if r in self._rows]
+        rows = [(i, self._resolve(r, self._rows[r])) for i, r in enumerate(req_ids)
+                if r in self._rows]  # fmt: skip
         if not rows:
             return
         t0 = time.perf_counter()
@@ -246,6 +289,8 @@ class GrammarMatchers:
         """Advance the matchers of the constrained requests among `req_ids` by their token."""
         for req_id, token in zip(req_ids, token_ids, strict=True):
             row = self._rows.get(req_id)
+            if row is not None and row.pending is not None:
+                row.resolve(req_id)
             if row is None or row.failed or row.matcher is None or token < 0:
                 continue
             if token == row.eos_token_id and row.matcher.is_accepting():
