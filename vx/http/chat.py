@@ -221,7 +221,7 @@ class _TextSplit:
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolDelta]]:
         """(reasoning, content, tool-call deltas) of the next `text`; `final` flushes."""
-        reasoning, content = text and "", text
+        reasoning, content = "", text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text)
             if final:
