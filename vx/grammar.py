@@ -162,6 +162,17 @@ class GrammarCache:
         with self._lock:
             return self.key(text) in self._compiled
 
+    def check(self, text: str) -> bool:
+        """Whether `text` is compiled here (a hash, no copy); `GrammarError` where it failed."""
+        with self._lock:
+            hit = self._compiled.get(self.key(text))
+            if hit is not None:
+                self._compiled.move_to_end(self.key(text))
+                self.num_hits += 1
+        if isinstance(hit, str):
+            raise GrammarError(hit)
+        return hit is not None
+
     def matcher(self, text: str) -> llguidance.LLMatcher:
         """A matcher for grammar `text` in its start state; `GrammarError` when it fails."""
         key = self.key(text)

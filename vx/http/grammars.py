@@ -86,12 +86,11 @@ class GrammarChecker:
             cache = self._cache or await anyio.to_thread.run_sync(self._get_cache)
         except GrammarError as e:
             self._fail("invalid", str(e), param)
-        if cache.contains(text):
-            try:
-                cache.matcher(text)
-            except GrammarError as e:
-                self._fail("invalid", f"the output constraint does not compile: {e}", param)
-            return
+        try:
+            if cache.check(text):
+                return
+        except GrammarError as e:
+            self._fail("invalid", f"the output constraint does not compile: {e}", param)
         t0 = time.perf_counter()
         try:
             with anyio.fail_after(self.timeout_s):
