@@ -427,11 +427,17 @@ class ModelRunner:
         num_reqs: int,
     ) -> np.ndarray:
         """A greedy step took its tokens from the LM head's argmax (fused step or C argmax):
-        re-take the constrained rows' tokens from their masked logits, so the unconstrained
-        rows beside them keep that fast path (`argmax_only` admits greedy constrained rows)."""
+        keep a constrained row's token where its grammar allows it, else re-take it from the
+        row's masked logits, so every row keeps that fast path (`argmax_only` admits greedy
+        constrained rows)."""
         matchers = self.matchers
         assert matchers is not None
-        pos = [k for k, r in enumerate(req_ids) if matchers.is_constrained(r)]
+        # Where the grammar allows the head's argmax, it is the masked argmax too: most steps
+        # of a greedy constrained row form no logits at all.
+        pos = [
+            k for k, r in enumerate(req_ids)
+            if matchers.is_constrained(r) and not matchers.allows(r, int(sampled[k]))
+        ]  # fmt: skip
         if not pos:
             return sampled
         index = torch.tensor(pos, dtype=torch.long, device=hidden.device)
