@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: `import vx` must stay cheap
@@ -15,6 +15,10 @@ def __getattr__(name: str):  # lazy: `import vx` must stay cheap
         from vx.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from vx.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "LLM":
         from vx.llm import LLM
 

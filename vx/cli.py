@@ -110,6 +110,23 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds a stream may wait for a client that stopped reading")
+    _add_output_flags(p)
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Structured outputs, tool calls and reasoning (the front's parsing of the text)."""
+    p.add_argument("--structured-outputs-timeout", type=float, default=5.0,
+                   help="seconds a new JSON schema, regex or grammar may take to compile; a "
+                        "request whose constraint fails or takes longer gets a 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=True,
+                   help="accepted for vLLM compatibility: tool_choice auto is always parsed")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
+                   help="how tool calls are found in the text under tool_choice auto")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split <think>...</think> into reasoning_content")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of the tokenizer's, or the "
+                        "name of one vx ships: chatml_tools (ChatML with hermes tool calls)")
 
 
 def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
@@ -203,6 +220,10 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         access_log=not args.disable_access_log,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        structured_outputs_timeout_s=args.structured_outputs_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
     )
     try:
         return anyio.run(serve, config, settings)

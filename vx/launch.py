@@ -81,6 +81,14 @@ class ServerSettings:
     #: Where to export one OpenTelemetry span per request (OTLP/HTTP); None: no tracing, and
     #: no OpenTelemetry module is imported.
     otlp_traces_endpoint: str | None = None
+    #: Seconds a new grammar may take to compile before its request gets a 400.
+    structured_outputs_timeout_s: float = 5.0
+    #: How `tool_choice: auto` finds tool calls in the text (`vx.http.tool_calls.PARSERS`).
+    tool_call_parser: str = "hermes"
+    #: How reasoning is split from the answer (`vx.http.reasoning.PARSERS`); None: not split.
+    reasoning_parser: str | None = None
+    #: A Jinja chat template file to use instead of the tokenizer's.
+    chat_template: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -316,6 +324,10 @@ async def _serve_tree(
                 stall_timeout_s=settings.stall_timeout_s,
                 access_log=settings.access_log,
                 tracer=tracer,
+                structured_outputs_timeout_s=settings.structured_outputs_timeout_s,
+                tool_call_parser=settings.tool_call_parser,
+                reasoning_parser=settings.reasoning_parser,
+                chat_template=settings.chat_template,
             )
         except Exception as e:  # the model's files hold no tokenizer it can load
             logger.error("engine failed to start: no tokenizer in %s: %s", config.model.path, e)

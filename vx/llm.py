@@ -149,6 +149,8 @@ class LLM:
             self._procs.close()
             raise
         self._load = [0] * len(self.ready)
+        #: Grammars compiled here before admission (`_check_grammar`), built on first use.
+        self._grammars: Any = None
 
     # ── lifecycle ──────────────────────────────────────────────────────────────
     def _wait_ready(self, index: int) -> messages.EngineReady:
@@ -253,8 +255,10 @@ class LLM:
         eos = self.tokenizer.eos_token_id
         results: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
-        for (text, ids), params in zip(items, params_list, strict=True):
+        for params in params_list:
             params.validate()
+            self._check_grammar(params)
+        for (text, ids), params in zip(items, params_list, strict=True):
             if not ids:
                 raise ValueError("a prompt must have at least one token")
             if len(ids) + (params.max_tokens or 1) > max_len:
@@ -309,6 +313,20 @@ class LLM:
                         out.token_ids, skip_special_tokens=params.skip_special_tokens
                     )
         return results
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the output constraint once (cached), so that a bad one raises a ValueError
+        (`vx.grammar.GrammarError`) here instead of failing in the Worker."""
+        if params.structured_outputs is None:
+            return
+        from vx.grammar import GrammarCache, fingerprint_of, grammar_of, load_ll_tokenizer
+
+        if self._grammars is None:
+            text = self.tokenizer.backend_tokenizer.to_str()
+            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            tok = load_ll_tokenizer(text, vocab_size=None, eos_token_ids=eos)
+            self._grammars = GrammarCache(tok, fingerprint_of(text, None, eos))
+        self._grammars.matcher(grammar_of(params.structured_outputs))
 
     def _send(self, engine: int, msg: messages.EngineCoreInput) -> None:
         self._procs.ranks[engine].to_engine.send(self._in_codec.encode(msg))

@@ -184,6 +184,8 @@ class SchedulerStats(_StepMsg, frozen=True):
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_num_accepted_by_position: list[int] = []
+    #: Unfinished requests whose output follows a grammar (structured outputs, tool calls).
+    num_constrained: int = 0
 
 
 class EngineCoreOutputs(_StepMsg, frozen=True):

@@ -10,12 +10,50 @@ it (`SamplingParams.create`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 #: Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
 #: The OpenAI API allows at most 20 top logprobs.
 MAX_LOGPROBS = 20
+
+
+class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One output constraint (vLLM's `StructuredOutputsParams`): exactly one field is set.
+
+    `json` is a JSON schema (a dict, or its JSON text); `json_object` any JSON object; `regex`
+    a regular expression (Rust `regex` syntax); `choice` one of the strings; `grammar` a Lark or
+    GBNF grammar; `structural_tag` vLLM's structural-tag JSON. The text form the Worker compiles
+    is `vx.grammar.grammar_of(self)`: checked by the ApiServer (or `vx.LLM`) before admission.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    #: Set by the ApiServer's `--reasoning-parser` ("deepseek_r1", "qwen3"): the constraint
+    #: applies after the reasoning's `</think>`, the reasoning itself is free.
+    reasoning_parser: str | None = None
+
+    def validate(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "structural_tag")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar, structural_tag; got {given or 'none'}"
+            )
+        if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
+            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must not be empty")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -44,6 +82,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    #: The grammar the output must follow; None: unconstrained (and it costs nothing).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @classmethod
     def create(cls, **kwargs: object) -> SamplingParams:
@@ -119,3 +159,5 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

@@ -77,3 +77,19 @@ async def test_sse_lines_split_at_lf_only() -> None:
     r = httpx.Response(200, content=chunks())
     lines = [line async for line in bench_serve._sse_lines(r)]
     assert lines == [b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}', b"", b"data: [DONE]", b"", b"last"]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+async def test_bench_serve_structured_sends_a_constraint(tokenizer: Tokenizer, kind: str) -> None:
+    async with running_app(tokenizer, max_model_len=1024) as h, served(h.app) as url:
+        args = bench_serve.build_parser().parse_args(
+            ["--base-url", url, "--num-prompts", "2", "--input-len", "10", "--output-len", "4",
+             "--min-token-id", "5", "--max-token-id", "300", "--warmup", "0",
+             "--structured", kind]
+        )  # fmt: skip
+        s = await bench_serve.run(args)
+        assert s["completed"] == 2 and s["failed"] == 0
+        for add in h.engine.adds():
+            so = add.sampling_params.structured_outputs
+            assert so is not None and (so.json if kind == "json_schema" else so.regex)
+            assert not add.sampling_params.ignore_eos and add.sampling_params.min_tokens == 0

@@ -474,3 +474,15 @@ def test_preemption_drops_the_drafts() -> None:
         "a": [1, 2]
     }
     check(s)
+def test_constrained_requests_are_counted_until_freed() -> None:
+    """The dashboard's count: requests with a grammar, from admission to the one free funnel."""
+    s = make_scheduler()
+    s.add_request(make_add_request("free", [1, 2, 3]))
+    s.add_request(make_add_request("json", [1, 2, 3], structured_outputs={"json_object": True}))
+    s.add_request(make_add_request("re", [4, 5], structured_outputs={"regex": "[0-9]+"}))
+    s.schedule()
+    assert s.make_stats().num_constrained == 2
+    s.finish_requests(["json", "free"], RequestStatus.FINISHED_ABORTED)
+    assert s.make_stats().num_constrained == 1
+    s.finish_requests("re", RequestStatus.FINISHED_ABORTED)
+    assert s.make_stats().num_constrained == 0

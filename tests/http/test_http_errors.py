@@ -89,7 +89,12 @@ async def test_chat_validation_400(tokenizer: Tokenizer) -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(", "guided_choice": ["a"]}, "guided_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "(("}}, "structured_outputs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('no') }}"}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),
     ]  # fmt: skip

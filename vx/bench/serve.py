@@ -179,6 +179,19 @@ class _Events:
 _DECODER = msgspec.json.Decoder()
 
 
+#: `--structured`: what each request's output must follow. Both leave the model free to go on
+#: for the whole output length (an array with no maxItems, a regex with no bound), so the
+#: runs compare like for like with the plain one.
+STRUCTURED: dict[str, dict[str, Any]] = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "rows", "schema": {"type": "array", "items": {
+            "type": "object", "required": ["name", "score"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "maxLength": 16},
+                           "score": {"type": "integer"}}}}}}},
+    "regex": {"structured_outputs": {"regex": "[a-z]{1,10}( [a-z]{1,10})*"}},
+}  # fmt: skip
+
+
 async def one_request(
     client: httpx.AsyncClient | LeanClient, args: argparse.Namespace, prompt: Any
 ) -> RequestResult:
@@ -192,6 +205,10 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.structured:
+        # A grammar may end before output_len: EOS must stay possible (no min_tokens).
+        del body["min_tokens"], body["ignore_eos"]
+        body.update(STRUCTURED[args.structured])
     res = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     start = time.perf_counter()
     events = _Events(res, start)
@@ -392,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-token-id", type=int, default=1000)
     p.add_argument("--max-token-id", type=int, default=20000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
+                   help="every request's output follows a JSON schema or a regex (compare "
+                        "with a run without it; outputs may end before --output-len)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests first")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--api-key", default=None)

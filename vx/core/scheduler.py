@@ -108,6 +108,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Requests held here (waiting or running) whose output follows a grammar: the
+        #: dashboard's count (the Workers mask their logits; the scheduler treats them alike).
+        self.num_constrained = 0
         # Freed / preempted since the last output that scheduled anything (see schedule()).
         self.finished_req_ids: list[str] = []
         self.preempted_req_ids: list[str] = []
@@ -130,6 +133,8 @@ class Scheduler:
             update_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.num_constrained += 1
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
         """End requests from outside (abort, error); frees their blocks at once. Idempotent:
@@ -156,6 +161,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
+        if request.sampling_params.structured_outputs is not None:
+            self.num_constrained -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -474,6 +481,7 @@ class Scheduler:
             spec_num_draft_tokens_total=self.num_draft_tokens_total,
             spec_num_accepted_tokens_total=self.num_accepted_tokens_total,
             spec_num_accepted_by_position=list(self.num_accepted_by_position),
+            num_constrained=self.num_constrained,
         )
 
     def _fail_requests(self, failed: list[tuple[Request, Exception]]) -> list[EngineCoreOutput]:

@@ -41,6 +41,7 @@ from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from vx.gpu.cpu.fused_step import FusedDecode
+    from vx.gpu.sample.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
         self.sampler = None
+        #: The grammar state of the constrained requests (`vx.gpu.sample.matchers`).
+        self.matchers: GrammarMatchers | None = None
         #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
         self.cuda_graphs = None
         #: The fused CPU step (vx.gpu.cpu.fused_step), chosen once by `load_model` once the
@@ -187,6 +190,9 @@ class ModelRunner:
             math.ceil(self.max_model_len / BLOCK_SIZE),
         )
         self.sampler = Sampler()
+        from vx.gpu.sample.matchers import GrammarMatchers
+
+        self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
 
     def _block_bytes(self) -> int:
         m = self._model
@@ -300,6 +306,9 @@ class ModelRunner:
         if self.proposer is not None:  # preempted ones are judged afresh when they resume
             for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
                 self.proposer.retire(req_id)
+        matchers = self.matchers
+        if matchers is not None and (matchers.num_active or so.scheduled_new_reqs):
+            matchers.apply(so)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
@@ -350,9 +359,19 @@ class ModelRunner:
             self._count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
+            constrained = matchers is not None and matchers.num_active > 0
+            if constrained:
+                sample_req_ids = [inputs.req_ids[j] for j in sample_idx.tolist()]
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
+                if constrained:  # before anything reads the logits (logprobs included)
+                    matchers.mask_logits(logits, sample_req_ids)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
+            elif constrained:
+                sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
+                                                   sample_req_ids, num_reqs)  # fmt: skip
+            if constrained:  # drafting requests are never constrained (`_propose`)
+                matchers.accept(sample_req_ids, sampled.tolist())
             if drafts is None:
                 # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
                 # harmless token until the EngineCore's finished_req_ids drops it.
@@ -420,7 +439,7 @@ class ModelRunner:
     def _propose(self, inputs: StepInputs, sampled_lists: list[list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled now (rank 0 only; the
         EngineCore schedules them). None for a request short of min_tokens (the greedy C
-        argmax masks by the known outputs)."""
+        argmax masks by the known outputs) or with a grammar."""
         batch = self.input_batch
         assert batch is not None and self.proposer is not None
         out: dict[str, list[int]] = {}
@@ -433,6 +452,8 @@ class ModelRunner:
             n = int(batch.num_tokens[row])
             p = batch.sampling_params[row]
             if p.min_tokens > n - int(batch.num_prompt_tokens[row]):
+                continue
+            if p.structured_outputs is not None:  # its grammar would have to walk the drafts
                 continue
             drafts = self.proposer.propose(inputs.req_ids[i], batch.token_ids[row, :n])
             if drafts:
@@ -537,6 +558,37 @@ class ModelRunner:
             sample_idx=np.flatnonzero(ends == known),
             num_drafts=num_drafts,
         )
+
+    def _sample_constrained(
+        self,
+        hidden: torch.Tensor,
+        sampled: np.ndarray,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        req_ids: list[str],
+        num_reqs: int,
+    ) -> np.ndarray:
+        """A greedy step took its tokens from the LM head's argmax (fused step or C argmax):
+        keep a constrained row's token where its grammar allows it, else re-take it from the
+        row's masked logits, so every row keeps that fast path (`argmax_only` admits greedy
+        constrained rows)."""
+        matchers = self.matchers
+        assert matchers is not None
+        # Where the grammar allows the head's argmax, it is the masked argmax too: most steps
+        # of a greedy constrained row form no logits at all.
+        pos = [
+            k for k, r in enumerate(req_ids)
+            if matchers.is_constrained(r) and not matchers.allows(r, int(sampled[k]))
+        ]  # fmt: skip
+        if not pos:
+            return sampled
+        index = torch.tensor(pos, dtype=torch.long, device=hidden.device)
+        logits = self._model.compute_logits(hidden.index_select(0, index))
+        matchers.mask_logits(logits, [req_ids[k] for k in pos])
+        tokens, _ = self._sample(logits, rows[pos], sample_idx[pos], num_reqs)
+        sampled = np.array(sampled, dtype=np.int64, copy=True)
+        sampled[pos] = tokens
+        return sampled
 
     def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
         """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.sample.greedy`);

@@ -10,6 +10,7 @@ Every error a client can see uses OpenAI's envelope, including 404 and 405 from 
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from vx.http.dashboard import EngineEvents, StatsLogger, UIMiddleware, make_life
 from vx.http.engine_client import EngineClient
 from vx.http.errors import APIError, error_response
 from vx.http.generation import ServerContext
+from vx.http.grammars import GrammarChecker
 from vx.http.metrics import CONTENT_TYPE, Metrics
 from vx.http.middleware import (
     AuthMiddleware,
@@ -313,6 +315,21 @@ def _error_handlers() -> dict[Any, Any]:
     }
 
 
+#: The chat templates vx ships (`--chat-template NAME`): `chatml_tools`, ChatML with tools.
+TEMPLATES = pathlib.Path(__file__).parent / "templates"
+
+
+def read_chat_template(name_or_path: str) -> str:
+    """`--chat-template`'s text: a file, or the name of a template in `TEMPLATES`."""
+    path = pathlib.Path(name_or_path)
+    if not path.is_file():
+        path = TEMPLATES / f"{name_or_path}.jinja"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+        raise ValueError(f"--chat-template {name_or_path!r}: no such file, nor one of {shipped}")
+    return path.read_text()
+
+
 def build_app(
     engine_client: EngineClient,
     *,
@@ -326,6 +343,10 @@ def build_app(
     stall_timeout_s: float = 60.0,
     access_log: bool = True,
     tracer: RequestTracer | None = None,
+    structured_outputs_timeout_s: float = 5.0,
+    tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> ASGIApp:
     """The ASGI app serving `engine_client`'s model under `served_model_name`.
 
@@ -338,6 +359,10 @@ def build_app(
         max_body_bytes: larger request bodies get 413.
         access_log: write one access line per request (ids are echoed either way).
         tracer: one OpenTelemetry span per generation request (None: no tracing).
+        structured_outputs_timeout_s: a new grammar's compile limit (then a 400).
+        tool_call_parser: how `tool_choice: auto` finds calls (`vx.http.tool_calls`).
+        reasoning_parser: how reasoning is split from content (`vx.http.reasoning`), or None.
+        chat_template: a Jinja file replacing the tokenizer's chat template.
     """
     if tokenizer is None:
         if tokenizer_path is None:
@@ -346,6 +371,8 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(names):
         raise ValueError("served_model_name must be a non-empty name")
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
     metrics = Metrics(engine_client, names[0])
     engine_client.observer = metrics
     ctx = ServerContext(
@@ -356,6 +383,9 @@ def build_app(
         keepalive_s=keepalive_s,
         stall_timeout_s=stall_timeout_s,
         tracer=tracer,
+        grammars=GrammarChecker(tokenizer, metrics, structured_outputs_timeout_s).prepare(),
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     ep = Endpoints(ctx, time.time())
     events = EngineEvents(engine_client, metrics, model_name=names[0])

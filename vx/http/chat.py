@@ -3,7 +3,14 @@
 Runs in: the ApiServer process. Streams follow OpenAI's shape: one id for every chunk, the
 role alone in each choice's first chunk, `finish_reason` only on a choice's last chunk, and with
 `stream_options.include_usage` a final chunk with `choices: []` and the usage, before
-`data: [DONE]`. Tools may be passed to the template; tool calls are not parsed.
+`data: [DONE]`.
+
+Tools: `tools` go to the chat template; `tool_choice` required or named is enforced by a
+grammar, and auto is parsed (`vx.http.tool_calls`) into `message.tool_calls` (streamed as
+`delta.tool_calls`), with `finish_reason: "tool_calls"` when the model called one. With
+`--reasoning-parser`, `<think>...</think>` goes to `reasoning_content` (`vx.http.reasoning`).
+Each choice has its own parsers, fed the text deltas in order: the reasoning parser first, then
+the tool-call parser on what is content.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ from vx.http.protocol import (
     build_sampling_params,
     check_prompt_ids,
     check_stream_options,
+    constraint_param,
     fan_out,
+    structured_outputs_of,
 )
+from vx.http.reasoning import PARSERS as REASONING_PARSERS, ReasoningParser
 from vx.http.tokenizer import ChatTemplateError, Tokenizer
+from vx.http.tool_calls import ToolCallParser, ToolDelta, parser_for, tool_constraint, tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +240,82 @@ def render_chat(
     return text
 
 
+class _TextSplit:
+    """One choice's parsers and what they have produced (see the module docstring)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolDelta]]:
+        """(reasoning, content, tool-call deltas) of the next `text`; `final` flushes."""
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if final:
+                r, c = self.reasoning.finish()
+                reasoning, content = reasoning + r, content + c
+        if self.tools is None:
+            return reasoning, content, []
+        deltas = self.tools.feed(content) if content else []
+        if final:
+            deltas += self.tools.finish()
+        text_out = "".join(d.content for d in deltas if not d.is_call)
+        return reasoning, text_out, [d for d in deltas if d.is_call]
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
+
+
+def _merge_calls(deltas: list[ToolDelta]) -> list[dict[str, Any]]:
+    """OpenAI `tool_calls` entries, one per call index, fragments of one call joined."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        entry = calls.get(d.index)
+        if entry is None:
+            entry = calls[d.index] = {"index": d.index, "function": {"arguments": ""}}
+            if d.id is not None:
+                entry["id"] = d.id
+                entry["type"] = "function"
+                entry["function"] = {"name": d.name, "arguments": ""}
+        entry["function"]["arguments"] += d.arguments
+    return list(calls.values())
+
+
 class ChatGeneration(Generation):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, logprobs: bool, top_logprobs: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        logprobs: bool,
+        top_logprobs: int,
+        tool_mode: tuple[str, str | None] = ("none", None),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
+        self.tool_mode = tool_mode
+        self._splits: dict[int, _TextSplit] = {}
+
+    def _new_split(self) -> _TextSplit:
+        name = self.ctx.reasoning_parser
+        reasoning = REASONING_PARSERS[name]() if name else None
+        mode, fn = self.tool_mode
+        return _TextSplit(reasoning, parser_for(mode, fn, self.ctx.tool_call_parser))
+
+    def _split_of(self, c: Choice) -> _TextSplit:
+        split = self._splits.get(c.index)
+        if split is None:
+            split = self._splits[c.index] = self._new_split()
+        return split
+
+    @property
+    def _plain(self) -> bool:
+        """No parser touches the text (the common case pays for nothing)."""
+        return self.ctx.reasoning_parser is None and self.tool_mode[0] == "none"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self.ctx.tokenizer.token_bytes(token_id)
@@ -270,11 +350,26 @@ class ChatGeneration(Generation):
             rows = self.take_logprob_rows(c)
             if rows[0]:
                 logprobs = self._logprobs(rows)
-        if not (text or logprobs or finish_reason):
+        delta: dict[str, Any] = {}
+        if self._plain:
+            if text:
+                delta["content"] = text
+        else:
+            split = self._split_of(c)
+            reasoning, text, calls = split.feed(text, final=finish_reason is not None)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = _merge_calls(calls)
+            if finish_reason == "stop" and split.num_calls:
+                finish_reason = "tool_calls"
+        if not (delta or logprobs or finish_reason):
             return None
         choice = {
             "index": c.index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
@@ -286,12 +381,27 @@ class ChatGeneration(Generation):
         choices = []
         for c in self.choices:
             logprobs = self._logprobs((c.lp_token_ids, c.lp_values)) if self.logprobs else None
+            message: dict[str, Any] = {"role": "assistant", "content": c.state.text}
+            finish_reason = c.state.finish_reason
+            if not self._plain:
+                split = self._new_split()
+                reasoning, text, calls = split.feed(c.state.text, final=True)
+                if self.ctx.reasoning_parser is not None:
+                    message["reasoning_content"] = reasoning or None
+                message["content"] = text if text or not calls else None
+                if calls:
+                    message["tool_calls"] = [
+                        {k: v for k, v in call.items() if k != "index"}
+                        for call in _merge_calls(calls)
+                    ]
+                    if finish_reason == "stop":
+                        finish_reason = "tool_calls"
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.state.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.state.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.state.stop_reason,
                 }
             )
@@ -305,13 +415,20 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
     """Validate, render and tokenize; every failure here is an APIError, nothing admitted."""
     model = ctx.check_model(req.model)
     ctx.check_available()
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
-                       param="response_format")  # fmt: skip
-    if req.tools and req.tool_choice not in (None, "none", "auto"):
-        raise APIError(
-            400, "tool_choice other than none/auto is not supported", param="tool_choice"
-        )
+    mode = tool_mode(req.tools, req.tool_choice)
+    constraint = structured_outputs_of(req)
+    tool_grammar = tool_constraint(req.tools, *mode, parallel=req.parallel_tool_calls is not False,
+                                   auto_parser=ctx.tool_call_parser)  # fmt: skip
+    if tool_grammar is not None and mode[0] == "auto" and constraint is not None:
+        tool_grammar = None  # the client's own constraint wins over auto's call grammar
+    if tool_grammar is not None:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} cannot be combined with "
+                           "another output constraint", param="tool_choice")  # fmt: skip
+        constraint = tool_grammar
+    if constraint is not None and ctx.reasoning_parser is not None:
+        # The grammar holds from the reasoning's end: the thinking itself is free.
+        constraint = {**constraint, "reasoning_parser": ctx.reasoning_parser}
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     check_stream_options(req)
@@ -336,7 +453,7 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
     try:
         params = build_sampling_params(
             req, max_tokens=max_tokens, logprobs=top if req.logprobs else None,
-            vocab_size=tok.vocab_size,
+            vocab_size=tok.vocab_size, structured_outputs=constraint,
         )  # fmt: skip
     except APIError as e:  # name the field the client sent, not the engine's
         if e.param == "logprobs":
@@ -344,12 +461,16 @@ async def build_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatGene
         elif e.param == "max_tokens" and req.max_completion_tokens is not None:
             e.param = "max_completion_tokens"
         raise
+    if params.structured_outputs is not None and ctx.grammars is not None:
+        param = "tool_choice" if tool_grammar is not None else constraint_param(req)
+        await ctx.grammars.check(params.structured_outputs, param)
     response_id = new_request_id("chatcmpl")
     choices = [
         Choice(i, f"{response_id}-{i}", ids, p, TextState(tok, ids, p, tok.eos_token_ids))
         for i, p in enumerate(fan_out(params, req.n))
     ]
-    gen = ChatGeneration(ctx, response_id, model, choices, logprobs=req.logprobs, top_logprobs=top)
+    gen = ChatGeneration(ctx, response_id, model, choices, logprobs=req.logprobs,
+                         top_logprobs=top, tool_mode=mode)  # fmt: skip
     gen.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return gen
 

@@ -26,8 +26,10 @@ from vx.http.protocol import (
     check_prompt_ids,
     check_stream_options,
     completion_prompts,
+    constraint_param,
     fan_out,
     parse_body,
+    structured_outputs_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,13 +179,17 @@ async def build_completion(ctx: ServerContext, req: CompletionRequest) -> Comple
     for ids, _ in prompts:
         check_prompt_ids(ids, tok.vocab_size)
     lengths = [check_length(ctx, len(ids), req.max_tokens, "prompt") for ids, _ in prompts]
+    constraint = structured_outputs_of(req)
     logprobs = req.logprobs
     response_id = new_request_id("cmpl")
     choices: list[Choice] = []
     for p_idx, ((ids, text), max_tokens) in enumerate(zip(prompts, lengths, strict=True)):
         params = build_sampling_params(
-            req, max_tokens=max_tokens, logprobs=logprobs, vocab_size=tok.vocab_size
-        )
+            req, max_tokens=max_tokens, logprobs=logprobs, vocab_size=tok.vocab_size,
+            structured_outputs=constraint,
+        )  # fmt: skip
+        if p_idx == 0 and params.structured_outputs is not None and ctx.grammars is not None:
+            await ctx.grammars.check(params.structured_outputs, constraint_param(req))
         if req.echo and logprobs is not None and params.prompt_logprobs is None:
             params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
         for i, choice_params in enumerate(fan_out(params, req.n)):

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from vx.http.engine_client import EngineClient
+    from vx.http.grammars import GrammarChecker
     from vx.http.metrics import Metrics
     from vx.http.tokenizer import Tokenizer
     from vx.http.tracing import RequestTracer
@@ -62,6 +63,9 @@ class ServerContext:
     stall_timeout_s: float = 60.0
     #: One span per generation request (None: tracing off, and nothing of it loaded).
     tracer: RequestTracer | None = None
+    grammars: GrammarChecker | None = None
+    tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:

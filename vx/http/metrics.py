@@ -188,6 +188,16 @@ class Metrics:
                                 "cause.", ["model_name", "cause"], registry=r)  # fmt: skip
         self._http = Counter("vx:http_responses", "HTTP responses by route and status.",
                              ["path", "status"], registry=r)  # fmt: skip
+        self.structured_requests = Counter(
+            "vx:structured_requests", "Inference HTTP requests with an output constraint.", m,
+            registry=r).labels(model_name)  # fmt: skip
+        self.grammar_compile = Histogram(
+            "vx:grammar_compile_seconds", "Time to compile a new grammar (cache misses).", m,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.grammar_failures = Counter(
+            "vx:grammar_compile_failures", "Grammars refused: failed or timed out.",
+            ["model_name", "cause"], registry=r)  # fmt: skip
         self._engine_collector = _EngineCollector(client, model_name)
         r.register(self._engine_collector)
         # Make the labelled series exist at 0, so a scrape always shows the whole set.
@@ -211,6 +221,9 @@ class Metrics:
     def finished(self, reason: str, e2e_s: float) -> None:
         self._success.labels(self._model, reason).inc()
         self.e2e.observe(e2e_s)
+
+    def grammar_failure(self, cause: str) -> None:
+        self.grammar_failures.labels(self._model, cause).inc()
 
     def aborted(self, cause: str) -> None:
         self._aborted.labels(self._model, cause).inc()

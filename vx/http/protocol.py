@@ -10,6 +10,7 @@ choices differ from each other yet a repeated request reproduces all of them.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import msgspec
@@ -55,6 +56,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's extra and its older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -94,9 +102,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -154,12 +162,77 @@ def check_stream_options(req: Any) -> None:
         )
 
 
+def structured_outputs_of(req: _SamplingFields) -> dict[str, Any] | None:
+    """The request's one output constraint as `StructuredOutputsParams` fields, or None.
+
+    Sources: `response_format` (json_object, json_schema), vLLM's `structured_outputs` extra,
+    and its older `guided_*` names; more than one is a 400.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    400, "response_format json_schema needs json_schema.schema, a JSON object",
+                    param="response_format",
+                )  # fmt: skip
+            found.append(("response_format", {"json": schema}))
+        elif kind == "structural_tag":
+            found.append(("response_format", {"structural_tag": _json_text(rf)}))
+        elif kind != "text":
+            raise APIError(
+                400, f"response_format type {kind!r} is not one of text, json_object, "
+                "json_schema, structural_tag", param="response_format",
+            )  # fmt: skip
+    if req.structured_outputs:
+        so = {k: v for k, v in req.structured_outputs.items() if v is not None and v is not False}
+        if isinstance(so.get("structural_tag"), dict):
+            so["structural_tag"] = _json_text(so["structural_tag"])
+        found.append(("structured_outputs", so))
+    for name, field in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {field: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise APIError(400, f"give one output constraint, not {names}", param=found[1][0])
+    return found[0][1]
+
+
+def constraint_param(req: _SamplingFields) -> str:
+    """The field that carried the request's output constraint, for a 400's `param`."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar"):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None and (name != "response_format" or value.get("type") != "text"):
+            return name
+    return "structured_outputs"
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def build_sampling_params(
     req: _SamplingFields,
     *,
     max_tokens: int | None,
     logprobs: int | None,
     vocab_size: int,
+    structured_outputs: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams (before `n` fan-out); a 400 APIError when out of range."""
     if req.best_of is not None and req.best_of != req.n:
@@ -170,6 +243,8 @@ def build_sampling_params(
         "stop": stop_strings(req.stop),
         "logprobs": logprobs,
     }
+    if structured_outputs is not None:
+        kwargs["structured_outputs"] = structured_outputs
     for name in (
         "temperature",
         "top_p",
@@ -214,6 +289,8 @@ def build_sampling_params(
     except ValueError as e:
         message = str(e)
         param = next((name for name in kwargs if message.startswith(name)), None)
+        if "structured_outputs" in message:
+            param = "structured_outputs"
         raise APIError(400, message, param=param) from None
 
 

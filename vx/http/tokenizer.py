@@ -101,6 +101,11 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in kinds
         self._template: Any = None
 
+    @property
+    def backend(self) -> _RustTokenizer:
+        """The `tokenizers` tokenizer (its `to_str()` is what grammars compile against)."""
+        return self._tok
+
     # ─────────────────────────── encode / decode ───────────────────────────
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -133,7 +133,9 @@ def argmax_only(
     """Whether sampling these rows is one argmax of the raw logits: greedy, no logprobs, no
     logit_bias or penalties, min_tokens already reached (one pass over the rows). With
     `masked_ok`, rows still short of min_tokens count too: theirs is the argmax of the logits
-    with `min_tokens_masked` ids at -inf (the caller handles those)."""
+    with `min_tokens_masked` ids at -inf (the caller handles those). A greedy row with a
+    grammar counts too: the model runner masks its logits before this argmax, or re-takes its
+    token from them after the LM head's own argmax (`ModelRunner._sample_constrained`)."""
     for p, out in zip(params, output_token_ids, strict=True):
         if (
             p.temperature >= GREEDY_EPSILON

@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "system", "ignore_eos"];
+const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "system", "ignore_eos", "json_mode"];
 const state = { history: [], controller: null, model: null };
 
 // ── settings, persisted in localStorage ──
@@ -123,6 +123,24 @@ function showError(msg, text) {
   msg.querySelector(".body").appendChild(el);
 }
 
+// Tool calls the model made (streamed as delta.tool_calls), one card each: name and arguments.
+function renderToolCalls(msg, calls) {
+  const body = msg.querySelector(".body");
+  for (const [i, call] of calls.entries()) {
+    if (!call) continue;
+    let card = body.querySelector(`.tool-card[data-index="${i}"]`);
+    if (!card) {
+      card = document.createElement("div");
+      card.className = "tool-card";
+      card.dataset.index = String(i);
+      card.innerHTML = '<div class="tool-name"></div><pre class="tool-args"></pre>';
+      body.appendChild(card);
+    }
+    card.querySelector(".tool-name").textContent = `⚙ ${call.name}`;
+    card.querySelector(".tool-args").textContent = call.args;
+  }
+}
+
 function requestBody() {
   const messages = [];
   const system = $("system").value.trim();
@@ -140,6 +158,7 @@ function requestBody() {
   const seed = $("seed").value.trim();
   if (seed !== "") body.seed = parseInt(seed, 10);
   if ($("ignore_eos").checked) body.ignore_eos = true;
+  if ($("json_mode").checked) body.response_format = { type: "json_object" };
   return body;
 }
 
@@ -186,7 +205,7 @@ async function send(text) {
   const msg = addMessage("assistant", "");
   msg.dataset.state = "streaming";
   const bubble = msg.querySelector(".bubble");
-  const run = { t0: performance.now(), ttft: null, tFirst: 0, tLast: 0, tokens: 0, finish: null, text: "" };
+  const run = { t0: performance.now(), ttft: null, tFirst: 0, tLast: 0, tokens: 0, finish: null, text: "", calls: [] };
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
@@ -210,6 +229,11 @@ async function send(text) {
         run.ttft = now - run.t0;
         run.tFirst = now;
       }
+      for (const tc of choice.delta?.tool_calls || []) {
+        const call = (run.calls[tc.index] ||= { name: "", args: "" });
+        call.name += tc.function?.name || "";
+        call.args += tc.function?.arguments || "";
+      }
       const piece = choice.delta?.content;
       if (piece) {
         run.text += piece;
@@ -221,6 +245,7 @@ async function send(text) {
       if (now - lastPaint > 30 || run.finish) {
         lastPaint = now;
         bubble.textContent = run.text;
+        renderToolCalls(msg, run.calls);
         renderMeta(msg, run);
         scrollDown();
       }
@@ -240,6 +265,7 @@ async function send(text) {
     state.controller = null;
     setBusy(false);
     bubble.textContent = run.text;
+    renderToolCalls(msg, run.calls);
     msg.dataset.finish = run.finish || "";
     msg.dataset.tokens = String(run.tokens);
     renderMeta(msg, run);

@@ -86,9 +86,9 @@ async function connect() {
 
 // ── one snapshot ──
 function aggregate(s) {
-  const a = { running: 0, waiting: 0, preempted: 0, blocks: 0, free: 0, cachedFree: 0, queries: 0,
-              hits: 0, prefill: 0, decode: 0, budget: 0, stepS: 0, drafts: 0, accepted: 0,
-              haveStats: false };
+  const a = { running: 0, waiting: 0, constrained: 0, preempted: 0, blocks: 0, free: 0,
+              cachedFree: 0, queries: 0, hits: 0, prefill: 0, decode: 0, budget: 0, stepS: 0,
+              drafts: 0, accepted: 0, haveStats: false };
   for (const e of s.engines) {
     const st = e.stats;
     a.budget += e.max_num_batched_tokens;
@@ -96,6 +96,7 @@ function aggregate(s) {
     a.haveStats = true;
     a.running += st.num_running;
     a.waiting += st.num_waiting;
+    a.constrained += st.num_constrained || 0;
     a.preempted += st.num_preempted_total;
     a.blocks += st.num_blocks;
     a.free += st.num_free_blocks;
@@ -148,7 +149,8 @@ function onSnapshot(s) {
   // KPIs.
   const kv = a.blocks ? a.used / a.blocks : 0;
   $("kpi-running").textContent = a.running;
-  $("kpi-running-sub").textContent = `of ${s.engines.reduce((x, e) => x + e.max_num_seqs, 0)} seqs`;
+  $("kpi-running-sub").textContent = `of ${s.engines.reduce((x, e) => x + e.max_num_seqs, 0)} seqs` +
+    (a.constrained ? ` · ${a.constrained} constrained` : "");
   $("kpi-waiting").textContent = a.waiting;
   $("kpi-inflight").textContent = `${s.in_flight} in flight`;
   $("kpi-preempted").textContent = a.preempted;

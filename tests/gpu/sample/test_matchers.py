@@ -1,0 +1,132 @@
+"""GrammarMatchers (vx.gpu.sample.matchers) on the tiny test tokenizer: the masks it puts on a
+batch's logits, its state across steps, n rows with one grammar, and preemption's replay."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from tests.models import make_tokenizer
+from vx.gpu.sample.matchers import GrammarMatchers
+from vx.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from vx.sampling_params import SamplingParams
+
+VOCAB = 400  # wider than the tokenizer's, as a model's padded head can be
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok_dir: pathlib.Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def _new(req_id: str, eos: int, outputs: tuple[int, ...] = (), **constraint: object):
+    params = SamplingParams.create(structured_outputs=constraint) if constraint else SamplingParams()
+    return NewRequestData(req_id=req_id, prompt_token_ids=[1, 2], sampling_params=params,
+                          block_ids=[0], num_computed_tokens=0, output_token_ids=list(outputs),
+                          eos_token_id=eos)  # fmt: skip
+
+
+def _step(new=(), finished=(), preempted=()) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=0, scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=CachedRequestData(req_ids=[], new_block_ids=[],
+                                                num_computed_tokens=[]),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=list(finished),
+        preempted_req_ids=list(preempted),
+    )  # fmt: skip
+
+
+def _greedy_text(m: GrammarMatchers, hf_tok, req_ids: list[str], eos: int, steps: int) -> list:
+    """Run greedy steps on random logits through the masks; return each row's text."""
+    gen = torch.Generator().manual_seed(0)
+    outs: list[list[int]] = [[] for _ in req_ids]
+    live = list(req_ids)
+    for _ in range(steps):
+        if not live:
+            break
+        logits = torch.randn(len(live), VOCAB, generator=gen)
+        m.mask_logits(logits, live)
+        toks = logits.argmax(-1).tolist()
+        m.accept(live, toks)
+        for r, t in zip(live, toks, strict=True):
+            outs[req_ids.index(r)].append(t)
+        live = [r for r, t in zip(live, toks, strict=True) if t != eos]
+    return [hf_tok.decode([t for t in o if t != eos]) for o in outs]
+
+
+def test_each_row_follows_its_own_grammar_and_free_rows_are_untouched(tok_dir, hf_tok) -> None:
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    m.apply(_step(new=[_new("a", eos, regex="[0-9]{3}-[ab]"), _new("free", eos),
+                       _new("c", eos, choice=["hello", "world"])]))  # fmt: skip
+    assert m.num_active == 2
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    m.mask_logits(logits, ["a", "free", "c"])
+    assert torch.equal(logits[1], before[1])
+    assert torch.isinf(logits[0]).sum() > VOCAB - 20  # few tokens start "[0-9]"
+    assert not torch.isinf(logits[0, hf_tok.convert_tokens_to_ids("1")])
+    assert torch.isinf(logits[0, VOCAB - 1])  # past the tokenizer: never allowed
+    text_a, text_c = _greedy_text(m, hf_tok, ["a", "c"], eos, 20)
+    assert re.fullmatch(r"[0-9]{3}-[ab]", text_a), text_a
+    assert text_c in ("hello", "world")
+    m.apply(_step(finished=["a", "c"]))
+    assert m.num_active == 0
+
+
+def test_n_rows_with_one_grammar_keep_separate_states(tok_dir, hf_tok) -> None:
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": False}  # fmt: skip
+    ids = [f"r-{i}" for i in range(3)]
+    m.apply(_step(new=[_new(i, eos, json=schema) for i in ids]))
+    import json
+
+    for text in _greedy_text(m, hf_tok, ids, eos, 60):
+        assert isinstance(json.loads(text)["x"], int), text
+
+
+def test_a_preempted_request_resumes_where_it_was(tok_dir, hf_tok) -> None:
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    digits = [hf_tok.convert_tokens_to_ids(d) for d in "12"]
+    m.apply(_step(new=[_new("p", eos, regex="[0-9]{2}x")]))
+    m.accept(["p"], digits[:1])  # one token each step
+    m.accept(["p"], digits[1:])
+    m.apply(_step(preempted=["p"]))
+    assert m.num_active == 0
+    m.apply(_step(new=[_new("p", eos, outputs=tuple(digits), regex="[0-9]{2}x")]))
+    logits = torch.zeros(1, VOCAB)
+    m.mask_logits(logits, ["p"])
+    allowed = torch.nonzero(~torch.isinf(logits[0])).flatten().tolist()
+    assert [hf_tok.decode([t]) for t in allowed] == ["x"]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.0001, 0.002, 0.05, 0.5, 1.0])
+def test_masking_a_row_sparse_or_dense_forbids_exactly_the_cleared_bits(density: float) -> None:
+    import numpy as np
+
+    from vx.gpu.sample.matchers import SPARSE_WORDS, _mask_row
+
+    rng = np.random.default_rng(1)
+    width = 49152 - 5  # the bitmask covers a few tokens past the logits
+    bits = rng.random(49152) < density
+    words = np.packbits(bits.astype(np.uint8), bitorder="little").view(np.int32).copy()
+    row = rng.standard_normal(width).astype(np.float32)
+    expect = np.where(bits[:width], row, -np.inf)
+    _mask_row(row, words)
+    assert np.array_equal(row, expect)
+    assert SPARSE_WORDS < words.size
