@@ -34,6 +34,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 PARAMS = [
     SamplingParams.create(temperature=0.0, max_tokens=48, logprobs=2),
     SamplingParams.create(temperature=0.8, top_p=0.95, seed=11, max_tokens=48, logprobs=1),
+    # EOS masked to the end (as `vx bench serve` asks): the C argmax's min_tokens rows
+    SamplingParams.create(temperature=0.0, max_tokens=40, min_tokens=40),
 ]
 
 

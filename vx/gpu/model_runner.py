@@ -355,7 +355,7 @@ class ModelRunner:
             hidden_last = hidden if keep is not None or fused is not None else hidden[last_rows]
             rows = inputs.rows[sample_idx]
             if fused is None:
-                sampled = self._greedy_ids(hidden_last, rows)
+                sampled = self._greedy_ids(hidden_last, rows, drafts)
             self._count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
@@ -438,8 +438,7 @@ class ModelRunner:
 
     def _propose(self, inputs: StepInputs, sampled_lists: list[list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled now (rank 0 only; the
-        EngineCore schedules them). None for a request short of min_tokens (the greedy C
-        argmax masks by the known outputs) or with a grammar."""
+        EngineCore schedules them). None for a request with a grammar."""
         batch = self.input_batch
         assert batch is not None and self.proposer is not None
         out: dict[str, list[int]] = {}
@@ -451,8 +450,6 @@ class ModelRunner:
             row = int(inputs.rows[i])
             n = int(batch.num_tokens[row])
             p = batch.sampling_params[row]
-            if p.min_tokens > n - int(batch.num_prompt_tokens[row]):
-                continue
             if p.structured_outputs is not None:  # its grammar would have to walk the drafts
                 continue
             drafts = self.proposer.propose(inputs.req_ids[i], batch.token_ids[row, :n])
@@ -590,14 +587,16 @@ class ModelRunner:
         sampled[pos] = tokens
         return sampled
 
-    def _greedy_ids(self, hidden: torch.Tensor, rows: np.ndarray) -> np.ndarray | None:
+    def _greedy_ids(
+        self, hidden: torch.Tensor, rows: np.ndarray, drafts: np.ndarray | None = None
+    ) -> np.ndarray | None:
         """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.sample.greedy`);
         None where the logits path must run (not CPU, a poisoned row (`_poisoned`), or a row
         that samples, asks for logprobs, biases or penalises)."""
         if self.device.type != "cpu" or self._poisoned(rows):
             return None
         assert self.input_batch is not None
-        return greedy_tokens(self._model, self.input_batch, hidden, rows)
+        return greedy_tokens(self._model, self.input_batch, hidden, rows, drafts)
 
     def _poisoned(self, rows: np.ndarray) -> bool:
         """Test-only (VX_TEST_POISON): whether one of the batch rows `rows` carries the poisoned

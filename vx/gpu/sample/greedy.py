@@ -37,20 +37,26 @@ FUSED_STEP = True
 
 
 def greedy_tokens(
-    model: Any, batch: InputBatch, hidden: torch.Tensor, rows: np.ndarray
+    model: Any,
+    batch: InputBatch,
+    hidden: torch.Tensor,
+    rows: np.ndarray,
+    drafts: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """[len(rows)] int64 tokens for the sampled rows' `hidden` states, or None where the logits
-    path must run (a row that samples, asks for logprobs, biases or penalises; no C argmax)."""
+    path must run (a row that samples, asks for logprobs, biases or penalises; no C argmax).
+    `drafts[j]`: the draft tokens before row j (speculative decoding), which count as outputs
+    for min_tokens."""
     greedy_ids = getattr(model, "greedy_ids", None)
     if greedy_ids is None:
         return None
-    params = _argmax_params(batch, rows)
+    params = _argmax_params(batch, rows, drafts)
     if params is None:
         return None
     ids = greedy_ids(hidden)
     if ids is None:
         return None
-    return _unmask(model, batch, hidden, rows, params, ids)
+    return _unmask(model, batch, hidden, rows, params, ids, drafts)
 
 
 def fused_greedy_step(
@@ -84,10 +90,13 @@ def fused_greedy_step(
     return hidden, _unmask(model, batch, hidden, inputs.rows, params, ids)
 
 
-def _argmax_params(batch: InputBatch, rows: np.ndarray) -> list | None:
+def _argmax_params(
+    batch: InputBatch, rows: np.ndarray, drafts: np.ndarray | None = None
+) -> list | None:
     """The rows' sampling params where each row is one argmax (`argmax_only`), else None."""
     params = [batch.sampling_params[r] for r in rows.tolist()]
-    if not argmax_only(params, RowTokens(batch, rows, outputs=True), masked_ok=True):
+    outputs = RowTokens(batch, rows, outputs=True, drafts=drafts)
+    if not argmax_only(params, outputs, masked_ok=True):
         return None
     return params
 
@@ -99,6 +108,7 @@ def _unmask(
     rows: np.ndarray,
     params: list,
     ids: np.ndarray,
+    drafts: np.ndarray | None = None,
 ) -> np.ndarray:
     """`ids`, with the rows whose argmax is one of their min_tokens-masked ids taken from the
     logits as the sampler masks them (see the module docstring)."""
@@ -108,6 +118,8 @@ def _unmask(
         if p.min_tokens > 0:
             row = row_list[j]
             n_out = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            if drafts is not None:
+                n_out += int(drafts[j])
             masked = min_tokens_masked(p, n_out, batch.eos_token_ids[row], model.vocab_size)
             if int(ids[j]) in masked:
                 redo.append((j, sorted(masked)))
