@@ -238,7 +238,7 @@ def test_determine_num_blocks_h200_and_nothing_left(monkeypatch):
     weights = LLAMA_8B_PARAMS * 2
     num, _ = _cuda_runner(monkeypatch, H200_TORCH, weights, 2 * GiB).determine_num_blocks()
     assert num == (int(H200_TORCH * 0.92) - weights - 2 * GiB) // (2 * 1024**2)
-    with pytest.raises(RuntimeError, match="no memory left"):
+    with pytest.raises(RuntimeError, match="no room for one KV cache block"):
         _cuda_runner(monkeypatch, 20 * GiB, weights, 4 * GiB).determine_num_blocks()
 
 
