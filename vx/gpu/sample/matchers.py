@@ -15,7 +15,8 @@ EngineCore keeps its two steps in flight, and no bitmask crosses a ring.
 
 The masks are filled on the Worker's own thread, one row after another, between the forward
 and the sampler: llguidance's parallel fill would start threads that fight the OpenMP compute
-threads for the cores (vLLM #49013), and a row costs about 20 µs for a JSON schema.
+threads for the cores (vLLM #49013), and one row's fill is small beside a step
+(docs/performance.md, "Structured outputs").
 
 Invariants:
 - a request has a matcher iff its `SamplingParams.structured_outputs` is set and it is in the
