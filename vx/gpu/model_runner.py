@@ -37,6 +37,7 @@ from vx.gpu.kv_cache import (
 )
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
 from vx.gpu.spec_decode.ngram import NgramProposer
+from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -49,7 +50,6 @@ __all__ = ["ModelRunner", "StepInputs"]
 
 #: The token a request gets in `ModelRunnerOutput.sampled_token_ids` when its sampling raised;
 #: the EngineCore finishes it with finish_reason "error".
-SAMPLE_FAILED = -1
 #: Prompt-logprob rows go through the LM head in slices of this many (a [rows, vocab] fp32
 #: tensor for a whole 8K-token chunk would take gigabytes).
 PROMPT_LOGPROBS_SLICE = 512
@@ -370,7 +370,7 @@ class ModelRunner:
             elif constrained:
                 sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
                                                    sample_req_ids, num_reqs)  # fmt: skip
-            if constrained:  # drafting requests are never constrained (`_propose`)
+            if constrained:  # drafting requests are never constrained (`propose_batch`)
                 matchers.accept(sample_req_ids, sampled.tolist())
             if drafts is None:
                 # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
@@ -379,7 +379,10 @@ class ModelRunner:
                 for j, tok in zip(sample_idx.tolist(), sampled.tolist(), strict=True):
                     sampled_lists[j] = [tok]
             else:
-                self._accept_drafts(inputs, so, sample_idx, sampled, sampled_lists, logprobs_out)
+                accept_drafts(
+                    batch, inputs.req_ids, inputs.rows, so.scheduled_spec_decode_tokens,
+                    sample_idx, sampled, sampled_lists, logprobs_out, self.proposer,
+                )  # fmt: skip
         # Requests advance by what was scheduled (the next diff sets the same value again),
         # less a drafting request's rejected drafts.
         computed = inputs.num_computed + inputs.query_lens
@@ -395,67 +398,13 @@ class ModelRunner:
             logprobs=logprobs_out,
             prompt_logprobs=prompt_logprobs,
             execute_time_s=time.perf_counter() - t0,
-            spec_token_ids=self._propose(inputs, sampled_lists) if self.proposer else None,
+            spec_token_ids=(
+                None if self.proposer is None
+                # rank 0 drafts (the EngineCore schedules its drafts), every rank verifies
+                else {} if self.rank != 0
+                else self.proposer.propose_batch(batch, inputs.req_ids, inputs.rows, sampled_lists)
+            ),
         )
-
-    def _accept_drafts(
-        self,
-        inputs: StepInputs,
-        so: SchedulerOutput,
-        sample_idx: np.ndarray,
-        sampled: np.ndarray,
-        sampled_lists: list[list[int]],
-        logprobs_out: list[Logprobs | None] | None,
-    ) -> None:
-        """A step with drafts: each request's tokens are its accepted drafts, then its own
-        sample (`vx.gpu.spec_decode.verifier`); they join its known tokens, and its Logprobs
-        keep their positions."""
-        from vx.gpu.spec_decode.verifier import num_accepted
-
-        batch = self.input_batch
-        assert batch is not None
-        spec = so.scheduled_spec_decode_tokens
-        tokens = np.maximum(sampled, 0).tolist()
-        j = 0
-        for i in np.unique(sample_idx).tolist():  # ascending, as the rows were expanded
-            req_id, row = inputs.req_ids[i], int(inputs.rows[i])
-            d = spec.get(req_id, ())
-            mine = tokens[j : j + len(d) + 1]
-            failed = min(sampled[j : j + len(d) + 1]) < 0
-            j += len(d) + 1
-            if failed:  # as a plain row: SAMPLE_FAILED, and a harmless token
-                sampled_lists[i] = [SAMPLE_FAILED]
-                batch.append_token_list(row, [0])
-                continue
-            a = num_accepted(d, mine) if d else 0
-            out = mine[: a + 1]
-            sampled_lists[i] = out
-            batch.append_token_list(row, out)
-            if d and self.proposer is not None:
-                self.proposer.record(req_id, len(d), a)
-            if logprobs_out is not None and logprobs_out[i] is not None:
-                logprobs_out[i] = _first_rows(logprobs_out[i], len(out))
-
-    def _propose(self, inputs: StepInputs, sampled_lists: list[list[int]]) -> dict[str, list[int]]:
-        """Drafts for the next step of each request that sampled now (rank 0 only; the
-        EngineCore schedules them). None for a request with a grammar."""
-        batch = self.input_batch
-        assert batch is not None and self.proposer is not None
-        out: dict[str, list[int]] = {}
-        if self.rank != 0:
-            return out
-        for i, toks in enumerate(sampled_lists):
-            if not toks or toks[0] < 0:
-                continue
-            row = int(inputs.rows[i])
-            n = int(batch.num_tokens[row])
-            p = batch.sampling_params[row]
-            if p.structured_outputs is not None:  # its grammar would have to walk the drafts
-                continue
-            drafts = self.proposer.propose(inputs.req_ids[i], batch.token_ids[row, :n])
-            if drafts:
-                out[inputs.req_ids[i]] = drafts
-        return out
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (decodes first) and build the attention metadata."""
@@ -756,13 +705,6 @@ def _join_logprobs(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
     return Logprobs(
         token_ids=a.token_ids + b.token_ids, logprobs=a.logprobs + b.logprobs, ranks=a.ranks + b.ranks
     )
-
-
-def _first_rows(lp: Logprobs | None, n: int) -> Logprobs | None:
-    """`lp`'s first n positions (a drafting request's emitted tokens)."""
-    if lp is None or len(lp.ranks) <= n:
-        return lp
-    return Logprobs(token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n])
 
 
 def _check_invariant_blocks(model) -> None:

@@ -16,7 +16,12 @@ only the search); each request is judged on its own.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from vx.gpu.input_batch import InputBatch
 
 __all__ = ["MIN_ACCEPTANCE", "PROBE_DRAFTS", "NgramProposer"]
 
@@ -63,6 +68,24 @@ class NgramProposer:
             return []
         best_end = int(ends[np.flatnonzero(length == best_n)[-1]])  # the latest longest
         return tokens[best_end + 1 : best_end + 1 + self.k].tolist()
+
+    def propose_batch(
+        self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, sampled: list[list[int]]
+    ) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled now (`sampled[i]`, request
+        `req_ids[i]` at batch row `rows[i]`), by request id. None for a failed sample, or a
+        request with a grammar (its matcher would have to walk the drafts)."""
+        out: dict[str, list[int]] = {}
+        for i, toks in enumerate(sampled):
+            if not toks or toks[0] < 0:
+                continue
+            row = int(rows[i])
+            if batch.sampling_params[row].structured_outputs is not None:
+                continue
+            drafts = self.propose(req_ids[i], batch.token_ids[row, : int(batch.num_tokens[row])])
+            if drafts:
+                out[req_ids[i]] = drafts
+        return out
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A request's verified step: `num_accepted` of its `num_drafts` drafts held."""

@@ -18,8 +18,20 @@ request gets without speculation (given the same logits).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["num_accepted"]
+import numpy as np
+
+from vx.messages import Logprobs
+
+if TYPE_CHECKING:
+    from vx.gpu.input_batch import InputBatch
+    from vx.gpu.spec_decode.ngram import NgramProposer
+
+__all__ = ["SAMPLE_FAILED", "accept_drafts", "num_accepted"]
+
+#: The token a request whose sampling failed reports (the EngineCore fails it alone).
+SAMPLE_FAILED = -1
 
 
 def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
@@ -31,3 +43,44 @@ def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
         if sampled[j] != d:
             return j
     return len(drafts)
+
+
+def accept_drafts(
+    batch: InputBatch,
+    req_ids: list[str],
+    rows: np.ndarray,
+    spec: dict[str, list[int]],
+    sample_idx: np.ndarray,
+    sampled: np.ndarray,
+    sampled_lists: list[list[int]],
+    logprobs_out: list[Logprobs | None] | None,
+    proposer: NgramProposer | None,
+) -> None:
+    """A step with drafts (`spec`, by request id): each sampling request's tokens are its
+    accepted drafts, then its own sample; they go to `sampled_lists[i]` and join its known
+    tokens in `batch`, and its Logprobs keep those positions. `sample_idx` repeats request i
+    once per scored row, in order (`sampled` holds a token per row)."""
+    tokens = np.maximum(sampled, 0).tolist()
+    j = 0
+    for i in np.unique(sample_idx).tolist():  # ascending, as the rows were expanded
+        req_id, row = req_ids[i], int(rows[i])
+        d = spec.get(req_id, ())
+        mine = tokens[j : j + len(d) + 1]
+        failed = min(sampled[j : j + len(d) + 1]) < 0
+        j += len(d) + 1
+        if failed:  # as a plain row: SAMPLE_FAILED, and a harmless token
+            sampled_lists[i] = [SAMPLE_FAILED]
+            batch.append_token_list(row, [0])
+            continue
+        a = num_accepted(d, mine) if d else 0
+        out = mine[: a + 1]
+        sampled_lists[i] = out
+        batch.append_token_list(row, out)
+        if d and proposer is not None:
+            proposer.record(req_id, len(d), a)
+        lp = None if logprobs_out is None else logprobs_out[i]
+        if lp is not None and len(lp.ranks) > len(out):  # the emitted positions only
+            n = len(out)
+            logprobs_out[i] = Logprobs(  # type: ignore[index]
+                token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n]
+            )
