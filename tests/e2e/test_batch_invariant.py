@@ -232,3 +232,114 @@ def test_served_outputs_are_invariant_through_the_openai_client(model: str) -> N
     offline = [(c.text, [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
                for c in out.outputs]  # fmt: skip
     assert offline == [(text, lps) for text, lps, _ in served[0]]
+
+
+# The property test's engines: chunk budgets, async scheduling on and off, and a pool short
+# enough that a crowd preempts the target (it then recomputes its outputs).
+_ENGINES = {
+    "budget 2048": {"max_num_batched_tokens": 2048},
+    "budget 16": {"max_num_batched_tokens": 16},
+    "budget 64, sync": {"max_num_batched_tokens": 64, "async_scheduling": False},
+    "budget 256, 640-token pool": {"max_num_batched_tokens": 256, "num_blocks": 40},
+}
+
+
+def test_property_random_batches_cache_states_and_chunk_budgets(model: str) -> None:
+    """Hypothesis drives the real engine (bf16): a random prompt, seeded or greedy with
+    logprobs, on a random engine (chunk budget, async on or off, a pool that preempts),
+    from a random cache state (cold, its whole prompt cached, or a random head of it cached by
+    another request), admitted at a random place among 0-63 random requests. Its token ids and
+    logprobs must equal the request's run alone on a cold cache."""
+    if not _invariant_here():
+        pytest.skip("batch-invariant mode is implemented for bf16 on AMX, AVX512-BF16 or AVX2")
+    from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+
+    engines: dict[str, LLM] = {}
+    alone: dict[Any, Any] = {}
+    examples = [0]
+    seen: set[tuple[str, str]] = set()
+
+    def engine(name: str) -> LLM:
+        if name not in engines:
+            engines[name] = LLM(model, batch_invariant=True, num_threads=1, **_ENGINES[name])
+        return engines[name]
+
+    def generate(llm: LLM, prompts: list[list[int]], plist: list[SamplingParams]) -> list[Any]:
+        return _outputs(llm.generate(prompts, plist, use_tqdm=False), len(prompts))
+
+    other = st.tuples(
+        st.integers(1, 300),  # prompt length
+        st.booleans(),  # whether it starts with a head of the target's prompt
+        st.sampled_from([0.0, 1.0]),
+        st.integers(1, 40),  # max_tokens
+        st.integers(0, 1 << 30),  # its seed, and its prompt's ids
+    )
+
+    crowd = [(300 - i, i % 3 == 0, float(i % 2), 40, i) for i in range(63)]
+
+    @settings(max_examples=24, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    # the corners, whatever the search draws: a crowd that preempts the target, and 63 others
+    # beside a cached head at the smallest budget
+    @example(prompt=list(range(3, 140)), sampled=True, seed=5, name="budget 256, 640-token pool",
+             cache="a head", head=0.5, others=crowd, place=1.0)  # fmt: skip
+    @example(prompt=list(range(9, 90)), sampled=False, seed=0, name="budget 16",
+             cache="a head", head=0.3, others=crowd, place=0.5)  # fmt: skip
+    @given(
+        prompt=st.lists(st.integers(3, 499), min_size=1, max_size=150),
+        sampled=st.booleans(),
+        seed=st.integers(0, 1 << 20),
+        name=st.sampled_from(sorted(_ENGINES)),
+        cache=st.sampled_from(["cold", "whole prompt", "a head"]),
+        head=st.floats(0.0, 1.0),
+        others=st.lists(other, max_size=63),
+        place=st.floats(0.0, 1.0),
+    )
+    def check(prompt: list[int], sampled: bool, seed: int, name: str, cache: str, head: float,
+              others: list[Any], place: float) -> None:  # fmt: skip
+        params = (
+            SamplingParams.create(temperature=1.0, top_p=0.9, n=2, seed=seed, logprobs=3,
+                                  max_tokens=NEW_TOKENS, ignore_eos=True)
+            if sampled else PARAMS[1]
+        )  # fmt: skip
+        key = (tuple(prompt), sampled and seed)
+        if key not in alone:
+            ref = engine("budget 2048")
+            assert ref.call_utility("reset_prefix_cache")["ok"]
+            alone[key] = generate(ref, [prompt], [params])[0]
+        llm = engine(name)
+        assert llm.call_utility("reset_prefix_cache")["ok"]
+        cut = max(1, round(head * len(prompt)))
+        if cache == "whole prompt":
+            generate(llm, [prompt], [params])
+        elif cache == "a head":
+            generate(llm, [prompt[:cut] + [3, 4]], [PARAMS[1]])
+        prompts, plist = [], []
+        for length, shares, temperature, max_tokens, s in others:
+            r = random.Random(s)
+            body = [r.randrange(3, 500) for _ in range(length)]
+            prompts.append(prompt[:cut] + body[: length // 4] if shares else body)
+            plist.append(SamplingParams.create(temperature=temperature, seed=s,
+                                               max_tokens=max_tokens, ignore_eos=True))  # fmt: skip
+        at = round(place * len(prompts))
+        prompts.insert(at, prompt)
+        plist.insert(at, params)
+        got = generate(llm, prompts, plist)[at]
+        assert got == alone[key], (name, cache, len(others), at)
+        examples[0] += 1
+        seen.add((name, cache))
+
+    preempted = 0
+    try:
+        check()
+        if "budget 256, 640-token pool" in engines:
+            preempted = engines["budget 256, 640-token pool"].call_utility("get_stats")[
+                "num_preempted_total"]  # fmt: skip
+    finally:
+        for llm in engines.values():
+            llm.close()
+    assert examples[0] >= 26
+    logger.info("batch invariant property: %d random examples identical to the request alone, "
+                "over %d (engine, cache state) pairs; %s preemptions", examples[0], len(seen),
+                preempted)  # fmt: skip
