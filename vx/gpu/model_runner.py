@@ -529,8 +529,9 @@ class ModelRunner:
         if not pos:
             return sampled
         index = torch.tensor(pos, dtype=torch.long, device=hidden.device)
-        logits = self._model.compute_logits(hidden.index_select(0, index))
-        matchers.mask_logits(logits, [req_ids[k] for k in pos])
+        logits = matchers.masked_logits(
+            self._model, hidden.index_select(0, index), [req_ids[k] for k in pos]
+        )
         tokens, _ = self._sample(logits, rows[pos], sample_idx[pos], num_reqs)
         sampled = np.array(sampled, dtype=np.int64, copy=True)
         sampled[pos] = tokens

@@ -130,3 +130,46 @@ def test_masking_a_row_sparse_or_dense_forbids_exactly_the_cleared_bits(density:
     _mask_row(row, words)
     assert np.array_equal(row, expect)
     assert SPARSE_WORDS < words.size
+
+
+class _Head:
+    """A model's LM head over a random bf16 weight, counting full passes."""
+
+    def __init__(self, gathers: bool) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.weight = torch.randn(VOCAB, 16, generator=gen).to(torch.bfloat16)
+        self.gathers, self.num_full = gathers, 0
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.num_full += 1
+        return (hidden.float() @ self.weight.float().T).to(torch.bfloat16).float()
+
+    def compute_logits_of(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        if not self.gathers:
+            return None
+        return (hidden.float() @ self.weight[ids].float().T).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+def test_masked_logits_score_only_the_allowed_tokens_where_few(
+    tok_dir, hf_tok, gathers, monkeypatch
+) -> None:
+    """A row whose grammar allows few tokens gets only their logits, equal to the full head's
+    masked row; a row that allows many (any text) takes the full head."""
+    from vx.gpu.sample import matchers
+
+    monkeypatch.setattr(matchers, "SPARSE_TOKENS", 64)  # of the tokenizer's 300-odd
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    m.apply(_step(new=[_new("d", eos, regex="[0-9]{3}"), _new("c", eos, choice=["hello", "x"]),
+                       _new("any", eos, regex="(.|\n)*")]))  # fmt: skip
+    head = _Head(gathers)
+    hidden = torch.randn(2, 16).to(torch.bfloat16)
+    got = m.masked_logits(head, hidden, ["d", "c"])
+    want = head.compute_logits(hidden)
+    m.mask_logits(want, ["d", "c"])
+    assert torch.equal(got, want)
+    assert head.num_full == (1 if gathers else 2)  # only the reference's pass when it gathers
+    got = m.masked_logits(head, hidden[:1], ["any"])  # about every token: the full head
+    assert head.num_full == (2 if gathers else 3)
+    assert torch.isfinite(got).sum() > 64

@@ -210,6 +210,27 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
             return None
         return self.screen
 
+    def compute_logits_of(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[N, hidden], [K] int64 -> [N, K] float32: the logits of those tokens only, as
+        `compute_logits(hidden)[:, token_ids]` gives them up to the summation order (the same
+        bf16 products, rounded to the model dtype as it rounds them). None where there is no
+        plain weight to gather rows from (TP, a quantized or oneDNN-only weight), or under
+        `--batch-invariant` (whose logits come from its one GEMM only).
+
+        Why: a constrained row whose grammar allows a few tokens needs only their logits, and
+        the full head streams every weight once more (a JSON answer's first token)."""
+        if self.tp_size > 1 or self.quant is not None or batch_invariant():
+            return None
+        w = self.plain
+        if w is None:
+            w = self.weight if self.method.find(TorchLinear) is not None else None
+        if w is None or w.is_mkldnn:
+            return None
+        rows = w.index_select(0, token_ids)
+        return (hidden.float() @ rows.float().T).to(hidden.dtype).float()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (the GEMM runs in the model dtype, as HF's)."""
         logits = self.method.apply(hidden, None)

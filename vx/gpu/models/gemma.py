@@ -224,6 +224,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cap = self.args.final_softcap  # type: ignore[attr-defined]
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def compute_logits_of(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        logits = super().compute_logits_of(hidden, token_ids)
+        cap = self.args.final_softcap  # type: ignore[attr-defined]
+        return logits if cap is None or logits is None else torch.tanh(logits / cap) * cap
+
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3 text (1B; the text stack of the larger ones): q/k norms, two rope bases."""

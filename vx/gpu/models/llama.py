@@ -382,6 +382,13 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 
+    def compute_logits_of(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[N, hidden], [K] -> [N, K] float32, the logits of those tokens only, or None where
+        the head cannot gather them (`ParallelLMHead.compute_logits_of`)."""
+        return self.lm_head.compute_logits_of(hidden, token_ids)
+
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] argmax of the logits where the LM head gets it without them."""
         return self.lm_head.greedy_ids(hidden)
