@@ -153,6 +153,11 @@ def test_a_request_that_cannot_grow_preempts_itself() -> None:
         ({"max_tokens": 2}, [4, 4, 4], [4, 4], "length", None),
         ({"min_tokens": 2}, [EOS, 6, EOS, EOS], [EOS, 6, EOS], "stop", None),
         ({"min_tokens": 1, "stop_token_ids": [7]}, [7, 7], [7, 7], "stop", 7),
+        # a constrained request's EOS is its grammar's end (the Worker gives it only there)
+        ({"min_tokens": 3, "structured_outputs": {"regex": "a"}}, [4, EOS], [4, EOS], "stop",
+         None),
+        ({"ignore_eos": True, "max_tokens": 3, "structured_outputs": {"regex": "a"}},
+         [4, EOS, 6], [4, EOS], "stop", None),
     ],
 )
 def test_stop_conditions(kwargs, tokens, expect_tokens, reason, stop_reason) -> None:

@@ -79,6 +79,7 @@ class Request:
         "stop_reason",
         "max_num_tokens",
         "min_tokens",
+        "grammar_ends",
         "stop_token_set",
         "skip_reading_prefix_cache",
         "admitted_step_id",
@@ -130,7 +131,11 @@ class Request:
         self.min_tokens = sampling_params.min_tokens
         # EOS and the stop ids in one set: the hot path does a single membership test.
         stop_ids = set(sampling_params.stop_token_ids)
-        if eos_token_id is not None and not sampling_params.ignore_eos:
+        #: A grammar's end ends the request: the Worker samples EOS only where the grammar
+        #: allows it, and where the grammar is complete it gives EOS whatever min_tokens or
+        #: ignore_eos say (`GrammarMatchers.end_where_stopped`), so that EOS stops it here.
+        self.grammar_ends = sampling_params.structured_outputs is not None
+        if eos_token_id is not None and (not sampling_params.ignore_eos or self.grammar_ends):
             stop_ids.add(eos_token_id)
         self.stop_token_set = frozenset(stop_ids)
         # Prompt logprobs need every prompt position computed, so no prefix-cache reads (vLLM).
@@ -191,15 +196,19 @@ class Request:
         """The stop rule, applied after `token_id` was appended: (finish_reason, stop_reason).
 
         A stop token (EOS unless ignore_eos, or one of stop_token_ids) ends the request once
-        more than `min_tokens` outputs exist, i.e. no stop at output index < min_tokens (the
+        more than `min_tokens` outputs exist (a constrained request's EOS at once, whatever
+        ignore_eos says: its grammar's end), i.e. no stop at output index < min_tokens (the
         sampler masks them there too); `stop_reason` is the token id for stop_token_ids and
         None for EOS, as in vLLM. Otherwise reaching `max_num_tokens` ends it with "length".
         The Scheduler's decode path inlines the cheap "neither can apply" test before this.
         """
-        if token_id in self.stop_token_set and self.num_tokens - self.num_prompt_tokens > (
-            self.min_tokens
+        if token_id in self.stop_token_set and (
+            self.num_tokens - self.num_prompt_tokens > self.min_tokens
+            or (self.grammar_ends and token_id == self.eos_token_id)
         ):
-            if token_id == self.eos_token_id and not self.sampling_params.ignore_eos:
+            if token_id == self.eos_token_id and (
+                not self.sampling_params.ignore_eos or self.grammar_ends
+            ):
                 return FinishReason.STOP, None
             return FinishReason.STOP, token_id
         if self.num_tokens >= self.max_num_tokens:

@@ -371,6 +371,7 @@ class ModelRunner:
                 sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
                                                    sample_req_ids, num_reqs)  # fmt: skip
             if constrained:  # drafting requests are never constrained (`propose_batch`)
+                sampled = matchers.end_where_stopped(sample_req_ids, sampled)
                 matchers.accept(sample_req_ids, sampled.tolist())
             if drafts is None:
                 # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a

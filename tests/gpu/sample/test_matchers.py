@@ -173,3 +173,20 @@ def test_masked_logits_score_only_the_allowed_tokens_where_few(
     got = m.masked_logits(head, hidden[:1], ["any"])  # about every token: the full head
     assert head.num_full == (2 if gathers else 3)
     assert torch.isfinite(got).sum() > 64
+
+
+def test_a_complete_grammar_ends_its_request_whatever_min_tokens_says(tok_dir, hf_tok) -> None:
+    """Where the grammar allows nothing but EOS, the row's token is EOS (the sampler, kept
+    from EOS by min_tokens, had no allowed token left); free rows, rows whose grammar goes on,
+    and failed samples (-1) keep theirs."""
+    import numpy as np
+
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    one = hf_tok.convert_tokens_to_ids("1")
+    m.apply(_step(new=[_new("done", eos, regex="1"), _new("more", eos, regex="1+"),
+                       _new("free", eos), _new("failed", eos, regex="1")]))  # fmt: skip
+    m.accept(["done", "more", "failed"], [one, one, one])
+    tokens = np.array([5, 5, 5, -1])
+    got = m.end_where_stopped(["done", "more", "free", "failed"], tokens)
+    assert got.tolist() == [eos, 5, 5, -1] and tokens.tolist() == [5, 5, 5, -1]

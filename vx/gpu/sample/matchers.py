@@ -353,6 +353,26 @@ class GrammarMatchers:
         ids = ids[ids < self.vocab_size].astype(np.int64)
         return ids if len(ids) <= SPARSE_TOKENS else None
 
+    def end_where_stopped(self, req_ids: list[str], token_ids: np.ndarray) -> np.ndarray:
+        """`token_ids` (row i is `req_ids[i]`'s), with EOS for each constrained request whose
+        grammar is complete or failed (it allows nothing but EOS). Why: min_tokens keeps EOS
+        from the sampler, which then has no token left to pick (ignore_eos, for its part,
+        would emit EOS until max_tokens); the grammar's end ends the request instead, and the
+        EngineCore stops a constrained request at its EOS (`Request.grammar_ends`)."""
+        out = token_ids
+        for k, req_id in enumerate(req_ids):
+            row = self._rows.get(req_id)
+            token = int(token_ids[k])
+            if row is None or row.eos_token_id is None or token in (row.eos_token_id, -1):
+                continue
+            if row.pending is not None:
+                row.resolve(req_id)
+            if row.failed or row.matcher is None or row.matcher.is_stopped():
+                if out is token_ids:
+                    out = np.array(token_ids, dtype=np.int64, copy=True)
+                out[k] = row.eos_token_id
+        return out
+
     def accept(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Advance the matchers of the constrained requests among `req_ids` by their token."""
         for req_id, token in zip(req_ids, token_ids, strict=True):
