@@ -1,5 +1,13 @@
 """Prometheus metrics for /metrics: vLLM's set under a `vx:` prefix, plus request accounting.
 
+Beside them, always, the three gauges under vLLM's own names that routers read to steer
+traffic between replicas (the Gateway API Inference Extension's model-server protocol; llm-d,
+the vLLM production-stack router): `vllm:num_requests_waiting`, `vllm:num_requests_running`
+and `vllm:kv_cache_usage_perc`, the same figures as their `vx:` twins, with the same labels.
+They are on without a flag: a router finds a replica's load under the name it already knows,
+they cost three series per engine, and no `vllm:` name means anything else here. vx serves no
+LoRA adapters, so there is no `vllm:lora_requests_info`.
+
 Runs in: the ApiServer process, with its own CollectorRegistry (two apps in one test process
 never share counters). Engine-side figures (running, waiting, KV usage, prefix cache,
 preemptions) are read from the latest `SchedulerStats` of each engine at scrape time; request
@@ -129,6 +137,8 @@ class _EngineCollector(Collector):
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
         yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free,
                     drafts, accepted, by_position)  # fmt: skip
+        for family in (running, waiting, kv):
+            yield _vllm_twin(family)
 
     async def refresh_self_check(self) -> None:
         """At idle (no request in the front), ask every engine for its KV self-check.
@@ -150,6 +160,13 @@ class _EngineCollector(Collector):
             self.self_checks[i] = result
             if not result.get("ok"):
                 logger.error("KV self-check failed on engine %d: %s", i, result.get("problems"))
+
+
+def _vllm_twin(family: GaugeMetricFamily) -> GaugeMetricFamily:
+    """The gauge under vLLM's name (`vx:x` -> `vllm:x`), same help, labels and values."""
+    twin = GaugeMetricFamily("vllm:" + family.name.removeprefix("vx:"), family.documentation)
+    twin.samples = [s._replace(name="vllm:" + s.name.removeprefix("vx:")) for s in family.samples]
+    return twin
 
 
 class Metrics:
