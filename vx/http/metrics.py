@@ -97,6 +97,11 @@ class _EngineCollector(Collector):
         free = GaugeMetricFamily(
             "vx:kv_num_free_blocks", "Free KV blocks (cached ones included).", labels=labels
         )
+        cached_free = GaugeMetricFamily(
+            "vx:kv_num_cached_free_blocks",
+            "Free KV blocks still holding a cached prefix (evictable; at idle, the whole cache).",
+            labels=labels,
+        )
         drafts = CounterMetricFamily(
             "vx:spec_decode_num_draft_tokens", "Draft tokens scored (speculative decoding).",
             labels=labels,
@@ -130,13 +135,14 @@ class _EngineCollector(Collector):
             preempt.add_metric(values, stats.num_preempted_total)
             blocks.add_metric(values, stats.num_blocks)
             free.add_metric(values, stats.num_free_blocks)
+            cached_free.add_metric(values, stats.num_cached_free_blocks)
             drafts.add_metric(values, stats.spec_num_draft_tokens_total)
             accepted.add_metric(values, stats.spec_num_accepted_tokens_total)
             for pos, n in enumerate(stats.spec_num_accepted_by_position):
                 by_position.add_metric([*values, str(pos)], n)
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
         yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free,
-                    drafts, accepted, by_position)  # fmt: skip
+                    cached_free, drafts, accepted, by_position)  # fmt: skip
         for family in (running, waiting, kv):
             yield _vllm_twin(family)
 
