@@ -202,3 +202,48 @@ def _complete(server: VxServer, prompt: list[int], max_tokens: int) -> bool:
 
 def _hits(server: VxServer) -> float:
     return metric(server.url, "vx:prefix_cache_hits_total")
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory: pytest.TempPathFactory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", **SERVED)
+    with VxServer(model, "--served-model-name", "tiny", "--data-parallel-size", "2") as srv:
+        yield srv
+
+
+def test_data_parallel_front_balances_by_prefix_and_load(dp_server: VxServer) -> None:
+    """With two EngineCores: two prompts at once go one to each; later prompts that share a
+    prompt's first blocks follow it, also where a tie would pick rank 0; six choices of one
+    prompt fill its rank up to the slack (4 more than the other) and the sixth goes to the
+    other rank. Which rank took what is read from each rank's prefix-cache query counter (in
+    prompt tokens), so every prompt has its own length."""
+    a = [11 + i % 50 for i in range(50)]
+    b = [70 + i % 30 for i in range(60)]
+
+    def queried() -> tuple[float, float]:
+        text = httpx.get(dp_server.url + "/metrics", timeout=5).text
+        return tuple(  # type: ignore[return-value]
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vx:prefix_cache_queries_total{") and f'engine="{i}"' in line
+            )
+            for i in (0, 1)
+        )
+
+    def send(prompt: list[int] | list[list[int]], expect: tuple[int, int], n: int = 1) -> None:
+        before = queried()
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "n": n, "temperature": 1.0,
+                "seed": 1}  # fmt: skip
+        r = httpx.post(dp_server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: tuple(x - y for x, y in zip(queried(), before, strict=True)) == expect), (
+            queried(), before, expect)  # fmt: skip
+
+    send([a, b], (len(a), len(b)))  # one HTTP request: a to rank 0, then b to the other
+    b2 = b[:48] + [5] * 9
+    send(b2, (0, len(b2)))  # idle: a tie, but b's first blocks live on rank 1
+    a2 = a[:32] + [6] * 3
+    send(a2, (len(a2), 0))
+    b3 = b[:32] + [9] * 7
+    send(b3, (len(b3), 5 * len(b3)), n=6)  # five on rank 1, then rank 1 is 5 ahead: rank 0
