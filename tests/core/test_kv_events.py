@@ -139,3 +139,30 @@ def test_off_records_nothing() -> None:
     scheduler.add_request(make_add_request("a", list(range(1, 40)), max_tokens=4))
     driver.run()
     assert scheduler.kv_cache_manager.block_pool.take_events() == []
+
+
+def test_kv_events_config_takes_vllms_keys() -> None:
+    import pytest
+
+    from vx.config import EngineConfig, parse_kv_events_config
+    from vx.core.kv_events import offset_endpoint_port
+
+    c = parse_kv_events_config(
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "hwm": 10, '
+        '"max_queue_size": 5, "topic": "kv"}'
+    )
+    assert c.enabled and c.topic == "kv" and c.replay_endpoint == "tcp://*:5558"
+    assert not parse_kv_events_config(None).enabled
+    assert not parse_kv_events_config(
+        '{"enable_kv_cache_events": true, "publisher": "null"}'
+    ).enabled
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_kv_events_config('{"enable_kv_cache_events": true, "port": 1}')
+    cache = msgspec.structs.replace(make_config().cache, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig(cache=cache, kv_events=c).validate()
+    # data-parallel rank r publishes on port + r, as vLLM's ranks do
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("ipc://kv-events", 1) == "ipc://kv-events_dp1"
