@@ -168,27 +168,31 @@ def test_kv_events_config_takes_vllms_keys() -> None:
     assert offset_endpoint_port("ipc://kv-events", 1) == "ipc://kv-events_dp1"
 
 
+# vLLM's first schema (no `medium`, no `data_parallel_rank`).
+class FirstEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class FirstStored(FirstEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class FirstRemoved(FirstEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class FirstBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[FirstStored | FirstRemoved]
+
+
 def test_the_first_published_schema_decodes_it_too() -> None:
-    """vLLM's first schema (no `medium`, no `data_parallel_rank`) reads vx's batches: msgspec
-    ignores the trailing fields a positional struct does not know."""
-
-    class Event(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-        pass
-
-    class Stored(Event, tag="BlockStored"):
-        block_hashes: list[int]
-        parent_block_hash: int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-
-    class Removed(Event, tag="BlockRemoved"):
-        block_hashes: list[int]
-
-    class Batch(msgspec.Struct, array_like=True, omit_defaults=True):
-        ts: float
-        events: list[Stored | Removed]
-
+    """vLLM's first schema reads vx's batches: msgspec ignores the trailing fields a
+    positional struct does not know."""
     from vx.core.kv_events import BlockRemoved as VxRemoved, BlockStored as VxStored
 
     raw = msgspec.msgpack.encode(
@@ -202,5 +206,5 @@ def test_the_first_published_schema_decodes_it_too() -> None:
             data_parallel_rank=1,
         )
     )
-    batch = msgspec.msgpack.decode(raw, type=Batch)
-    assert batch.events == [Stored([3], 2, [1] * 16, 16, None), Removed([3])]
+    batch = msgspec.msgpack.decode(raw, type=FirstBatch)
+    assert batch.events == [FirstStored([3], 2, [1] * 16, 16, None), FirstRemoved([3])]
