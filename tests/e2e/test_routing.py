@@ -139,6 +139,8 @@ def test_vllm_metric_names_follow_the_engine(server: VxServer) -> None:
     for name in VLLM_GAUGES:
         assert f"# TYPE {name} gauge" in text, name
         assert f'{name}{{engine="0",model_name="tiny"}}' in text, name
+    info = f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{NUM_BLOCKS}"}} 1.0'
+    assert info in text
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 160, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:

@@ -5,7 +5,9 @@ traffic between replicas (the Gateway API Inference Extension's model-server pro
 the vLLM production-stack router): `vllm:num_requests_waiting`, `vllm:num_requests_running`
 and `vllm:kv_cache_usage_perc`, the same figures as their `vx:` twins, with the same labels.
 They are on without a flag: a router finds a replica's load under the name it already knows,
-they cost three series per engine, and no `vllm:` name means anything else here. vx serves no
+they cost three series per engine, and no `vllm:` name means anything else here. So is
+`vllm:cache_config_info` (value 1; `block_size` and `num_gpu_blocks`, the pool's size in
+blocks on any device, in its labels), which routers read for the pool's geometry. vx serves no
 LoRA adapters, so there is no `vllm:lora_requests_info`.
 
 Runs in: the ApiServer process, with its own CollectorRegistry (two apps in one test process
@@ -141,6 +143,17 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(stats.spec_num_accepted_by_position):
                 by_position.add_metric([*values, str(pos)], n)
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
+        # vLLM's cache info gauge (value 1, the figures in its labels), which routers read for
+        # the pool's block size and capacity; known once each engine is ready.
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the KV cache configuration.",
+            labels=["engine", "block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        for ready in self._client.ready:
+            cache_info.add_metric(
+                [str(ready.engine_index), str(ready.block_size), str(ready.num_blocks)], 1.0
+            )
+        yield cache_info
         yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free,
                     cached_free, drafts, accepted, by_position)  # fmt: skip
         for family in (running, waiting, kv):
