@@ -146,8 +146,14 @@ def test_vllm_metric_names_follow_the_engine(server: VxServer) -> None:
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data:")
-        assert wait_for(lambda: metric(server.url, "vllm:num_requests_running") == 1)
-        scrape = _samples(httpx.get(server.url + "/metrics", timeout=5).text)
+        seen: list[dict[str, float]] = []
+
+        def running() -> bool:  # keep the scrape that saw it: the request may end any time
+            seen.append(_samples(httpx.get(server.url + "/metrics", timeout=5).text))
+            return seen[-1]["vllm:num_requests_running"] == 1
+
+        assert wait_for(running)
+        scrape = seen[-1]
         for name in VLLM_GAUGES:  # one scrape: the twins are the same figure
             assert scrape[name] == scrape[name.replace("vllm:", "vx:")], name
         assert 0 < scrape["vllm:kv_cache_usage_perc"] < 1
