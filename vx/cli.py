@@ -20,6 +20,7 @@ from vx.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    parse_kv_events_config,
     parse_speculative_config,
 )
 from vx.exit_code import ExitCode, exit_codes_help
@@ -72,6 +73,10 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                         '"prompt_lookup_max": 5}\' (turns async scheduling off)')
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events for routers over ZMQ, vLLM\'s keys: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                        '"tcp://*:5557", "topic": "kv-events"}\' (needs pyzmq: the kv-events extra)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -190,8 +195,14 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         enforce_eager=getattr(args, "enforce_eager", False),
         batch_invariant=getattr(args, "batch_invariant", False),
         speculative=speculative,
+        kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
     config.validate()
+    if config.kv_events.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("zmq") is None:
+            raise ValueError("--kv-events-config needs pyzmq: pip install 'vx[kv-events]'")
     return config
 
 

@@ -88,6 +88,29 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.method is not None
 
 
+class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """KV-cache events for routers (`--kv-events-config`, vLLM's JSON keys; vx/core/kv_events.py).
+
+    Off unless `enable_kv_cache_events`. `publisher` "zmq" (the default once enabled) or
+    "null"; `endpoint` the PUB address (a wildcard binds, a host connects; rank r of data
+    parallel takes port + r), `replay_endpoint` an optional ROUTER address for missed batches,
+    `buffer_steps` how many batches it keeps, `hwm` the PUB high-water mark. `max_queue_size` is
+    accepted for vLLM's configs and unused: vx publishes from the engine loop, with no queue."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything an EngineCore and its Workers need; the front adds its HTTP settings."""
 
@@ -110,6 +133,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: attention (fp32: every token); on CPUs, in bf16 or fp32, only.
     batch_invariant: bool = False
     speculative: SpeculativeConfig = SpeculativeConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def validate(self) -> None:
         s, c, p = self.scheduler, self.cache, self.parallel
@@ -149,6 +173,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError("speculative decoding runs with async scheduling off")
             if self.device != "cpu":
                 raise ValueError("speculative decoding is implemented for CPU only")
+
+        kv = self.kv_events
+        if kv.publisher not in ("zmq", "null"):
+            raise ValueError(f"unknown KV events publisher {kv.publisher!r} (known: zmq, null)")
+        if kv.enabled and not c.enable_prefix_caching:
+            raise ValueError("KV events need prefix caching (they report its hashed blocks)")
+        if kv.buffer_steps < 1 or kv.hwm < 0:
+            raise ValueError("KV events need buffer_steps >= 1 and hwm >= 0")
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -195,3 +227,20 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig:
         return msgspec.convert(data, SpeculativeConfig, strict=True)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"bad --speculative-config: {e}") from None
+
+
+def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig:
+    """`--kv-events-config`'s JSON (vLLM's keys), or a dict of them; None: off. Unknown keys
+    are refused."""
+    if text is None or text == "":
+        return KVEventsConfig()
+    try:
+        data = msgspec.json.decode(text) if isinstance(text, str) else text
+        if not isinstance(data, dict):
+            raise ValueError("a JSON object")
+        unknown = sorted(set(data) - set(KVEventsConfig.__struct_fields__))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown}")
+        return msgspec.convert(data, KVEventsConfig, strict=True)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"bad --kv-events-config: {e}") from None

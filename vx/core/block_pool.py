@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from vx.config import BLOCK_SIZE
+from vx.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
+
 __all__ = [
     "BlockPool",
     "BlockPoolStatistics",
@@ -134,9 +137,20 @@ class BlockPool:
     consistent; the map and the blocks' `block_hash` fields agree one to one;
     `num_cached_free_blocks` counts the hashed blocks in the free queue. Eviction is lazy: a
     freed block keeps its hash until it is reused from the head of the queue.
+
+    With `kv_events_medium` set, every change to the map is also recorded, in order, as a
+    router's KV event (`vx/core/kv_events.py`) until `take_events`: a block entering the map
+    (`BlockStored`, one per run of consecutive blocks), leaving it when its block is reused
+    (`BlockRemoved`), the whole map dropped (`AllBlocksCleared`). Without it nothing is.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        kv_events_medium: str | None = None,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -145,6 +159,19 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_cached_free_blocks = 0
+        self._medium = kv_events_medium
+        self._block_size = block_size
+        self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] | None = (
+            None if kv_events_medium is None else []
+        )
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The KV events recorded since the last call, oldest first ([] when off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -156,12 +183,17 @@ class BlockPool:
         """Pop `num_blocks` from the head of the free queue, evicting their hashes; ref_cnt 1."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         cache_map = self.cached_block_hash_to_block
+        removed: list[int] | None = None if self._events is None else []
         for block in blocks:
             if block.block_hash is not None:
+                if removed is not None:
+                    removed.append(external_hash(block.block_hash))
                 del cache_map[block.block_hash]
                 block.block_hash = None
                 self.num_cached_free_blocks -= 1
             block.ref_cnt = 1
+        if removed and self._events is not None:
+            self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -196,16 +228,20 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] = (),
+        lora_id: int | None = None,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request under their hashes.
 
         A block that came from a prefix hit already holds its hash. When another block already
         holds the same hash, this one stays unhashed: block tables are append-only, so the
-        request keeps its own copy, and the map keeps one block per hash.
+        request keeps its own copy, and the map keeps one block per hash. `token_ids` (the
+        request's tokens) and `lora_id` are read only for the KV events.
         """
         if not self.enable_caching:
             return
         cache_map = self.cached_block_hash_to_block
+        stored: list[int] | None = None if self._events is None else []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is None:
@@ -213,6 +249,38 @@ class BlockPool:
                 if block_hash not in cache_map:
                     cache_map[block_hash] = block
                     block.block_hash = block_hash
+                    if stored is not None:
+                        stored.append(i)
+        if stored:
+            self._record_stored(stored, block_hashes, token_ids, lora_id)
+
+    def _record_stored(
+        self,
+        indices: list[int],
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        lora_id: int | None,
+    ) -> None:
+        """One `BlockStored` per run of consecutive newly mapped blocks (a block whose hash
+        another block holds already breaks a run: that hash was announced then)."""
+        assert self._events is not None
+        size = self._block_size
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[start], indices[k - 1]
+            self._events.append(
+                BlockStored(
+                    block_hashes=[external_hash(h) for h in block_hashes[first : last + 1]],
+                    parent_block_hash=external_hash(block_hashes[first - 1]) if first else None,
+                    token_ids=list(token_ids[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_id=lora_id,
+                    medium=self._medium,
+                )
+            )
+            start = k
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False) while any block is in use."""
@@ -222,6 +290,8 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         self.num_cached_free_blocks = 0
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def get_usage(self) -> float:

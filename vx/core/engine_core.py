@@ -31,6 +31,7 @@ from vx.affinity import pin_host_process
 from vx.config import EngineConfig
 from vx.core.block_pool import group_block_states
 from vx.core.executor import WorkerGroup
+from vx.core.kv_events import ZmqEventPublisher
 from vx.core.request import RequestStatus
 from vx.core.scheduler import Scheduler
 from vx.errors import EngineDeadError, EngineStartupError
@@ -79,6 +80,10 @@ class EngineCore:
         self._scheduled_at: dict[str, float] = {}
         # Per-step profile, accumulated between INFO lines when --profile-steps is on.
         self._prof = collections.Counter[str]()
+        #: `--kv-events-config`: the routers' ZMQ publisher (pyzmq is imported only then).
+        self._kv_events: ZmqEventPublisher | None = None
+        if config.kv_events.enabled:
+            self._kv_events = ZmqEventPublisher(config.kv_events, engine_index)
 
     # ── input ──────────────────────────────────────────────────────────────────
     def _handle_input(self, msg: messages.EngineCoreInput) -> None:
@@ -175,6 +180,12 @@ class EngineCore:
             if self._shutdown:
                 break
             self.step()
+            if self._kv_events is not None:
+                # Every change to the prefix-cache map this turn (scheduling, a step's update,
+                # an abort, a reset), published before the loop may block on its input.
+                events = self.scheduler.kv_cache_manager.block_pool.take_events()
+                if events:
+                    self._kv_events.publish(events)
             if self._stats_dirty and not self._in_flight:
                 self._stats_dirty = False
                 self._emit(
@@ -332,6 +343,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._workers.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.shutdown()
 
 
 def _carries_prefill(scheduler_output: messages.SchedulerOutput) -> bool:

@@ -55,11 +55,15 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = BLOCK_SIZE, enable_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = BLOCK_SIZE,
+        enable_caching: bool = True,
+        kv_events_medium: str | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events_medium, block_size)
         self.req_to_blocks: dict[str, BlockTable] = {}
         self._queries = self._hits = 0
         self._preempted_queries = self._preempted_hits = 0
@@ -160,8 +164,9 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, blocks: BlockTable, num_full: int) -> None:
         self.block_pool.cache_full_blocks(
-            blocks, request.block_hashes, blocks.num_cached_blocks, num_full
-        )
+            blocks, request.block_hashes, blocks.num_cached_blocks, num_full,
+            request.all_token_ids, request.lora_id,
+        )  # fmt: skip
         blocks.num_cached_blocks = num_full
 
     def _record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:

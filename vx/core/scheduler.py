@@ -104,7 +104,11 @@ class Scheduler:
             limit = capacity
         #: The context limit actually enforced (report this one in EngineReady).
         self.max_model_len = limit
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        # KV events name the pool's memory: "GPU" on cuda (vLLM's word), "CPU" on the CPU device.
+        medium = ("GPU" if config.device == "cuda" else "CPU") if config.kv_events.enabled else None
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, self.enable_caching, kv_events_medium=medium
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

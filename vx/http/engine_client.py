@@ -29,6 +29,7 @@ import anyio.lowlevel
 
 from vx import messages
 from vx.errors import EngineDeadError
+from vx.http.load_balancer import LoadBalancer
 from vx.ipc import codec
 
 logger = logging.getLogger(__name__)
@@ -342,6 +343,7 @@ class EngineClient:
         self._decoder = codec.engine_event_codec()
         self._streams: dict[str, RequestStream] = {}
         self._load = [0] * len(engines)
+        self._balancer = LoadBalancer(len(engines))
         self._outbox: list[collections.deque[bytes]] = [collections.deque() for _ in engines]
         self._outbox_event = anyio.Event()
         self._ready: dict[int, messages.EngineReady] = {}
@@ -439,7 +441,8 @@ class EngineClient:
     # ─────────────────────────── requests ───────────────────────────
 
     def add_request(self, req: messages.AddRequest) -> RequestStream:
-        """Send `req` to the least-loaded engine and return its mailbox.
+        """Send `req` to the engine `LoadBalancer` picks (queue depth, prefix affinity) and
+        return its mailbox.
 
         Raises:
             EngineDeadError: the engine is dead.
@@ -450,7 +453,15 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         if req.request_id in self._streams:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
-        engine_index = min(range(len(self._load)), key=self._load.__getitem__)
+        engine_index = 0
+        if len(self._load) > 1:
+            stats = self._stats
+            engine_index = self._balancer.pick(
+                req.prompt_token_ids,
+                self._load,
+                [st.num_waiting if (st := stats.get(i)) else 0 for i in range(len(self._load))],
+                (req.cache_salt, req.lora_id),
+            )
         if len(self._outbox[engine_index]) >= MAX_OUTBOX:
             raise EngineBusyError("the engine is not keeping up with its input")
         stream = RequestStream(req.request_id, engine_index, limit=self._mailbox_limit)

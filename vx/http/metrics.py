@@ -1,5 +1,15 @@
 """Prometheus metrics for /metrics: vLLM's set under a `vx:` prefix, plus request accounting.
 
+Beside them, always, the three gauges under vLLM's own names that routers read to steer
+traffic between replicas (the Gateway API Inference Extension's model-server protocol; llm-d,
+the vLLM production-stack router): `vllm:num_requests_waiting`, `vllm:num_requests_running`
+and `vllm:kv_cache_usage_perc`, the same figures as their `vx:` twins, with the same labels.
+They are on without a flag: a router finds a replica's load under the name it already knows,
+they cost three series per engine, and no `vllm:` name means anything else here. So is
+`vllm:cache_config_info` (value 1; `block_size` and `num_gpu_blocks`, the pool's size in
+blocks on any device, in its labels), which routers read for the pool's geometry. vx serves no
+LoRA adapters, so there is no `vllm:lora_requests_info`.
+
 Runs in: the ApiServer process, with its own CollectorRegistry (two apps in one test process
 never share counters). Engine-side figures (running, waiting, KV usage, prefix cache,
 preemptions) are read from the latest `SchedulerStats` of each engine at scrape time; request
@@ -89,6 +99,11 @@ class _EngineCollector(Collector):
         free = GaugeMetricFamily(
             "vx:kv_num_free_blocks", "Free KV blocks (cached ones included).", labels=labels
         )
+        cached_free = GaugeMetricFamily(
+            "vx:kv_num_cached_free_blocks",
+            "Free KV blocks still holding a cached prefix (evictable; at idle, the whole cache).",
+            labels=labels,
+        )
         drafts = CounterMetricFamily(
             "vx:spec_decode_num_draft_tokens", "Draft tokens scored (speculative decoding).",
             labels=labels,
@@ -122,13 +137,27 @@ class _EngineCollector(Collector):
             preempt.add_metric(values, stats.num_preempted_total)
             blocks.add_metric(values, stats.num_blocks)
             free.add_metric(values, stats.num_free_blocks)
+            cached_free.add_metric(values, stats.num_cached_free_blocks)
             drafts.add_metric(values, stats.spec_num_draft_tokens_total)
             accepted.add_metric(values, stats.spec_num_accepted_tokens_total)
             for pos, n in enumerate(stats.spec_num_accepted_by_position):
                 by_position.add_metric([*values, str(pos)], n)
         dead.add_metric([self._model], 1.0 if self._client.is_dead else 0.0)
+        # vLLM's cache info gauge (value 1, the figures in its labels), which routers read for
+        # the pool's block size and capacity; known once each engine is ready.
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the KV cache configuration.",
+            labels=["engine", "block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        for ready in self._client.ready:
+            cache_info.add_metric(
+                [str(ready.engine_index), str(ready.block_size), str(ready.num_blocks)], 1.0
+            )
+        yield cache_info
         yield from (running, waiting, kv, queries, hits, preempt, dead, check_ok, blocks, free,
-                    drafts, accepted, by_position)  # fmt: skip
+                    cached_free, drafts, accepted, by_position)  # fmt: skip
+        for family in (running, waiting, kv):
+            yield _vllm_twin(family)
 
     async def refresh_self_check(self) -> None:
         """At idle (no request in the front), ask every engine for its KV self-check.
@@ -150,6 +179,13 @@ class _EngineCollector(Collector):
             self.self_checks[i] = result
             if not result.get("ok"):
                 logger.error("KV self-check failed on engine %d: %s", i, result.get("problems"))
+
+
+def _vllm_twin(family: GaugeMetricFamily) -> GaugeMetricFamily:
+    """The gauge under vLLM's name (`vx:x` -> `vllm:x`), same help, labels and values."""
+    twin = GaugeMetricFamily("vllm:" + family.name.removeprefix("vx:"), family.documentation)
+    twin.samples = [s._replace(name="vllm:" + s.name.removeprefix("vx:")) for s in family.samples]
+    return twin
 
 
 class Metrics:
