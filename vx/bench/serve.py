@@ -163,7 +163,9 @@ class _Events:
             res.error = str(data["error"])[:200]
             self.ended = True
             return
-        if data.get("choices"):
+        choices = data.get("choices")
+        # a chat stream's first chunk names the role only: no token yet
+        if choices and any(set(c.get("delta") or {"text": 1}) - {"role"} for c in choices):
             if self.chunks == 0:
                 res.ttft_s = now - self.start
             else:
@@ -189,6 +191,14 @@ STRUCTURED: dict[str, dict[str, Any]] = {
             "properties": {"name": {"type": "string", "maxLength": 16},
                            "score": {"type": "integer"}}}}}}},
     "regex": {"structured_outputs": {"regex": "[a-z]{1,10}( [a-z]{1,10})*"}},
+    # a chat request (tools are chat's) whose answer must call one of two tools
+    "tools": {"tool_choice": "required", "parallel_tool_calls": True, "tools": [
+        {"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "required": ["item", "count"], "properties": {
+                "item": {"type": "string", "maxLength": 24}, "count": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "note", "parameters": {
+            "type": "object", "required": ["text"], "properties": {
+                "text": {"type": "string"}}}}}]},
 }  # fmt: skip
 
 
@@ -209,16 +219,20 @@ async def one_request(
         # A grammar may end before output_len: EOS must stay possible (no min_tokens).
         del body["min_tokens"], body["ignore_eos"]
         body.update(STRUCTURED[args.structured])
+    path = "/v1/completions"
+    if args.structured == "tools":
+        path = "/v1/chat/completions"
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        body["messages"] = [{"role": "user", "content": f"Look up or note each of: {text}"}]
+        del body["prompt"]
     res = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     start = time.perf_counter()
     events = _Events(res, start)
     try:
         if isinstance(client, LeanClient):
-            await client.stream_post(
-                "/v1/completions", msgspec.json.encode(body), events, args.timeout
-            )
+            await client.stream_post(path, msgspec.json.encode(body), events, args.timeout)
         else:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+            async with client.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return res

@@ -1,0 +1,96 @@
+"""What structured outputs cost: one `vx serve`, measured plain and under each constraint kind
+in turn at each concurrency (`vx bench serve --structured json_schema|regex|tools`), the kinds
+interleaved and their order reversed from one repeat to the next, so each ratio's figures are
+minutes apart, not half a run.
+
+Usage:
+    python bench/structured.py [--concurrency 1,8,32] [--repeats 2] [--kinds json_schema,regex,tools]
+        [--vx-args '...'] [--json FILE]
+
+Prints output tok/s (median over repeats), the ratio to the plain run, and TTFT p50. The plain
+run decodes exactly --output-len tokens (ignore_eos); a constrained one may stop earlier, where
+its grammar allows EOS: tok/s counts the tokens each run produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from compare import ROOT, wait_health  # bench/ is this script's directory
+
+
+def run_load(url: str, conc: int, kind: str | None, args: argparse.Namespace, seed: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [
+        sys.executable, "-m", "vx", "bench", "serve", "--base-url", url,
+        "--concurrency", str(conc), "--num-prompts", str(max(conc * 2, 8)),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--seed", str(seed), "--json", out,
+    ]  # fmt: skip
+    if kind is not None:
+        cmd += ["--structured", kind]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    if result.get("failed"):
+        raise RuntimeError(f"{kind} c={conc}: {result['failed']} failed: {result.get('errors')}")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--kinds", default="json_schema,regex,tools")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--vx-args", default="", help="extra flags for the vx server")
+    p.add_argument("--json", default=None, help="write all figures here")
+    args = p.parse_args()
+    kinds: list[str | None] = [None, *args.kinds.split(",")]
+    url = f"http://127.0.0.1:{args.port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vx", "serve", "--port", str(args.port), *args.vx_args.split()],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    runs: dict[str, dict[int, list[dict]]] = {str(k): {} for k in kinds}
+    try:
+        wait_health(url, proc, 300)
+        for conc in map(int, args.concurrency.split(",")):
+            run_load(url, conc, "json_schema", args, seed=999)  # warm: compiles, pages in
+            for rep in range(args.repeats):
+                order = kinds if rep % 2 == 0 else kinds[::-1]
+                for kind in order:
+                    r = run_load(url, conc, kind, args, seed=1000 * conc + rep)
+                    runs[str(kind)].setdefault(conc, []).append(r)
+                    print(f"{kind or 'plain'} c={conc}: {r['output_throughput']:.1f} tok/s, "
+                          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rows = ["| kind | c | output tok/s | vs plain | TTFT p50 ms |", "|---|---:|---:|---:|---:|"]
+    for conc in runs["None"]:
+        base = statistics.median(r["output_throughput"] for r in runs["None"][conc])
+        for kind in kinds:
+            rs = runs[str(kind)][conc]
+            tps = statistics.median(r["output_throughput"] for r in rs)
+            ttft = statistics.median(r["ttft_ms"]["p50"] for r in rs)
+            rows.append(f"| {kind or 'plain'} | {conc} | {tps:,.1f} | {tps / base:.3f}x "
+                        f"| {ttft:.1f} |")  # fmt: skip
+    print("\n".join(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f)
+
+
+if __name__ == "__main__":
+    main()
