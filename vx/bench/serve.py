@@ -181,24 +181,24 @@ class _Events:
 _DECODER = msgspec.json.Decoder()
 
 
-#: `--structured`: what each request's output must follow. Both leave the model free to go on
-#: for the whole output length (an array with no maxItems, a regex with no bound), so the
-#: runs compare like for like with the plain one.
+#: `--structured`: what each request's output must follow. None lets the grammar end before
+#: --output-len tokens (64 array items, 64 words, 32 tool arguments at least), so each run
+#: decodes as many tokens as the plain one and the runs compare like for like.
 STRUCTURED: dict[str, dict[str, Any]] = {
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "rows", "schema": {"type": "array", "items": {
+        "name": "rows", "schema": {"type": "array", "minItems": 64, "items": {
             "type": "object", "required": ["name", "score"], "additionalProperties": False,
             "properties": {"name": {"type": "string", "maxLength": 16},
                            "score": {"type": "integer"}}}}}}},
-    "regex": {"structured_outputs": {"regex": "[a-z]{1,10}( [a-z]{1,10})*"}},
+    "regex": {"structured_outputs": {"regex": "[a-z]{1,10}( [a-z]{1,10}){63,}"}},
     # a chat request (tools are chat's) whose answer must call one of two tools
     "tools": {"tool_choice": "required", "parallel_tool_calls": True, "tools": [
-        {"type": "function", "function": {"name": "lookup", "parameters": {
-            "type": "object", "required": ["item", "count"], "properties": {
-                "item": {"type": "string", "maxLength": 24}, "count": {"type": "integer"}}}}},
-        {"type": "function", "function": {"name": "note", "parameters": {
-            "type": "object", "required": ["text"], "properties": {
-                "text": {"type": "string"}}}}}]},
+        {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["item", "tags"], "properties": {
+                "item": {"type": "string", "maxLength": 24},
+                "tags": {"type": "array", "minItems": 32,
+                         "items": {"type": "string", "maxLength": 8}}}}}}
+        for name in ("lookup", "note")]},
 }  # fmt: skip
 
 
@@ -216,7 +216,7 @@ async def one_request(
         "stream_options": {"include_usage": True},
     }
     if args.structured:
-        # A grammar may end before output_len: EOS must stay possible (no min_tokens).
+        # The grammar decides where the output may end (it ends the request there).
         del body["min_tokens"], body["ignore_eos"]
         body.update(STRUCTURED[args.structured])
     path = "/v1/completions"

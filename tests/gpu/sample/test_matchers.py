@@ -190,3 +190,33 @@ def test_a_complete_grammar_ends_its_request_whatever_min_tokens_says(tok_dir, h
     tokens = np.array([5, 5, 5, -1])
     got = m.end_where_stopped(["done", "more", "free", "failed"], tokens)
     assert got.tolist() == [eos, 5, 5, -1] and tokens.tolist() == [5, 5, 5, -1]
+
+
+@pytest.mark.parametrize(("constraint", "exact"), [
+    ({"regex": "[a-z]{1,4}( [a-z]{1,4}){1,3}"}, True),
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+     True),
+    # llguidance's mask keeps a literal's canonical tokens (after "w", "orld" but not "o");
+    # its parser takes any split, and so does `allows`: the output still follows the grammar
+    ({"choice": ["hello", "world"]}, False),
+])  # fmt: skip
+def test_allows_agrees_with_the_mask_on_every_token(tok_dir, hf_tok, constraint, exact) -> None:
+    """`allows` (one token's check) allows every token the filled mask allows, EOS included,
+    at every step of a random walk through the grammar, and (but for a literal's splits) no
+    other; each token it allows is consumed."""
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    m.apply(_step(new=[_new("r", eos, **constraint)]))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        logits = torch.zeros(1, VOCAB)
+        m.mask_logits(logits, ["r"])
+        mask = (~torch.isinf(logits[0])).tolist()
+        allowed = [m.allows("r", t) for t in range(VOCAB)]
+        assert allowed == mask if exact else all(a or not k for a, k in zip(allowed, mask, strict=True))
+        noise = torch.randn(VOCAB, generator=gen)
+        token = int(noise.masked_fill(~torch.tensor(allowed), float("-inf")).argmax())
+        if token == eos:
+            break
+        m.accept(["r"], [token])
+        assert not m._rows["r"].failed
