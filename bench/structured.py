@@ -7,8 +7,9 @@ Usage:
     python bench/structured.py [--concurrency 1,8,32] [--repeats 2] [--kinds json_schema,regex,tools]
         [--vx-args '...'] [--json FILE]
 
-Prints output tok/s (median over repeats), the ratio to the plain run, TTFT p50 and the output
-tokens per request. The plain run decodes exactly --output-len tokens (ignore_eos); each
+Prints output tok/s (median over repeats), the ratio to the plain run (for `tools`, to
+`tools_none`: the same chat requests with the tools in the prompt and no grammar), TTFT p50 and
+the output tokens per request. The plain run decodes exactly --output-len tokens (ignore_eos); each
 constraint of `vx bench serve --structured` cannot end before that many, so the runs compare
 like for like (the last column shows it).
 """
@@ -49,7 +50,8 @@ def run_load(url: str, conc: int, kind: str | None, args: argparse.Namespace, se
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--kinds", default="json_schema,regex,tools")
+    p.add_argument("--kinds", default="json_schema,regex,tools_none,tools",
+                   help="tools is compared with tools_none (the same chat requests, no grammar)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -78,11 +80,12 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    rows = ["| kind | c | output tok/s | vs plain | TTFT p50 ms | tokens/request |",
+    rows = ["| kind | c | output tok/s | vs unconstrained | TTFT p50 ms | tokens/request |",
             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for conc in runs["None"]:
-        base = statistics.median(r["output_throughput"] for r in runs["None"][conc])
         for kind in kinds:
+            base_kind = "tools_none" if kind == "tools" and "tools_none" in runs else "None"
+            base = statistics.median(r["output_throughput"] for r in runs[base_kind][conc])
             rs = runs[str(kind)][conc]
             tps = statistics.median(r["output_throughput"] for r in rs)
             ttft = statistics.median(r["ttft_ms"]["p50"] for r in rs)

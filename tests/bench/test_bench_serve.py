@@ -79,7 +79,7 @@ async def test_sse_lines_split_at_lf_only() -> None:
     assert lines == [b'data: {"t": "a\xe2\x80\xa8b\xc2\x85c"}', b"", b"data: [DONE]", b"", b"last"]
 
 
-@pytest.mark.parametrize("kind", ["json_schema", "regex", "tools"])
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "tools", "tools_none"])
 async def test_bench_serve_structured_sends_a_constraint(tokenizer: Tokenizer, kind: str) -> None:
     async with running_app(tokenizer, max_model_len=1024) as h, served(h.app) as url:
         args = bench_serve.build_parser().parse_args(
@@ -91,6 +91,9 @@ async def test_bench_serve_structured_sends_a_constraint(tokenizer: Tokenizer, k
         assert s["completed"] == 2 and s["failed"] == 0
         for add in h.engine.adds():
             so = add.sampling_params.structured_outputs
+            if kind == "tools_none":  # the baseline: no constraint, the whole length
+                assert so is None and add.sampling_params.ignore_eos
+                continue
             assert so is not None
             assert so.regex if kind == "regex" else so.json or so.structural_tag
             assert not add.sampling_params.ignore_eos and add.sampling_params.min_tokens == 0

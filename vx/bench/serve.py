@@ -200,6 +200,9 @@ STRUCTURED: dict[str, dict[str, Any]] = {
                          "items": {"type": "string", "maxLength": 8}}}}}}
         for name in ("lookup", "note")]},
 }  # fmt: skip
+#: The same chat requests with `tool_choice: none` (the tools in the prompt, no grammar, exactly
+#: --output-len tokens): what `tools` compares with.
+STRUCTURED["tools_none"] = {**STRUCTURED["tools"], "tool_choice": "none"}
 
 
 async def one_request(
@@ -216,11 +219,12 @@ async def one_request(
         "stream_options": {"include_usage": True},
     }
     if args.structured:
-        # The grammar decides where the output may end (it ends the request there).
-        del body["min_tokens"], body["ignore_eos"]
+        if args.structured != "tools_none":
+            # The grammar decides where the output may end (it ends the request there).
+            del body["min_tokens"], body["ignore_eos"]
         body.update(STRUCTURED[args.structured])
     path = "/v1/completions"
-    if args.structured == "tools":
+    if args.structured in ("tools", "tools_none"):
         path = "/v1/chat/completions"
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         body["messages"] = [{"role": "user", "content": f"Look up or note each of: {text}"}]
