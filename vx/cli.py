@@ -73,6 +73,7 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                         '"prompt_lookup_max": 5}\' (turns async scheduling off)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
@@ -181,6 +182,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
         ),
         device=args.device,

@@ -67,6 +67,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
+    #: Pipeline stages (`--pipeline-parallel-size`), each of `tensor_parallel_size` Workers.
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
 
 
@@ -127,8 +129,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory must be positive")
-        if p.tensor_parallel_size < 1 or p.data_parallel_size < 1:
+        if p.tensor_parallel_size < 1 or p.data_parallel_size < 1 or p.pipeline_parallel_size < 1:
             raise ValueError("parallel sizes must be at least 1")
+        if p.pipeline_parallel_size > 1 and self.speculative.enabled:
+            raise ValueError("speculative decoding is not implemented with pipeline parallel")
         if self.model.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"unknown dtype {self.model.dtype!r}")
         if self.device not in ("cpu", "cuda"):

@@ -8,7 +8,8 @@ is killed, Python's resource tracker unlinks the segments, and the children noti
 writer/reader within a second and exit by themselves.
 
 Per data-parallel rank there are four rings: front -> engine (inputs), engine -> front (events),
-engine -> workers (a broadcast with one reader per TP rank) and rank 0 -> engine (results).
+engine -> workers (a broadcast with one reader per Worker: TP x PP of them) and the driver
+(the last pipeline stage's TP rank 0) -> engine (results).
 """
 
 from __future__ import annotations
@@ -115,19 +116,21 @@ class EngineProcesses:
             logger.warning("removed %d shm segments left by dead vx processes", len(removed))
         ctx = multiprocessing.get_context("spawn")
         cfg = self.config.encode()
-        tp = self.config.parallel.tensor_parallel_size
+        p = self.config.parallel
+        world = p.tensor_parallel_size * p.pipeline_parallel_size
+        driver = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
         enc = msgspec.msgpack.encode
         try:
             for index in range(self.config.parallel.data_parallel_size):
                 to_engine = RingWriter.create(capacity=INPUT_RING_BYTES)
                 from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
-                to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=tp)
+                to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=world)
                 from_rank0 = RingOwner.create(capacity=RESULT_RING_BYTES)
                 rank = EngineRank(index, to_engine, from_engine, to_workers, from_rank0)
                 self.ranks.append(rank)
-                port = _free_port() if tp > 1 else 0
-                for r in range(tp):
-                    out = enc(from_rank0.handle) if r == 0 else None
+                port = _free_port() if world > 1 else 0
+                for r in range(world):
+                    out = enc(from_rank0.handle) if r == driver else None
                     rank.worker_procs.append(
                         ctx.Process(
                             target=run_worker,

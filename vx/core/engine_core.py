@@ -6,7 +6,8 @@ KV BlockPool) and drives its Workers through a `WorkerGroup`.
 
 With async scheduling the loop keeps a batch queue of two: step n+1 is scheduled and sent while
 step n runs, with placeholders standing for step n's tokens, so the workers never wait for this
-process. Aborts are drained again just before a step's output is applied, so a request that was
+process. With pipeline parallel the queue holds one step per stage, of different requests, so
+that every stage has a step to run. Aborts are drained again just before a step's output is applied, so a request that was
 aborted while its step ran is freed before its tokens could be emitted.
 
 Invariants: every `SchedulerOutput` sent is matched by exactly one `ModelRunnerOutput`, in order;
@@ -69,7 +70,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks)
         self._in_codec = codec.engine_input_codec()
         self._out_codec = codec.engine_event_codec()
-        self._depth = 2 if config.scheduler.async_scheduling else 1
+        pp = config.parallel.pipeline_parallel_size
+        #: steps in flight: two with async scheduling; one per stage with pipeline parallel
+        #: (each stage runs a different step, `Scheduler.pp_size`)
+        self._depth = max(2, pp) if pp > 1 else 2 if config.scheduler.async_scheduling else 1
+        self._pp = pp > 1
         self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
         self._shutdown = False
         self._stats_dirty = False
@@ -200,7 +205,7 @@ class EngineCore:
         if (
             len(self._in_flight) < self._depth
             and self.scheduler.has_unfinished_requests()
-            and not (self._in_flight and _carries_prefill(self._in_flight[-1]))
+            and (self._pp or not (self._in_flight and _carries_prefill(self._in_flight[-1])))
         ):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:

@@ -1,10 +1,11 @@
 """The Worker process: load the model, size the KV pool, then run steps until told to stop.
 
-Runs in: one Worker process per device (per tensor-parallel rank), a `multiprocessing` spawn
-child. It reads every `SchedulerOutput` from the EngineCore's broadcast ring; rank 0 alone
-answers on its result ring, since every rank samples the same tokens.
+Runs in: one Worker process per device (per tensor-parallel rank of each pipeline stage), a
+`multiprocessing` spawn child. It reads every `SchedulerOutput` from the EngineCore's broadcast
+ring; the driver (the last stage's TP rank 0; rank 0 without pipeline parallel) alone answers
+on its result ring, since every rank of the last stage samples the same tokens.
 
-Invariants: exactly one `ModelRunnerOutput` per `SchedulerOutput` (from rank 0), in order; a
+Invariants: exactly one `ModelRunnerOutput` per `SchedulerOutput` (from the driver), in order; a
 fatal error is reported as `WorkerDead` (best effort) and the process exits non-zero; the death
 of the EngineCore (its ring's writer) makes the worker exit within about a second.
 """
@@ -33,8 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
-    """Threads, device and (for TP > 1) the process group; returns the device string."""
+    """Threads, device and (for more than one Worker) the process grid
+    (`vx.gpu.parallel_state`); returns the device string."""
     import torch
+
+    from vx.gpu import parallel_state
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -42,17 +46,17 @@ def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
     if config.device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    tp = config.parallel.tensor_parallel_size
-    if tp > 1:
-        import torch.distributed as dist
-
-        # CUDA tensors go over NCCL; the few CPU tensors (the pool-size agreement) over gloo.
-        dist.init_process_group(
-            backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{dist_port}",
-            rank=rank,
-            world_size=tp,
-        )
+    p = config.parallel
+    # CUDA tensors go over NCCL; the CPU tensors (the pool-size agreement) over gloo.
+    parallel_state.init(
+        tp_size=p.tensor_parallel_size,
+        pp_size=p.pipeline_parallel_size,
+        rank=rank,
+        init_method=f"tcp://127.0.0.1:{dist_port}",
+        backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
+        # a stage waits on the previous one's hidden states for at most a step's deadline
+        timeout_s=max(config.step_timeout_s, 60.0),
+    )
     return device
 
 
@@ -112,9 +116,10 @@ def _bind_omp_threads() -> None:
     logger.debug("OpenMP threads bound to cores %s (team %d)", cpus[:n], team)
 
 
-def _min_across_ranks(value: int, tp: int) -> int:
-    """Every rank must use the same pool size: the smallest any rank can hold."""
-    if tp == 1:
+def _min_across_ranks(value: int, world: int) -> int:
+    """Every rank must use the same pool size: the smallest any rank (of any pipeline stage,
+    each holding its own layers' caches) can hold."""
+    if world == 1:
         return value
     import torch
     import torch.distributed as dist
@@ -159,11 +164,13 @@ def run_worker(
 
     tqdm.set_lock(threading.RLock())
     try:
+        from vx.gpu import parallel_state
         from vx.gpu.model_runner import ModelRunner
 
-        tp = config.parallel.tensor_parallel_size
         device = _init_torch(config, rank, dist_port)
-        runner = ModelRunner(config, rank=rank, device=device)
+        grid = parallel_state.grid()
+        driver = rank == grid.driver_rank
+        runner = ModelRunner(config, rank=grid.tp_rank, device=device)
         t0 = time.perf_counter()
         runner.load_model()
         num_blocks, kv_bytes = runner.determine_num_blocks()
@@ -176,7 +183,7 @@ def run_worker(
             per_seq = -(-(config.model.max_model_len or 2048) // config.cache.block_size)
             num_blocks = min(num_blocks, 2 * config.scheduler.max_num_seqs * per_seq)
         kv_bytes = num_blocks * block_bytes
-        num_blocks = _min_across_ranks(num_blocks, tp)
+        num_blocks = _min_across_ranks(num_blocks, grid.world_size)
         runner.initialize_kv_cache(num_blocks)
         _settle_for_steps(device)
         logger.info(
@@ -194,7 +201,7 @@ def run_worker(
             if isinstance(msg, messages.Shutdown):
                 break
             output = runner.execute(msg)
-            if rank == 0:
+            if driver:
                 send(output)
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         logger.warning("worker %d: the EngineCore is gone; exiting", rank)

@@ -1,0 +1,148 @@
+"""The Worker's place in the process grid: its tensor-parallel group and its pipeline stage.
+
+Runs in: each Worker process.
+
+The grid follows vLLM's layout: `world = pp * tp` Workers, global rank `pp_rank * tp + tp_rank`,
+so each pipeline stage is `tp` consecutive ranks (one tensor-parallel group) and a stage's
+tensor-parallel rank t talks to rank t of the next stage. The layers are split across the
+stages as vLLM's `get_pp_indices` splits them. The one torch.distributed world (gloo on CPU;
+NCCL for CUDA tensors, gloo for the CPU ones) carries the tensor-parallel collectives, inside
+a stage's group, and the hidden states and residual from stage to stage (`send_to_next` /
+`recv_from_prev`); its CPU side also carries the start-up's pool-size agreement.
+
+Invariant: `init` runs once per process before the model is built; with world size 1 no
+process group exists and every collective here is a no-op (or is never called).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Grid", "get_pp_indices", "grid", "init", "recv_from_prev", "send_to_next"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """This Worker's coordinates: `rank = pp_rank * tp_size + tp_rank`."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that answers the EngineCore: the last stage's tensor-parallel rank 0 (the
+        last stage samples)."""
+        return (self.pp_size - 1) * self.tp_size
+
+
+_grid = Grid()
+#: This stage's tensor-parallel group; None: the whole world is one TP group (pp 1).
+_tp_group = None
+#: The send of the previous step's hidden states, still in flight (`send_to_next`).
+_pending: list = []
+
+
+def grid() -> Grid:
+    return _grid
+
+
+def tp_group():
+    """The group tensor-parallel collectives run in (None: the default world)."""
+    return _tp_group
+
+
+def init(
+    *, tp_size: int, pp_size: int, rank: int, init_method: str, backend: str, timeout_s: float
+) -> Grid:
+    """Join the world (when it has more than one rank) and make the stages' TP groups."""
+    global _grid, _tp_group
+    import datetime
+
+    import torch.distributed as dist
+
+    _grid = Grid(tp_size=tp_size, pp_size=pp_size, tp_rank=rank % tp_size, pp_rank=rank // tp_size)
+    if _grid.world_size == 1:
+        return _grid
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=_grid.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    if pp_size > 1 and tp_size > 1:
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        for stage in range(pp_size):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == _grid.pp_rank:
+                _tp_group = group
+    return _grid
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of stage `pp_rank`'s layers: an even split, the remainder going one each to
+    the stages before the last (the last stage also holds the final norm and the LM head);
+    vLLM's `get_pp_indices`."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
+
+
+def send_to_next(tensors: list[torch.Tensor]) -> None:
+    """Send this stage's output to the same TP rank of the next stage without waiting for it
+    to be received: the previous step's send is completed first (the stage runs on while the
+    next one has not yet asked), and the tensors are kept alive until then."""
+    import torch.distributed as dist
+
+    _wait_pending()
+    dst = _grid.rank + _grid.tp_size
+    for t in tensors:
+        t = t.contiguous()
+        _pending.append((dist.isend(t, dst), t))
+
+
+def recv_from_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int):
+    """`n` tensors of `shape` from the same TP rank of the previous stage (the shapes are known
+    to both stages: every stage flattens the same SchedulerOutput)."""
+    import torch.distributed as dist
+
+    src = _grid.rank - _grid.tp_size
+    out = []
+    for _ in range(n):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src)
+        out.append(t)
+    return out
+
+
+def _wait_pending() -> None:
+    while _pending:
+        work, _ = _pending.pop(0)
+        work.wait()
