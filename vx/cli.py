@@ -74,6 +74,15 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 5}\' (turns async scheduling off)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    # Across nodes (one `vx serve` per node; defaults from torchrun's MASTER_ADDR, MASTER_PORT,
+    # WORLD_SIZE and RANK): node 0 serves, the others run --headless.
+    p.add_argument("--nnodes", type=int, default=None, help="nodes the Workers span (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (default 0)")
+    p.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="node 0's torch.distributed port; its step link listens on the next")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's Workers, for node 0's EngineCore (node rank > 0)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
@@ -184,6 +193,7 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            **_nodes_from_args(args),
         ),
         device=args.device,
         profile_steps=args.profile_steps,
@@ -195,6 +205,23 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
     )
     config.validate()
     return config
+
+
+def _nodes_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """--nnodes, --master-addr, --master-port, with torchrun's variables as their defaults."""
+    from vx import envs
+
+    return {
+        "nnodes": args.nnodes or envs.WORLD_SIZE or 1,
+        "master_addr": args.master_addr or envs.MASTER_ADDR or "127.0.0.1",
+        "master_port": args.master_port or envs.MASTER_PORT or 0,
+    }
+
+
+def _node_rank(args: argparse.Namespace) -> int:
+    from vx import envs
+
+    return args.node_rank if args.node_rank is not None else envs.RANK or 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -211,6 +238,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
+    node_rank = _node_rank(args)
+    if args.headless or node_rank > 0:
+        from vx.headless import run_headless
+
+        return run_headless(config, node_rank)
     settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -37,6 +37,7 @@ from vx.core.scheduler import Scheduler
 from vx.errors import EngineDeadError, EngineStartupError
 from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.ipc import codec
+from vx.ipc.link import Link, accept_links
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
 from vx.log import log_request, request_extra, requests_logged, setup_logging
 
@@ -126,7 +127,16 @@ class EngineCore:
 
     def _drain_input(self, *, block: bool) -> None:
         """Apply every queued input; with `block`, wait for at least one first."""
-        if block:
+        if block and self._workers.has_remote_nodes:
+            # Across nodes, an idle engine still notices a lost node within a second.
+            while True:
+                try:
+                    data = self._input.recv(timeout=1.0)
+                    break
+                except TimeoutError:
+                    self._workers.check_nodes()
+            self._handle_input(self._in_codec.decode(data))
+        elif block:
             self._handle_input(self._in_codec.decode(self._input.recv()))
         while True:
             try:
@@ -371,9 +381,20 @@ def run_engine_core(
     workers = WorkerGroup(
         to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
     )
+    remote: dict[int, Link] = {}
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
+        remote = _accept_nodes(config, config_bytes)
+        if remote:  # the driver may be on another node: its answers come over that Link
+            p = config.parallel
+            driver_node = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+            driver_node //= p.workers_per_node
+            workers = WorkerGroup(
+                to_workers, remote.get(driver_node, from_rank0),
+                step_timeout_s=config.step_timeout_s, worker_pids=pids,
+                remote_nodes=[remote[r] for r in sorted(remote)],
+            )  # fmt: skip
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
         engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
         # The block pool's objects (one per KV block) live as long as the engine: out of the
@@ -428,3 +449,19 @@ def run_engine_core(
     finally:
         for ring in (input_ring, output_ring, to_workers, from_rank0):
             ring.close()
+        for link in remote.values():
+            link.close()
+
+
+def _accept_nodes(config: EngineConfig, config_bytes: bytes) -> dict[int, Link]:
+    """With `--nnodes N`, wait for the N - 1 headless nodes (`vx.headless`) and hand each the
+    configuration; their Links by node rank (none on one node)."""
+    p = config.parallel
+    if p.nnodes == 1:
+        return {}
+    logger.info("waiting for %d other node(s) on %s:%d", p.nnodes - 1, p.master_addr,
+                p.master_port + 1)  # fmt: skip
+    links = accept_links(p.master_addr, p.master_port + 1, p.nnodes - 1, STARTUP_TIMEOUT_S)
+    for link in links.values():
+        link.send(config_bytes)
+    return links

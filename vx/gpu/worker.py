@@ -33,7 +33,7 @@ from vx.log import setup_logging
 logger = logging.getLogger(__name__)
 
 
-def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
+def _init_torch(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> str:
     """Threads, device and (for more than one Worker) the process grid
     (`vx.gpu.parallel_state`); returns the device string."""
     import torch
@@ -44,15 +44,15 @@ def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
         torch.set_num_threads(config.num_threads)
     device = "cpu"
     if config.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
     p = config.parallel
     # CUDA tensors go over NCCL; the CPU tensors (the pool-size agreement) over gloo.
     parallel_state.init(
         tp_size=p.tensor_parallel_size,
         pp_size=p.pipeline_parallel_size,
         rank=rank,
-        init_method=f"tcp://127.0.0.1:{dist_port}",
+        init_method=init_method,
         backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
         # a stage waits on the previous one's hidden states for at most a step's deadline
         timeout_s=max(config.step_timeout_s, 60.0),
@@ -134,14 +134,20 @@ def run_worker(
     rank: int,
     input_handle: bytes,
     output_handle: bytes | None,
-    dist_port: int = 0,
+    init_method: str = "",
+    local_rank: int | None = None,
 ) -> None:
-    """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours."""
+    """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours.
+
+    `rank` is the global rank (`vx.gpu.parallel_state`), `local_rank` this node's index of the
+    Worker (its reader of the broadcast ring, its GPU; `rank` on one node); `init_method` is
+    torch.distributed's rendezvous (unused for a world of one)."""
+    local_rank = rank if local_rank is None else local_rank
     config = EngineConfig.decode(config_bytes)
     setup_logging(f"worker{rank}")
     # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), rank)
+    inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), local_rank)
     outbox = (
         RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
         if output_handle is not None
@@ -167,7 +173,7 @@ def run_worker(
         from vx.gpu import parallel_state
         from vx.gpu.model_runner import ModelRunner
 
-        device = _init_torch(config, rank, dist_port)
+        device = _init_torch(config, rank, local_rank, init_method)
         grid = parallel_state.grid()
         driver = rank == grid.driver_rank
         runner = ModelRunner(config, rank=grid.tp_rank, device=device)
