@@ -7,6 +7,7 @@ deadline, and every process of both trees is gone within 10 s, with no /dev/shm 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -78,7 +79,9 @@ def test_two_nodes_parity_then_node_loss_fails_the_group(tiny_model: str) -> Non
         node1.wait(10)
         node0._clean_up()
         log1.close()
-    print(f"node loss: /health 503 after {t_503:.2f} s, every process gone after {t_gone:.2f} s")
+    logging.getLogger(__name__).info(
+        "node loss: /health 503 after %.2f s, every process gone after %.2f s", t_503, t_gone
+    )
 
 
 def _health(url: str) -> int:

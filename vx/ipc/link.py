@@ -117,7 +117,9 @@ def connect_link(host: str, port: int, node_rank: int, timeout_s: float) -> Link
             break
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"node 0 at {host}:{port} did not answer in {timeout_s:g} s")
+                raise TimeoutError(
+                    f"node 0 at {host}:{port} did not answer in {timeout_s:g} s"
+                ) from None
             time.sleep(0.2)  # node 0 is still starting (its listener comes with its engine)
     link = Link(sock)
     link.send(_LEN.pack(node_rank))
