@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -63,6 +64,9 @@ _grid = Grid()
 _tp_group = None
 #: The send of the previous step's hidden states, still in flight (`send_to_next`).
 _pending: list = []
+#: Seconds this stage has spent waiting on the previous stage's hidden states and on its own
+#: previous send (`--profile-steps` reports them: the pipeline's bubble).
+wait_s = 0.0
 
 
 def grid() -> Grid:
@@ -133,16 +137,22 @@ def recv_from_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     to both stages: every stage flattens the same SchedulerOutput)."""
     import torch.distributed as dist
 
+    global wait_s
     src = _grid.rank - _grid.tp_size
     out = []
+    t0 = time.perf_counter()
     for _ in range(n):
         t = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(t, src)
         out.append(t)
+    wait_s += time.perf_counter() - t0
     return out
 
 
 def _wait_pending() -> None:
+    global wait_s
+    t0 = time.perf_counter()
     while _pending:
         work, _ = _pending.pop(0)
         work.wait()
+    wait_s += time.perf_counter() - t0

@@ -129,6 +129,47 @@ def _min_across_ranks(value: int, world: int) -> int:
     return int(t.item())
 
 
+class _StageProfile:
+    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, every 200
+    steps, how its wall time split into computing, waiting on the stage before it (or on its
+    own previous send), and waiting for the next step. The time not spent computing is this
+    stage's share of the pipeline's bubble."""
+
+    def __init__(self, grid) -> None:
+        self.grid = grid
+        self.steps = 0
+        self.exec_s = 0.0
+        self.t_start = self.t0 = time.perf_counter()
+        self.wait0 = 0.0
+
+    def begin(self) -> None:
+        from vx.gpu import parallel_state
+
+        self.t0 = time.perf_counter()
+        if self.steps == 0:
+            self.t_start, self.wait0 = self.t0, parallel_state.wait_s
+
+    def end(self) -> None:
+        from vx.gpu import parallel_state
+
+        now = time.perf_counter()
+        self.exec_s += now - self.t0
+        self.steps += 1
+        if self.steps < 200:
+            return
+        wall = now - self.t_start
+        pp_wait = parallel_state.wait_s - self.wait0
+        if self.grid.tp_rank == 0 and wall > 0:
+            logger.info(
+                "pp stage %d profile over %d steps (%.2f s): compute %.1f%%, waiting on the "
+                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%)",
+                self.grid.pp_rank, self.steps, wall, 100 * (self.exec_s - pp_wait) / wall,
+                100 * pp_wait / wall, 100 * (wall - self.exec_s) / wall,
+                100 * (wall - self.exec_s + pp_wait) / wall,
+            )  # fmt: skip
+        self.steps, self.exec_s = 0, 0.0
+
+
 def run_worker(
     config_bytes: bytes,
     rank: int,
@@ -202,11 +243,16 @@ def run_worker(
                 device=device,
             )
         )
+        stage_profile = _StageProfile(grid) if config.profile_steps and grid.pp_size > 1 else None
         while True:
             msg = in_codec.decode(inbox.recv())
             if isinstance(msg, messages.Shutdown):
                 break
+            if stage_profile is not None:
+                stage_profile.begin()
             output = runner.execute(msg)
+            if stage_profile is not None:
+                stage_profile.end()
             if driver:
                 send(output)
     except (anyio.BrokenResourceError, anyio.EndOfStream):
