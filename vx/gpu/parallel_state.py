@@ -108,8 +108,8 @@ def init(
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """[start, end) of stage `pp_rank`'s layers: an even split, the remainder going one each to
-    the stages before the last (the last stage also holds the final norm and the LM head);
-    vLLM's `get_pp_indices`."""
+    the stages just before the last (the first holds the embedding, the last the final norm and
+    the LM head); vLLM's `get_pp_indices`."""
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
     parts = [num_layers // pp_size] * pp_size
