@@ -230,16 +230,18 @@ def _serve(args: argparse.Namespace) -> int:
     from vx.launch import ServerSettings, serve
     from vx.log import setup_logging
 
+    node_rank = _node_rank(args)
+    headless = args.headless or node_rank > 0
     setup_logging(
-        "api", args.log_level, log_format=args.log_format, log_requests=args.enable_log_requests
-    )
+        f"node{node_rank}" if headless else "api", args.log_level, log_format=args.log_format,
+        log_requests=args.enable_log_requests,
+    )  # fmt: skip
     try:
         config = engine_config_from_args(args)
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
-    node_rank = _node_rank(args)
-    if args.headless or node_rank > 0:
+    if headless:
         from vx.headless import run_headless
 
         return run_headless(config, node_rank)

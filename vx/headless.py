@@ -35,6 +35,7 @@ from vx.engine_procs import (
     rendezvous,
     resolve_engine_config,
 )
+from vx.errors import EngineStartupError
 from vx.exit_code import ExitCode
 from vx.ipc.link import Link, connect_link
 from vx.ipc.ring import RingReader, RingWriter
@@ -62,9 +63,14 @@ def run_headless(hint: EngineConfig, node_rank: int) -> int:
         logger.error("node %d: no configuration from node 0: %s", node_rank, e)
         return ExitCode.STARTUP_FAILED
     # node 0's configuration, its model found on this node (node 0's path may not exist here)
-    config = resolve_engine_config(
-        msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=""))
-    )
+    try:
+        config = resolve_engine_config(
+            msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=""))
+        )
+    except (EngineStartupError, ValueError) as e:
+        logger.error("node %d cannot start: %s", node_rank, e)
+        link.close()  # node 0 sees it and fails its start
+        return getattr(e, "exit_code", ExitCode.BAD_CONFIG)
     node = _Node(config, node_rank, link)
     signal.signal(signal.SIGTERM, lambda *_: node.stop("SIGTERM"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # node 0 orders shutdown
