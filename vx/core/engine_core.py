@@ -7,8 +7,9 @@ KV BlockPool) and drives its Workers through a `WorkerGroup`.
 With async scheduling the loop keeps a batch queue of two: step n+1 is scheduled and sent while
 step n runs, with placeholders standing for step n's tokens, so the workers never wait for this
 process. With pipeline parallel the queue holds one step per stage, of different requests, so
-that every stage has a step to run. Aborts are drained again just before a step's output is applied, so a request that was
-aborted while its step ran is freed before its tokens could be emitted.
+that every stage has a step to run. Aborts are drained again just before a step's output is
+applied, so a request that was aborted while its step ran is freed before its tokens could be
+emitted.
 
 Invariants: every `SchedulerOutput` sent is matched by exactly one `ModelRunnerOutput`, in order;
 an idle engine blocks on its input ring (no spinning); any exception ends in `EngineDead` on the
