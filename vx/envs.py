@@ -107,6 +107,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "Cores for the front and EngineCore processes: `auto` (on CPU the last allowed core), "
           "a list such as `0,2-3`, or `off`/`none`/empty to leave them where they are.",
           "operator"),
+    _text("VX_PP_LAYER_PARTITION", "",
+          "Layers per pipeline stage, e.g. `10,6` (vLLM's `VLLM_PP_LAYER_PARTITION`; the same on "
+          "every node); empty: an even split.",
+          "operator"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
            doc="Where vx keeps converted models and the built C kernel library.",

@@ -20,6 +20,14 @@ def test_layers_split_as_vllm_splits_them(layers: int, pp: int, sizes: list[int]
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
+def test_partition_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,6")
+    assert [get_pp_indices(16, r, 2) for r in range(2)] == [(0, 10), (10, 16)]
+    monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,5")
+    with pytest.raises(ValueError, match="summing to 16"):
+        get_pp_indices(16, 0, 2)
+
+
 def test_more_stages_than_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="exceeds"):
         get_pp_indices(2, 0, 3)

@@ -109,12 +109,23 @@ def init(
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """[start, end) of stage `pp_rank`'s layers: an even split, the remainder going one each to
     the stages just before the last (the first holds the embedding, the last the final norm and
-    the LM head); vLLM's `get_pp_indices`."""
+    the LM head); vLLM's `get_pp_indices`. `VX_PP_LAYER_PARTITION` sets the counts instead (the
+    last stage's LM head may weigh as much as several layers)."""
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
-    parts = [num_layers // pp_size] * pp_size
-    for i in range(2, num_layers % pp_size + 2):
-        parts[-i] += 1
+    from vx import envs
+
+    if envs.VX_PP_LAYER_PARTITION:
+        parts = [int(x) for x in envs.VX_PP_LAYER_PARTITION.split(",")]
+        if len(parts) != pp_size or sum(parts) != num_layers or min(parts) < 1:
+            raise ValueError(
+                f"VX_PP_LAYER_PARTITION={envs.VX_PP_LAYER_PARTITION!r}: need {pp_size} "
+                f"positive counts summing to {num_layers}"
+            )
+    else:
+        parts = [num_layers // pp_size] * pp_size
+        for i in range(2, num_layers % pp_size + 2):
+            parts[-i] += 1
     start = sum(parts[:pp_rank])
     return start, start + parts[pp_rank]
 
