@@ -211,10 +211,14 @@ def _nodes_from_args(args: argparse.Namespace) -> dict[str, object]:
     """--nnodes, --master-addr, --master-port, with torchrun's variables as their defaults."""
     from vx import envs
 
+    port = args.master_port
+    if port is None and envs.MASTER_PORT:
+        # torchrun's agent keeps its own store on MASTER_PORT: vx's ports are the next two
+        port = envs.MASTER_PORT + 1
     return {
         "nnodes": args.nnodes or envs.WORLD_SIZE or 1,
         "master_addr": args.master_addr or envs.MASTER_ADDR or "127.0.0.1",
-        "master_port": args.master_port or envs.MASTER_PORT or 0,
+        "master_port": port or 0,
     }
 
 

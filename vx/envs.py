@@ -225,7 +225,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "operator (torchrun)", external=True),
     EnvVar(name="MASTER_PORT", type="integer", parse=_int_or_none, default=None,
            shown_default="unset",
-           doc="The default of `vx serve --master-port` (vx also listens on the port after it).",
+           doc="Under torchrun: `vx serve --master-port` defaults to the port after it (torchrun's "
+               "store holds this one).",
            set_by="operator (torchrun)", external=True),
     EnvVar(name="WORLD_SIZE", type="integer", parse=_int_or_none, default=None,
            shown_default="unset",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -90,6 +91,10 @@ def init(
     _grid = Grid(tp_size=tp_size, pp_size=pp_size, tp_rank=rank % tp_size, pp_rank=rank // tp_size)
     if _grid.world_size == 1:
         return _grid
+    # Under torchrun, its agent hosts a store on MASTER_PORT and tells its processes (so ours,
+    # which inherit the variable) to join that one; vx's world has its own store, hosted by
+    # rank 0 at `init_method`.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
