@@ -78,6 +78,16 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
                         '"tcp://*:5557", "topic": "kv-events"}\' (needs pyzmq: the kv-events extra)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    # Across nodes (one `vx serve` per node; defaults from torchrun's MASTER_ADDR, MASTER_PORT,
+    # WORLD_SIZE and RANK): node 0 serves, the others run --headless.
+    p.add_argument("--nnodes", type=int, default=None, help="nodes the Workers span (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (default 0)")
+    p.add_argument("--master-addr", default=None, help="node 0's address (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="node 0's torch.distributed port; its step link listens on the next")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's Workers, for node 0's EngineCore (node rank > 0)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
@@ -186,7 +196,9 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            **_nodes_from_args(args),
         ),
         device=args.device,
         profile_steps=args.profile_steps,
@@ -206,20 +218,48 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
     return config
 
 
+def _nodes_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """--nnodes, --master-addr, --master-port, with torchrun's variables as their defaults."""
+    from vx import envs
+
+    port = args.master_port
+    if port is None and envs.MASTER_PORT:
+        # torchrun's agent keeps its own store on MASTER_PORT: vx's ports are the next two
+        port = envs.MASTER_PORT + 1
+    return {
+        "nnodes": args.nnodes or envs.WORLD_SIZE or 1,
+        "master_addr": args.master_addr or envs.MASTER_ADDR or "127.0.0.1",
+        "master_port": port or 0,
+    }
+
+
+def _node_rank(args: argparse.Namespace) -> int:
+    from vx import envs
+
+    return args.node_rank if args.node_rank is not None else envs.RANK or 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import anyio
 
     from vx.launch import ServerSettings, serve
     from vx.log import setup_logging
 
+    node_rank = _node_rank(args)
+    headless = args.headless or node_rank > 0
     setup_logging(
-        "api", args.log_level, log_format=args.log_format, log_requests=args.enable_log_requests
-    )
+        f"node{node_rank}" if headless else "api", args.log_level, log_format=args.log_format,
+        log_requests=args.enable_log_requests,
+    )  # fmt: skip
     try:
         config = engine_config_from_args(args)
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
+    if headless:
+        from vx.headless import run_headless
+
+        return run_headless(config, node_rank)
     settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -67,6 +67,25 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
+    #: Pipeline stages (`--pipeline-parallel-size`), each of `tensor_parallel_size` Workers.
+    pipeline_parallel_size: int = 1
+    #: Nodes the Workers span (`--nnodes`); node r runs global ranks [r * k, (r + 1) * k),
+    #: k = TP x PP / nnodes. Node 0 runs the front and the EngineCore too; the others are headless
+    #: (`vx.headless`).
+    nnodes: int = 1
+    #: Node 0's address: torch.distributed's store listens on `master_port`, the EngineCore's
+    #: link to the other nodes on `master_port + 1`.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one data-parallel rank: TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.world_size // self.nnodes
     data_parallel_size: int = 1
 
 
@@ -151,8 +170,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory must be positive")
-        if p.tensor_parallel_size < 1 or p.data_parallel_size < 1:
+        if p.tensor_parallel_size < 1 or p.data_parallel_size < 1 or p.pipeline_parallel_size < 1:
             raise ValueError("parallel sizes must be at least 1")
+        if p.nnodes > 1:
+            if p.world_size % p.nnodes:
+                raise ValueError(f"TP x PP ({p.world_size}) is not divisible by nnodes {p.nnodes}")
+            if p.data_parallel_size != 1:
+                raise ValueError("data parallel across nodes is not implemented")
+            if not 0 < p.master_port < 65535:
+                raise ValueError("--nnodes > 1 needs --master-port (or MASTER_PORT)")
+        if p.pipeline_parallel_size > 1 and self.speculative.enabled:
+            raise ValueError("speculative decoding is not implemented with pipeline parallel")
         if self.model.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"unknown dtype {self.model.dtype!r}")
         if self.device not in ("cpu", "cuda"):

@@ -8,7 +8,8 @@ is killed, Python's resource tracker unlinks the segments, and the children noti
 writer/reader within a second and exit by themselves.
 
 Per data-parallel rank there are four rings: front -> engine (inputs), engine -> front (events),
-engine -> workers (a broadcast with one reader per TP rank) and rank 0 -> engine (results).
+engine -> workers (a broadcast with one reader per Worker: TP x PP of them) and the driver
+(the last pipeline stage's TP rank 0) -> engine (results).
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rendezvous(config: EngineConfig) -> str:
+    """torch.distributed's init method for one data-parallel rank's Workers: node 0's
+    `master_port` across nodes, a free local port on one node (unused for a world of one)."""
+    p = config.parallel
+    if p.nnodes > 1:
+        return f"tcp://{p.master_addr}:{p.master_port}"
+    return f"tcp://127.0.0.1:{_free_port()}" if p.world_size > 1 else ""
+
+
 @dataclass
 class EngineRank:
     """One data-parallel rank: its EngineCore, its Workers, and the front's ends of its rings.
@@ -115,24 +125,26 @@ class EngineProcesses:
             logger.warning("removed %d shm segments left by dead vx processes", len(removed))
         ctx = multiprocessing.get_context("spawn")
         cfg = self.config.encode()
-        tp = self.config.parallel.tensor_parallel_size
+        p = self.config.parallel
+        local = p.workers_per_node  # node 0's Workers: global ranks [0, local)
+        driver = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
         enc = msgspec.msgpack.encode
         try:
             for index in range(self.config.parallel.data_parallel_size):
                 to_engine = RingWriter.create(capacity=INPUT_RING_BYTES)
                 from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
-                to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=tp)
+                to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=local)
                 from_rank0 = RingOwner.create(capacity=RESULT_RING_BYTES)
                 rank = EngineRank(index, to_engine, from_engine, to_workers, from_rank0)
                 self.ranks.append(rank)
-                port = _free_port() if tp > 1 else 0
-                for r in range(tp):
-                    out = enc(from_rank0.handle) if r == 0 else None
+                init_method = rendezvous(self.config)
+                for r in range(local):
+                    out = enc(from_rank0.handle) if r == driver else None
                     rank.worker_procs.append(
                         ctx.Process(
                             target=run_worker,
                             name=f"vx-worker{index}.{r}",
-                            args=(cfg, r, enc(to_workers.handle), out, port),
+                            args=(cfg, r, enc(to_workers.handle), out, init_method),
                             daemon=False,
                         )
                     )

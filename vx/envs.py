@@ -107,6 +107,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "Cores for the front and EngineCore processes: `auto` (on CPU the last allowed core), "
           "a list such as `0,2-3`, or `off`/`none`/empty to leave them where they are.",
           "operator"),
+    _text("VX_PP_LAYER_PARTITION", "",
+          "Layers per pipeline stage, e.g. `10,6` (vLLM's `VLLM_PP_LAYER_PARTITION`; the same on "
+          "every node); empty: an even split.",
+          "operator"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
            doc="Where vx keeps converted models and the built C kernel library.",
@@ -215,6 +219,22 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            shown_default="0",
            doc="`1`: Triton's interpreter runs the kernels (on CPU); vx then accepts CPU tensors.",
            set_by="tests/gpu/test_triton.py, tests/gpu/test_cuda_graphs.py", external=True),
+    # torchrun's (and Slurm / LeaderWorkerSet launch scripts') rendezvous, one vx per node
+    _text("MASTER_ADDR", "",
+          "Node 0's address: the default of `vx serve --master-addr` (else 127.0.0.1).",
+          "operator (torchrun)", external=True),
+    EnvVar(name="MASTER_PORT", type="integer", parse=_int_or_none, default=None,
+           shown_default="unset",
+           doc="Under torchrun: `vx serve --master-port` defaults to the port after it (torchrun's "
+               "store holds this one).",
+           set_by="operator (torchrun)", external=True),
+    EnvVar(name="WORLD_SIZE", type="integer", parse=_int_or_none, default=None,
+           shown_default="unset",
+           doc="The default of `vx serve --nnodes` (one vx process per node).",
+           set_by="operator (torchrun)", external=True),
+    EnvVar(name="RANK", type="integer", parse=_int_or_none, default=None, shown_default="unset",
+           doc="The default of `vx serve --node-rank`; a rank above 0 runs `--headless`.",
+           set_by="operator (torchrun)", external=True),
     # ── read by tests and bench scripts, not by the vx package ──
     _text("VX_RELIABILITY_FIGURES", "/tmp/vx-reliability-figures.txt",
           "File the reliability tests append their figures to.",

@@ -86,6 +86,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         async_scheduling: bool = True,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         data_parallel_size: int = 1,
         num_threads: int | None = None,
         seed: int = 0,
@@ -126,7 +127,9 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                data_parallel_size=data_parallel_size,
             ),
             device=device,
             num_threads=num_threads,

@@ -265,11 +265,15 @@ class CachedRequestData(_StepMsg, frozen=True):
 
     Only the new block ids and the computed count travel; the workers know the tokens, because
     rank 0 sampled them (this is what lets async scheduling run ahead of the outputs).
+    With pipeline parallel only the last stage samples: `new_token_ids[i]` then holds request
+    i's known tokens from max(num_computed_tokens, its prompt length) to the end of this
+    step's tokens, for the earlier stages to append what they lack (empty without PP).
     """
 
     req_ids: list[str]
     new_block_ids: list[list[int]]
     num_computed_tokens: list[int]
+    new_token_ids: list[list[int]] = []
 
 
 class SchedulerOutput(_StepMsg, frozen=True):

@@ -38,6 +38,8 @@ class _Workers:
     moment the real EngineCore blocks on its workers; `during_step` runs just before, as if
     a request had arrived while the step was running."""
 
+    has_remote_nodes = False  # one node
+
     def __init__(self) -> None:
         self.model = FakeWorker()
         self.sent: list[SchedulerOutput] = []

@@ -491,3 +491,33 @@ def test_constrained_requests_are_counted_until_freed() -> None:
     assert s.make_stats().num_constrained == 1
     s.finish_requests("re", RequestStatus.FINISHED_ABORTED)
     assert s.make_stats().num_constrained == 0
+
+
+def test_pipeline_parallel_splits_steps_and_sends_known_tokens() -> None:
+    """PP = 2 (async scheduling asked for, as by default): two steps in flight take disjoint
+    halves of the running requests; a request is not scheduled again until its step's token
+    is back (no placeholders); that token then travels to the earlier stages in
+    `new_token_ids`, prompt tokens never do; an abort between the steps frees at once."""
+    config = make_config(max_num_batched_tokens=256, async_scheduling=True)
+    config = msgspec.structs.replace(
+        config, parallel=msgspec.structs.replace(config.parallel, pipeline_parallel_size=2)
+    )
+    s = Scheduler(config, 64)
+    for i in range(4):
+        s.add_request(make_add_request(f"r{i}", [1, 2, 3 + i], max_tokens=8))
+    a = s.schedule()
+    b = s.schedule()
+    assert list(a.num_scheduled_tokens) == ["r0", "r1"]
+    assert list(b.num_scheduled_tokens) == ["r2", "r3"]
+    assert s.schedule().total_num_scheduled_tokens == 0  # everyone is in flight
+    s.update_from_output(a, decode_all(a, token=7))
+    c = s.schedule()
+    assert c.scheduled_cached_reqs.req_ids == ["r0", "r1"]
+    assert c.scheduled_cached_reqs.new_token_ids == [[7], [7]]
+    assert all(s.requests[r].num_output_placeholders == 0 for r in s.requests)
+    s.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(b, decode_all(b, token=9))  # r2's token is dropped
+    d = s.schedule()
+    assert d.scheduled_cached_reqs.req_ids == ["r3"] and d.finished_req_ids == ["r2"]
+    assert d.scheduled_cached_reqs.new_token_ids == [[9]]
+    check(s)

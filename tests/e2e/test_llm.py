@@ -200,6 +200,11 @@ def test_choice_i_samples_with_seed_plus_i(llm: LLM) -> None:
         pytest.param({"async_scheduling": False}, id="sync"),
         pytest.param({"num_blocks": 6, "max_num_seqs": 4}, id="preemption"),
         pytest.param({"tensor_parallel_size": 2}, id="tp2"),
+        pytest.param({"pipeline_parallel_size": 2}, id="pp2"),
+        pytest.param({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, id="pp2-tp2"),
+        # a preemption victim may have a step in flight on a later stage
+        pytest.param({"pipeline_parallel_size": 2, "num_blocks": 6, "max_num_seqs": 4},
+                     id="pp2-preemption"),
         pytest.param({"data_parallel_size": 2}, id="dp2"),
         # fp32's batch-invariant path: vx's panel GEMM, every token a decode row
         pytest.param({"batch_invariant": True}, id="batch-invariant"),

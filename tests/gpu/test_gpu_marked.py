@@ -249,7 +249,7 @@ from vx.gpu.loader import load_model
 from vx.gpu.worker import _init_torch, _min_across_ranks
 rank, port, out, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 config = EngineConfig(device="cuda", parallel=ParallelConfig(tensor_parallel_size=2))
-device = _init_torch(config, rank, port)  # NCCL for CUDA tensors, gloo for CPU ones
+device = _init_torch(config, rank, rank, f"tcp://127.0.0.1:{port}")  # NCCL, and gloo for CPU
 assert _min_across_ranks(100 + rank, 2) == 100  # a CPU tensor: over gloo
 model = load_model(path, dtype=torch.float32, device=device, tp_rank=rank, tp_size=2,
                    progress=False)

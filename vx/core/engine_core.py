@@ -6,8 +6,10 @@ KV BlockPool) and drives its Workers through a `WorkerGroup`.
 
 With async scheduling the loop keeps a batch queue of two: step n+1 is scheduled and sent while
 step n runs, with placeholders standing for step n's tokens, so the workers never wait for this
-process. Aborts are drained again just before a step's output is applied, so a request that was
-aborted while its step ran is freed before its tokens could be emitted.
+process. With pipeline parallel the queue holds one step per stage, of different requests, so
+that every stage has a step to run. Aborts are drained again just before a step's output is
+applied, so a request that was aborted while its step ran is freed before its tokens could be
+emitted.
 
 Invariants: every `SchedulerOutput` sent is matched by exactly one `ModelRunnerOutput`, in order;
 an idle engine blocks on its input ring (no spinning); any exception ends in `EngineDead` on the
@@ -37,6 +39,7 @@ from vx.core.scheduler import Scheduler
 from vx.errors import EngineDeadError, EngineStartupError
 from vx.fault_injection import PoisonedStopSet, poison_seed
 from vx.ipc import codec
+from vx.ipc.link import Link, accept_links
 from vx.ipc.ring import RingHandle, RingReader, RingWriter
 from vx.log import log_request, request_extra, requests_logged, setup_logging
 
@@ -70,7 +73,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks)
         self._in_codec = codec.engine_input_codec()
         self._out_codec = codec.engine_event_codec()
-        self._depth = 2 if config.scheduler.async_scheduling else 1
+        pp = config.parallel.pipeline_parallel_size
+        #: steps in flight: two with async scheduling; one per stage with pipeline parallel
+        #: (each stage runs a different step, `Scheduler.pp_size`)
+        self._depth = max(2, pp) if pp > 1 else 2 if config.scheduler.async_scheduling else 1
+        self._pp = pp > 1
         self._in_flight: collections.deque[messages.SchedulerOutput] = collections.deque()
         self._shutdown = False
         self._stats_dirty = False
@@ -126,7 +133,16 @@ class EngineCore:
 
     def _drain_input(self, *, block: bool) -> None:
         """Apply every queued input; with `block`, wait for at least one first."""
-        if block:
+        if block and self._workers.has_remote_nodes:
+            # Across nodes, an idle engine still notices a lost node within a second.
+            while True:
+                try:
+                    data = self._input.recv(timeout=1.0)
+                    break
+                except TimeoutError:
+                    self._workers.check_nodes()
+            self._handle_input(self._in_codec.decode(data))
+        elif block:
             self._handle_input(self._in_codec.decode(self._input.recv()))
         while True:
             try:
@@ -211,7 +227,7 @@ class EngineCore:
         if (
             len(self._in_flight) < self._depth
             and self.scheduler.has_unfinished_requests()
-            and not (self._in_flight and _carries_prefill(self._in_flight[-1]))
+            and (self._pp or not (self._in_flight and _carries_prefill(self._in_flight[-1])))
         ):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
@@ -379,9 +395,20 @@ def run_engine_core(
     workers = WorkerGroup(
         to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
     )
+    remote: dict[int, Link] = {}
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
+        remote = _accept_nodes(config, config_bytes)
+        if remote:  # the driver may be on another node: its answers come over that Link
+            p = config.parallel
+            driver_node = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+            driver_node //= p.workers_per_node
+            workers = WorkerGroup(
+                to_workers, remote.get(driver_node, from_rank0),
+                step_timeout_s=config.step_timeout_s, worker_pids=pids,
+                remote_nodes=[remote[r] for r in sorted(remote)],
+            )  # fmt: skip
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
         engine = EngineCore(config, engine_index, input_ring, output_ring, workers, ready.num_blocks)
         # The block pool's objects (one per KV block) live as long as the engine: out of the
@@ -436,3 +463,19 @@ def run_engine_core(
     finally:
         for ring in (input_ring, output_ring, to_workers, from_rank0):
             ring.close()
+        for link in remote.values():
+            link.close()
+
+
+def _accept_nodes(config: EngineConfig, config_bytes: bytes) -> dict[int, Link]:
+    """With `--nnodes N`, wait for the N - 1 headless nodes (`vx.headless`) and hand each the
+    configuration; their Links by node rank (none on one node)."""
+    p = config.parallel
+    if p.nnodes == 1:
+        return {}
+    logger.info("waiting for %d other node(s) on %s:%d", p.nnodes - 1, p.master_addr,
+                p.master_port + 1)  # fmt: skip
+    links = accept_links(p.master_addr, p.master_port + 1, p.nnodes - 1, STARTUP_TIMEOUT_S)
+    for link in links.values():
+        link.send(config_bytes)
+    return links

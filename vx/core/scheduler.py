@@ -83,7 +83,14 @@ class Scheduler:
         self.small_step_running = sched.small_step_running
         self.burst_step_tokens = sched.burst_step_tokens
         self.long_prefill_token_threshold = sched.long_prefill_token_threshold
-        self.async_scheduling = sched.async_scheduling
+        #: Pipeline parallel (vLLM V1's PP): the first stage cannot embed a token the last
+        #: stage has not sampled yet, so a request is not scheduled again while a step of it
+        #: is in flight (no output placeholders); the EngineCore's batch queue keeps
+        #: `pp_size` steps of different requests in flight instead, each of at most
+        #: 1/pp_size of the runnable requests (`_step_req_cap`), and the tokens the workers
+        #: of the earlier stages have not sampled travel in `CachedRequestData.new_token_ids`.
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.async_scheduling = sched.async_scheduling and self.pp_size == 1
         #: `--batch-invariant`: a step's tokens of a request stay on one side of its prompt's
         #: end, and past it come one a step (`_invariant_cap`).
         self.batch_invariant = config.batch_invariant
@@ -197,12 +204,17 @@ class Scheduler:
         cached_num_computed: list[int] = []
         add_id, add_block_ids = cached_ids.append, cached_new_block_ids.append
         add_num_computed = cached_num_computed.append
+        cached_new_tokens: list[list[int]] = []
+        pp = self.pp_size > 1
+        cap = self._step_req_cap() if pp else 0
         num_prefill_tokens = 0
         preempted = False
 
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
+            if pp and len(num_scheduled_tokens) >= cap:
+                break
             request = running[i]
             num_known = request.num_tokens + request.num_output_placeholders
             num_computed = request.num_computed_tokens
@@ -246,6 +258,9 @@ class Scheduler:
             add_id(request_id)
             add_block_ids(new_block_ids)
             add_num_computed(num_computed)
+            if pp:  # the known tokens past the prompt that this step reads
+                start = max(num_computed, request.num_prompt_tokens)
+                cached_new_tokens.append(request.all_token_ids[start : num_computed + num_new])
             if num_computed < request.num_prompt_tokens:
                 num_prefill_tokens += min(num_new, request.num_prompt_tokens - num_computed)
             num_computed += num_new
@@ -258,14 +273,16 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         if not preempted:
             budget, num_prefill_tokens = self._admit_waiting(
-                step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens
+                step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens, cap
             )
 
         total = step_budget - budget
         output = SchedulerOutput(
             step_id,
             new_reqs,
-            CachedRequestData(cached_ids, cached_new_block_ids, cached_num_computed),
+            CachedRequestData(
+                cached_ids, cached_new_block_ids, cached_num_computed, cached_new_tokens
+            ),
             num_scheduled_tokens,
             total,
             self.finished_req_ids,
@@ -288,11 +305,14 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int],
         new_reqs: list[NewRequestData],
         num_prefill_tokens: int,
+        cap: int = 0,
     ) -> tuple[int, int]:
         kv = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         waiting, running = self.waiting, self.running
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            if cap and len(num_scheduled_tokens) >= cap:
+                break
             request = waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
@@ -331,6 +351,12 @@ class Scheduler:
             num_prefill_tokens += num_new
             budget -= num_new
         return budget, num_prefill_tokens
+
+    def _step_req_cap(self) -> int:
+        """Pipeline parallel: the most requests one step takes, 1/pp_size of those that can
+        run (held, up to max_num_seqs), so that the steps in flight split them evenly."""
+        held = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-held // self.pp_size))
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the blocks, forget progress, resume first."""

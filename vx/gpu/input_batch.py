@@ -121,6 +121,22 @@ class InputBatch:
             if block_ids:
                 self._append_blocks(row, block_ids)
             self.num_computed_tokens[row] = num_computed
+        if cached.new_token_ids:
+            self._append_known(cached)
+
+    def _append_known(self, cached: CachedRequestData) -> None:
+        """Pipeline parallel: append the tokens a stage that does not sample lacks (their
+        list starts at max(num_computed, prompt length), `CachedRequestData.new_token_ids`)."""
+        for req_id, num_computed, tokens in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_token_ids, strict=True
+        ):
+            if not tokens:
+                continue
+            row = self.req_id_to_index[req_id]
+            start = max(num_computed, int(self.num_prompt_tokens[row]))
+            extra = start + len(tokens) - int(self.num_tokens[row])
+            if extra > 0:
+                self.append_token_list(row, tokens[-extra:])
 
     def remove(self, req_id: str) -> bool:
         """Drop a request; the last row moves into its place. False if it was not here."""

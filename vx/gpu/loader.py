@@ -146,6 +146,8 @@ def load_model(
     device: torch.device | str = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
     progress: bool = True,
     quantization: str | None = None,
 ) -> torch.nn.Module:
@@ -153,6 +155,7 @@ def load_model(
 
     `quantization` ("int8" / "int4", CPU only) adds weight-only quantized copies of the linears
     and the LM head after loading (vx.gpu.layers.quantization); None leaves the model as it was.
+    With `pp_size > 1` only pipeline stage `pp_rank`'s modules are built and read.
     """
     from transformers import AutoConfig
 
@@ -167,7 +170,7 @@ def load_model(
     validate_quantization(quantization, device)
     torch_dtype = resolve_dtype(dtype, hf_config, device)
     logger.info(
-        "loading %s (%s) as %s%s on %s, tp %d/%d",
+        "loading %s (%s) as %s%s on %s, tp %d/%d, pp %d/%d",
         os.path.basename(os.path.normpath(path)),
         architectures[0],
         str(torch_dtype).removeprefix("torch."),
@@ -175,9 +178,13 @@ def load_model(
         device,
         tp_rank,
         tp_size,
+        pp_rank,
+        pp_size,
     )
     with torch.no_grad():
-        qkw = {"quantization": quantization} if quantization else {}
+        qkw: dict[str, Any] = {"quantization": quantization} if quantization else {}
+        if pp_size > 1:
+            qkw.update(pp_rank=pp_rank, pp_size=pp_size)
         model = cls(
             hf_config, dtype=torch_dtype, device=device, tp_rank=tp_rank, tp_size=tp_size, **qkw
         )

@@ -10,6 +10,13 @@ at the last scheduled token of each request whose chunk reaches the end of its k
 (the others are mid-prefill and get an empty token list); sample; append the sampled tokens to
 the persistent rows (so the next step, even one scheduled before this output arrived, finds
 them there); and answer with the tokens (and logprobs when asked).
+
+Pipeline parallel (`vx.gpu.parallel_state`): a stage runs its own layers only, on the module
+path (neither the fused C step nor CUDA graphs, which take the whole stack). The first stage
+embeds; every stage but the first receives the hidden states and the residual of the previous
+one, and every stage but the last sends its own on; the last stage samples as above. The
+earlier stages learn the sampled tokens from the next SchedulerOutput
+(`CachedRequestData.new_token_ids`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from vx.errors import KVCacheTooSmallError
 from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
+from vx.gpu import parallel_state
 from vx.gpu.attention.paged import AttentionMetadata, build_attention_metadata
 from vx.gpu.input_batch import InputBatch, RowTokens
 from vx.gpu.kv_cache import (
@@ -89,6 +97,9 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.device = torch.device(device)
+        #: this Worker's pipeline stage (`vx.gpu.parallel_state.init` ran before)
+        self.grid = parallel_state.grid()
+        self.pp_size = self.grid.pp_size
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model: torch.nn.Module | None = None
@@ -147,6 +158,8 @@ class ModelRunner:
             device=self.device,
             tp_rank=self.rank,
             tp_size=self.config.parallel.tensor_parallel_size,
+            pp_rank=self.grid.pp_rank,
+            pp_size=self.pp_size,
             progress=False,
             quantization=m.quantization,
         )
@@ -174,9 +187,10 @@ class ModelRunner:
             self.config.batch_invariant and self.device.type == "cpu" and self.dtype == torch.float32
         )
         # After the copies above are final: the C step's descriptions point at them.
-        self.fused_step = FusedDecode.build(
-            self.model.model, batch_invariant=self.config.batch_invariant
-        )
+        if self.pp_size == 1:  # the C step runs the whole stack
+            self.fused_step = FusedDecode.build(
+                self.model.model, batch_invariant=self.config.batch_invariant
+            )
         limit = int(getattr(self.model, "max_position", 0) or 0)
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)
@@ -192,7 +206,8 @@ class ModelRunner:
         self.sampler = Sampler()
         from vx.gpu.sample.matchers import GrammarMatchers
 
-        self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
+        if self.grid.is_last_stage:  # the stage that samples
+            self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
 
     def _block_bytes(self) -> int:
         m = self._model
@@ -260,11 +275,11 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
-            hidden = m(ids, pos, caches, md)
-            n = min(sched.max_num_seqs, num_tokens)
-            logits = m.compute_logits(hidden[:n])
-            logits.argmax(dim=-1)
-        del caches, hidden, logits
+            hidden = self._stage_forward(ids, pos, caches, md, None, profile=True)
+            if hidden is not None:  # the last stage
+                n = min(sched.max_num_seqs, num_tokens)
+                m.compute_logits(hidden[:n]).argmax(dim=-1)
+        del caches, hidden
         if not cuda:
             return 0
         torch.cuda.synchronize(self.device)
@@ -285,7 +300,8 @@ class ModelRunner:
         )  # fmt: skip
         from vx.gpu.cuda_graphs import capture_cuda_graphs
 
-        self.cuda_graphs = capture_cuda_graphs(self)  # None on CPU or with enforce_eager
+        if self.pp_size == 1:  # a stage's forward receives and sends: eager
+            self.cuda_graphs = capture_cuda_graphs(self)  # None on CPU or with enforce_eager
 
     @property
     def _model(self):
@@ -343,6 +359,17 @@ class ModelRunner:
             fused = fused_greedy_step(self.fused_step, model, batch, inputs, self.kv_caches)
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
             hidden, sampled = fused
+        elif self.pp_size > 1:
+            stage = self._stage_forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
+            )
+            if stage is None:  # an earlier stage: the next one goes on with this step
+                batch.num_computed_tokens[inputs.rows] = inputs.num_computed + inputs.query_lens
+                return ModelRunnerOutput(
+                    step_id=so.step_id, req_ids=[], sampled_token_ids=[],
+                    execute_time_s=time.perf_counter() - t0,
+                )  # fmt: skip
+            hidden = stage
         else:
             hidden = forward(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
@@ -406,6 +433,42 @@ class ModelRunner:
                 else self.proposer.propose_batch(batch, inputs.req_ids, inputs.rows, sampled_lists)
             ),
         )
+
+    def _stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        attn_metadata: AttentionMetadata,
+        keep: torch.Tensor | None,
+        *,
+        profile: bool = False,
+    ) -> torch.Tensor | None:
+        """This pipeline stage's part of a forward: the final hidden states on the last stage
+        (rows `keep` only, if given); None on the others, which send theirs on. With
+        `profile` (the start-up's memory profile) nothing is sent or received: a later
+        stage runs on zeros."""
+        inner = self._model.model
+        g = self.grid
+        if self.pp_size == 1:
+            return self._model(input_ids, positions, kv_caches, attn_metadata, keep)
+        residual = None
+        if g.is_first_stage:
+            x, rope = inner.embed(input_ids, positions)
+        else:
+            rope = inner.rope(positions)
+            shape = (input_ids.shape[0], self._model.args.hidden_size)
+            if profile:
+                x = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                residual = torch.zeros_like(x)
+            else:
+                x, residual = parallel_state.recv_from_prev(shape, self.dtype, self.device, 2)
+        if not g.is_last_stage:
+            x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, None, residual)
+            if not profile:
+                parallel_state.send_to_next([x, residual])
+            return None
+        return inner.final_norm(*inner.run_layers(x, rope, kv_caches, attn_metadata, keep, residual))
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (decodes first) and build the attention metadata."""

@@ -1,10 +1,11 @@
 """The Worker process: load the model, size the KV pool, then run steps until told to stop.
 
-Runs in: one Worker process per device (per tensor-parallel rank), a `multiprocessing` spawn
-child. It reads every `SchedulerOutput` from the EngineCore's broadcast ring; rank 0 alone
-answers on its result ring, since every rank samples the same tokens.
+Runs in: one Worker process per device (per tensor-parallel rank of each pipeline stage), a
+`multiprocessing` spawn child. It reads every `SchedulerOutput` from the EngineCore's broadcast
+ring; the driver (the last stage's TP rank 0; rank 0 without pipeline parallel) alone answers
+on its result ring, since every rank of the last stage samples the same tokens.
 
-Invariants: exactly one `ModelRunnerOutput` per `SchedulerOutput` (from rank 0), in order; a
+Invariants: exactly one `ModelRunnerOutput` per `SchedulerOutput` (from the driver), in order; a
 fatal error is reported as `WorkerDead` (best effort) and the process exits non-zero; the death
 of the EngineCore (its ring's writer) makes the worker exit within about a second.
 """
@@ -32,27 +33,30 @@ from vx.log import setup_logging
 logger = logging.getLogger(__name__)
 
 
-def _init_torch(config: EngineConfig, rank: int, dist_port: int) -> str:
-    """Threads, device and (for TP > 1) the process group; returns the device string."""
+def _init_torch(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> str:
+    """Threads, device and (for more than one Worker) the process grid
+    (`vx.gpu.parallel_state`); returns the device string."""
     import torch
+
+    from vx.gpu import parallel_state
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = "cpu"
     if config.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    tp = config.parallel.tensor_parallel_size
-    if tp > 1:
-        import torch.distributed as dist
-
-        # CUDA tensors go over NCCL; the few CPU tensors (the pool-size agreement) over gloo.
-        dist.init_process_group(
-            backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{dist_port}",
-            rank=rank,
-            world_size=tp,
-        )
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    p = config.parallel
+    # CUDA tensors go over NCCL; the CPU tensors (the pool-size agreement) over gloo.
+    parallel_state.init(
+        tp_size=p.tensor_parallel_size,
+        pp_size=p.pipeline_parallel_size,
+        rank=rank,
+        init_method=init_method,
+        backend="cuda:nccl,cpu:gloo" if config.device == "cuda" else "gloo",
+        # a stage waits on the previous one's hidden states for at most a step's deadline
+        timeout_s=max(config.step_timeout_s, 60.0),
+    )
     return device
 
 
@@ -112,9 +116,10 @@ def _bind_omp_threads() -> None:
     logger.debug("OpenMP threads bound to cores %s (team %d)", cpus[:n], team)
 
 
-def _min_across_ranks(value: int, tp: int) -> int:
-    """Every rank must use the same pool size: the smallest any rank can hold."""
-    if tp == 1:
+def _min_across_ranks(value: int, world: int) -> int:
+    """Every rank must use the same pool size: the smallest any rank (of any pipeline stage,
+    each holding its own layers' caches) can hold."""
+    if world == 1:
         return value
     import torch
     import torch.distributed as dist
@@ -124,19 +129,66 @@ def _min_across_ranks(value: int, tp: int) -> int:
     return int(t.item())
 
 
+class _StageProfile:
+    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, every 200
+    steps, how its wall time split into computing, waiting on the stage before it (or on its
+    own previous send), and waiting for the next step. The time not spent computing is this
+    stage's share of the pipeline's bubble."""
+
+    def __init__(self, grid) -> None:
+        self.grid = grid
+        self.steps = 0
+        self.exec_s = 0.0
+        self.t_start = self.t0 = time.perf_counter()
+        self.wait0 = 0.0
+
+    def begin(self) -> None:
+        from vx.gpu import parallel_state
+
+        self.t0 = time.perf_counter()
+        if self.steps == 0:
+            self.t_start, self.wait0 = self.t0, parallel_state.wait_s
+
+    def end(self) -> None:
+        from vx.gpu import parallel_state
+
+        now = time.perf_counter()
+        self.exec_s += now - self.t0
+        self.steps += 1
+        if self.steps < 200:
+            return
+        wall = now - self.t_start
+        pp_wait = parallel_state.wait_s - self.wait0
+        if self.grid.tp_rank == 0 and wall > 0:
+            logger.info(
+                "pp stage %d profile over %d steps (%.2f s): compute %.1f%%, waiting on the "
+                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%)",
+                self.grid.pp_rank, self.steps, wall, 100 * (self.exec_s - pp_wait) / wall,
+                100 * pp_wait / wall, 100 * (wall - self.exec_s) / wall,
+                100 * (wall - self.exec_s + pp_wait) / wall,
+            )  # fmt: skip
+        self.steps, self.exec_s = 0, 0.0
+
+
 def run_worker(
     config_bytes: bytes,
     rank: int,
     input_handle: bytes,
     output_handle: bytes | None,
-    dist_port: int = 0,
+    init_method: str = "",
+    local_rank: int | None = None,
 ) -> None:
-    """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours."""
+    """Process entry point; arguments are bytes (msgpack) so spawning pickles none of ours.
+
+    `rank` is the global rank (`vx.gpu.parallel_state`), `local_rank` this node's index of the
+    Worker (its reader of the broadcast ring, its GPU; `rank` on one node); `init_method` is
+    torch.distributed's rendezvous (unused for a world of one)."""
+    local_rank = rank if local_rank is None else local_rank
     config = EngineConfig.decode(config_bytes)
     setup_logging(f"worker{rank}")
     # The front orders shutdown (Ctrl-C reaches the whole process group): ignore SIGINT here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), rank)
+    inbox = RingReader.attach(msgspec.msgpack.decode(input_handle, type=RingHandle), local_rank)
     outbox = (
         RingWriter.attach(msgspec.msgpack.decode(output_handle, type=RingHandle))
         if output_handle is not None
@@ -159,11 +211,13 @@ def run_worker(
 
     tqdm.set_lock(threading.RLock())
     try:
+        from vx.gpu import parallel_state
         from vx.gpu.model_runner import ModelRunner
 
-        tp = config.parallel.tensor_parallel_size
-        device = _init_torch(config, rank, dist_port)
-        runner = ModelRunner(config, rank=rank, device=device)
+        device = _init_torch(config, rank, local_rank, init_method)
+        grid = parallel_state.grid()
+        driver = rank == grid.driver_rank
+        runner = ModelRunner(config, rank=grid.tp_rank, device=device)
         t0 = time.perf_counter()
         runner.load_model()
         num_blocks, kv_bytes = runner.determine_num_blocks()
@@ -176,7 +230,7 @@ def run_worker(
             per_seq = -(-(config.model.max_model_len or 2048) // config.cache.block_size)
             num_blocks = min(num_blocks, 2 * config.scheduler.max_num_seqs * per_seq)
         kv_bytes = num_blocks * block_bytes
-        num_blocks = _min_across_ranks(num_blocks, tp)
+        num_blocks = _min_across_ranks(num_blocks, grid.world_size)
         runner.initialize_kv_cache(num_blocks)
         _settle_for_steps(device)
         logger.info(
@@ -189,12 +243,17 @@ def run_worker(
                 device=device,
             )
         )
+        stage_profile = _StageProfile(grid) if config.profile_steps and grid.pp_size > 1 else None
         while True:
             msg = in_codec.decode(inbox.recv())
             if isinstance(msg, messages.Shutdown):
                 break
+            if stage_profile is not None:
+                stage_profile.begin()
             output = runner.execute(msg)
-            if rank == 0:
+            if stage_profile is not None:
+                stage_profile.end()
+            if driver:
                 send(output)
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         logger.warning("worker %d: the EngineCore is gone; exiting", rank)

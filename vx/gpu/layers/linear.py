@@ -63,15 +63,19 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    dist.all_reduce(x)
+    from vx.gpu.parallel_state import tp_group
+
+    dist.all_reduce(x, group=tp_group())
     return x
 
 
 def _all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     import torch.distributed as dist
 
+    from vx.gpu.parallel_state import tp_group
+
     parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=tp_group())
     return torch.cat(parts, dim=-1)
 
 

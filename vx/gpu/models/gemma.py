@@ -195,9 +195,12 @@ class GemmaModel(LlamaModel):
             self.rotary_local = RotaryEmbedding(a.head_dim, a.max_position, a.rope_local, **dd)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.embed_tokens(input_ids) * self.normalizer, self.rope(positions)
+
+    def rope(self, positions: torch.Tensor) -> Any:
         rope: Rope = self.rotary.lookup(positions)
         local = rope if self.rotary_local is None else self.rotary_local.lookup(positions)
-        return self.embed_tokens(input_ids) * self.normalizer, (rope, local)
+        return rope, local
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

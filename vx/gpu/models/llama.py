@@ -28,6 +28,7 @@ is the one step between the hidden states and the attention that a family may ch
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,8 +47,11 @@ from vx.gpu.layers.linear import (
 )
 from vx.gpu.layers.rotary import rotary_dim
 from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from vx.gpu.parallel_state import get_pp_indices
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "Qwen2ForCausalLM"]
+__all__ = [
+    "LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "PPMissingLayer", "Qwen2ForCausalLM",
+]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim // 2]
@@ -60,6 +64,14 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+
+
+#: a checkpoint tensor of decoder layer N
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class PPMissingLayer(nn.Identity):
+    """A module another pipeline stage holds (vLLM's name): no parameters, and never called."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -242,6 +254,11 @@ class LlamaModel(nn.Module):
 
     `blocks` builds layer i's attention and MLP (`LlamaForCausalLM.build_blocks`); it is called
     at construction only, never kept.
+
+    Pipeline parallel: `pp_layers` = [start, end) are this stage's layers; the others are
+    `PPMissingLayer`s (the layer indices, and with them the checkpoint names, stay global).
+    The embedding is built on the first stage (and on the last where the head is tied to it),
+    the final norm on the last; `run_layers` runs this stage's layers only.
     """
 
     #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
@@ -249,17 +266,32 @@ class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
 
-    def __init__(self, a: ModelArgs, blocks: Callable[..., tuple], **kw: Any) -> None:
+    def __init__(
+        self,
+        a: ModelArgs,
+        blocks: Callable[..., tuple],
+        *,
+        pp_layers: tuple[int, int] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
+        start, end = pp_layers or (0, a.num_layers)
+        self.start_layer, self.end_layer = start, end
+        last = end == a.num_layers
         # The lookup table is never quantized (only the linears and the LM head are).
         ekw = {k: v for k, v in kw.items() if k != "quantization"}
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
+        self.embed_tokens = (
+            VocabParallelEmbedding(a.vocab_size, a.hidden_size, **ekw)
+            if start == 0 or (last and a.tie_word_embeddings)
+            else PPMissingLayer()
+        )
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            self.layer_cls(a, *blocks(a, i, **kw), **kw) for i in range(a.num_layers)
+            self.layer_cls(a, *blocks(a, i, **kw), **kw) if start <= i < end else PPMissingLayer()
+            for i in range(a.num_layers)
         )
-        self.norm = self.norm_cls(a.hidden_size, a.rms_norm_eps, **dd)
+        self.norm = self.norm_cls(a.hidden_size, a.rms_norm_eps, **dd) if last else PPMissingLayer()
 
     def forward(
         self,
@@ -278,7 +310,12 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """[T] ids and positions -> (embeddings [T, hidden], the rotary's cos, sin for the
         positions, shared by every layer)."""
-        return self.embed_tokens(input_ids), self.rotary.lookup(positions)
+        return self.embed_tokens(input_ids), self.rope(positions)
+
+    def rope(self, positions: torch.Tensor) -> Rope:
+        """The rotary's cos, sin for `positions` (`embed`'s second part: a later pipeline
+        stage, which does not embed, needs it alone)."""
+        return self.rotary.lookup(positions)
 
     def run_layers(
         self,
@@ -287,15 +324,22 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: Any,
         keep: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer over `embed`'s output: (last MLP output, residual), [T, hidden]
-        each, or the rows `keep` only (see `forward`)."""
-        residual = None
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(
-                rope, x, residual, kv_cache, attn_metadata, keep if i == last else None
-            )
+        """This stage's decoder layers over `embed`'s output (or, on a later pipeline stage,
+        the previous stage's output `x` and `residual`): (last MLP output, residual),
+        [T, hidden] each, or the rows `keep` only (see `forward`). `kv_caches` holds this
+        stage's layers' caches, in order."""
+        start, end = self.start_layer, self.end_layer
+        if len(kv_caches) != end - start:
+            raise ValueError(f"{len(kv_caches)} KV caches for {end - start} layers")
+        layers = self.layers
+        for i in range(start, end):
+            x, residual = layers[i](
+                rope, x, residual, kv_caches[i - start], attn_metadata,
+                keep if i == end - 1 else None,
+            )  # fmt: skip
+        assert residual is not None
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -332,6 +376,8 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
         quantization: str | None = None,
     ) -> None:
         super().__init__()
@@ -346,13 +392,21 @@ class LlamaForCausalLM(nn.Module):
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        self.model = self.model_cls(a, self.build_blocks, quantization=quantization, **kw)
-        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
-        self.lm_head.quantization = quantization
-        if a.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
-        attn = self.model.layers[0].self_attn
-        self.num_layers = a.num_layers
+        start, end = get_pp_indices(a.num_layers, pp_rank, pp_size)
+        #: this pipeline stage holds the final norm and the LM head (and samples)
+        self.is_last_stage = end == a.num_layers
+        self.model = self.model_cls(
+            a, self.build_blocks, quantization=quantization, pp_layers=(start, end), **kw
+        )
+        self.lm_head: nn.Module = PPMissingLayer()
+        if self.is_last_stage:
+            self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
+            self.lm_head.quantization = quantization
+            if a.tie_word_embeddings:
+                self.lm_head.tie(self.model.embed_tokens)
+        attn = self.model.layers[start].self_attn
+        #: this stage's layers (all of them without pipeline parallel): its KV caches
+        self.num_layers = end - start
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = a.head_dim
@@ -399,7 +453,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._on_stage(name):
                 continue
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue  # tied: the embedding is the head
@@ -425,6 +479,17 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_names(params) if n not in loaded]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+
+    def _on_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a module of this pipeline stage."""
+        m = _LAYER_NAME.match(name)
+        if m is not None:
+            return self.model.start_layer <= int(m.group(1)) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return not isinstance(self.model.embed_tokens, PPMissingLayer)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.is_last_stage
+        return True
 
     def load_family_weight(
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor

@@ -1,0 +1,39 @@
+"""The pipeline split (`vx.gpu.parallel_state.get_pp_indices`): vLLM's, stage by stage."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from vx.gpu.parallel_state import Grid, get_pp_indices
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "sizes"),
+    [(2, 2, [1, 1]), (3, 2, [2, 1]), (16, 2, [8, 8]), (32, 3, [11, 11, 10]), (30, 4, [7, 8, 8, 7])],
+)
+def test_layers_split_as_vllm_splits_them(layers: int, pp: int, sizes: list[int]) -> None:
+    ranges = [get_pp_indices(layers, r, pp) for r in range(pp)]
+    assert [end - start for start, end in ranges] == sizes
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_partition_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,6")
+    assert [get_pp_indices(16, r, 2) for r in range(2)] == [(0, 10), (10, 16)]
+    monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,5")
+    with pytest.raises(ValueError, match="summing to 16"):
+        get_pp_indices(16, 0, 2)
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        get_pp_indices(2, 0, 3)
+
+
+def test_grid_ranks_and_driver() -> None:
+    g = Grid(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1)
+    assert (g.rank, g.world_size, g.driver_rank) == (3, 4, 2)
+    assert g.is_last_stage and not g.is_first_stage

@@ -1,0 +1,174 @@
+"""The Worker's place in the process grid: its tensor-parallel group and its pipeline stage.
+
+Runs in: each Worker process.
+
+The grid follows vLLM's layout: `world = pp * tp` Workers, global rank `pp_rank * tp + tp_rank`,
+so each pipeline stage is `tp` consecutive ranks (one tensor-parallel group) and a stage's
+tensor-parallel rank t talks to rank t of the next stage. The layers are split across the
+stages as vLLM's `get_pp_indices` splits them. The one torch.distributed world (gloo on CPU;
+NCCL for CUDA tensors, gloo for the CPU ones) carries the tensor-parallel collectives, inside
+a stage's group, and the hidden states and residual from stage to stage (`send_to_next` /
+`recv_from_prev`); its CPU side also carries the start-up's pool-size agreement.
+
+Invariant: `init` runs once per process before the model is built; with world size 1 no
+process group exists and every collective here is a no-op (or is never called).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Grid", "get_pp_indices", "grid", "init", "recv_from_prev", "send_to_next"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """This Worker's coordinates: `rank = pp_rank * tp_size + tp_rank`."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that answers the EngineCore: the last stage's tensor-parallel rank 0 (the
+        last stage samples)."""
+        return (self.pp_size - 1) * self.tp_size
+
+
+_grid = Grid()
+#: This stage's tensor-parallel group; None: the whole world is one TP group (pp 1).
+_tp_group = None
+#: The send of the previous step's hidden states, still in flight (`send_to_next`).
+_pending: list = []
+#: Seconds this stage has spent waiting on the previous stage's hidden states and on its own
+#: previous send (`--profile-steps` reports them: the pipeline's bubble).
+wait_s = 0.0
+
+
+def grid() -> Grid:
+    return _grid
+
+
+def tp_group():
+    """The group tensor-parallel collectives run in (None: the default world)."""
+    return _tp_group
+
+
+def init(
+    *, tp_size: int, pp_size: int, rank: int, init_method: str, backend: str, timeout_s: float
+) -> Grid:
+    """Join the world (when it has more than one rank) and make the stages' TP groups."""
+    global _grid, _tp_group
+    import datetime
+
+    import torch.distributed as dist
+
+    _grid = Grid(tp_size=tp_size, pp_size=pp_size, tp_rank=rank % tp_size, pp_rank=rank // tp_size)
+    if _grid.world_size == 1:
+        return _grid
+    # Under torchrun, its agent hosts a store on MASTER_PORT and tells its processes (so ours,
+    # which inherit the variable) to join that one; vx's world has its own store, hosted by
+    # rank 0 at `init_method`.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=_grid.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    if pp_size > 1 and tp_size > 1:
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        for stage in range(pp_size):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == _grid.pp_rank:
+                _tp_group = group
+    return _grid
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of stage `pp_rank`'s layers: an even split, the remainder going one each to
+    the stages just before the last (the first holds the embedding, the last the final norm and
+    the LM head); vLLM's `get_pp_indices`. `VX_PP_LAYER_PARTITION` sets the counts instead (the
+    last stage's LM head may weigh as much as several layers)."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
+    from vx import envs
+
+    if envs.VX_PP_LAYER_PARTITION:
+        parts = [int(x) for x in envs.VX_PP_LAYER_PARTITION.split(",")]
+        if len(parts) != pp_size or sum(parts) != num_layers or min(parts) < 1:
+            raise ValueError(
+                f"VX_PP_LAYER_PARTITION={envs.VX_PP_LAYER_PARTITION!r}: need {pp_size} "
+                f"positive counts summing to {num_layers}"
+            )
+    else:
+        parts = [num_layers // pp_size] * pp_size
+        for i in range(2, num_layers % pp_size + 2):
+            parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
+
+
+def send_to_next(tensors: list[torch.Tensor]) -> None:
+    """Send this stage's output to the same TP rank of the next stage without waiting for it
+    to be received: the previous step's send is completed first (the stage runs on while the
+    next one has not yet asked), and the tensors are kept alive until then."""
+    import torch.distributed as dist
+
+    _wait_pending()
+    dst = _grid.rank + _grid.tp_size
+    for t in tensors:
+        t = t.contiguous()
+        _pending.append((dist.isend(t, dst), t))
+
+
+def recv_from_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int):
+    """`n` tensors of `shape` from the same TP rank of the previous stage (the shapes are known
+    to both stages: every stage flattens the same SchedulerOutput)."""
+    import torch.distributed as dist
+
+    global wait_s
+    src = _grid.rank - _grid.tp_size
+    out = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src)
+        out.append(t)
+    wait_s += time.perf_counter() - t0
+    return out
+
+
+def _wait_pending() -> None:
+    global wait_s
+    t0 = time.perf_counter()
+    while _pending:
+        work, _ = _pending.pop(0)
+        work.wait()
+    wait_s += time.perf_counter() - t0

@@ -1,0 +1,193 @@
+"""A headless node (`vx serve --headless --node-rank R`): this node's Workers, joined to node 0.
+
+Runs in: the `vx serve --headless` process of nodes 1 .. N-1 (no torch, no HTTP). Node 0 runs
+the front, the EngineCore and its own Workers; this process connects to node 0's EngineCore
+(`vx.ipc.link`, at `master_port + 1`), takes node 0's configuration from it (the model resolved
+again here), creates this node's rings and spawns its Workers (global ranks
+[R * k, (R + 1) * k), k = TP x PP / nnodes), which join node 0's Workers in one
+torch.distributed world (`master_port`). Two threads relay: node 0's step broadcast from the
+Link into the local broadcast ring, and (where the driver, the last stage's TP rank 0, is
+here) the driver's results from its ring back over the Link. The bytes stay the msgspec codec's.
+
+Failure (the whole group fails, never part of it): a Worker of this node exits -> the Link is
+closed, node 0's EngineCore sees it at once (EngineDead, /health 503, its tree exits) and this
+process stops its other Workers and exits non-zero; node 0 gone (the Link closes or breaks)
+-> the local rings close and the Workers exit within a second. A Shutdown from node 0 ends the
+Workers cleanly and this process with 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+from multiprocessing.connection import wait
+
+import anyio
+import msgspec
+
+from vx.config import EngineConfig
+from vx.engine_procs import (
+    RESULT_RING_BYTES,
+    WORKER_RING_BYTES,
+    _join_all,
+    rendezvous,
+    resolve_engine_config,
+)
+from vx.errors import EngineStartupError
+from vx.exit_code import ExitCode
+from vx.ipc.link import Link, connect_link
+from vx.ipc.ring import RingReader, RingWriter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_headless"]
+
+#: How long a headless node waits for node 0 (its EngineCore's listener) and its config.
+CONNECT_TIMEOUT_S = 600.0
+
+
+def run_headless(hint: EngineConfig, node_rank: int) -> int:
+    """Serve as node `node_rank` until node 0 says Shutdown or the group fails; the exit code."""
+    p = hint.parallel
+    if not 0 < node_rank < p.nnodes:
+        logger.error("invalid configuration: --headless needs 0 < --node-rank < --nnodes")
+        return ExitCode.BAD_CONFIG
+    logger.info("node %d: connecting to node 0 at %s:%d", node_rank, p.master_addr,
+                p.master_port + 1)  # fmt: skip
+    try:
+        link = connect_link(p.master_addr, p.master_port + 1, node_rank, CONNECT_TIMEOUT_S)
+        config = EngineConfig.decode(link.recv(timeout=CONNECT_TIMEOUT_S))
+    except (TimeoutError, OSError, msgspec.DecodeError) as e:
+        logger.error("node %d: no configuration from node 0: %s", node_rank, e)
+        return ExitCode.STARTUP_FAILED
+    # node 0's configuration, its model found on this node (node 0's path may not exist here)
+    try:
+        config = resolve_engine_config(
+            msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=""))
+        )
+    except (EngineStartupError, ValueError) as e:
+        logger.error("node %d cannot start: %s", node_rank, e)
+        link.close()  # node 0 sees it and fails its start
+        return getattr(e, "exit_code", ExitCode.BAD_CONFIG)
+    node = _Node(config, node_rank, link)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop("SIGTERM"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # node 0 orders shutdown
+    try:
+        return node.run()
+    finally:
+        node.close()
+
+
+class _Node:
+    """This node's rings, Workers and relay threads."""
+
+    def __init__(self, config: EngineConfig, node_rank: int, link: Link) -> None:
+        p = config.parallel
+        k = p.workers_per_node
+        self.first = node_rank * k
+        driver = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self.link = link
+        self.to_workers = RingWriter.create(capacity=WORKER_RING_BYTES, num_readers=k)
+        self.from_driver = (
+            RingReader.create(capacity=RESULT_RING_BYTES)
+            if self.first <= driver < self.first + k
+            else None
+        )
+        self._failed = threading.Event()
+        self._ring_lock = threading.Lock()
+        self._ring_closed = False
+        self._reason = ""
+        enc = msgspec.msgpack.encode
+        from vx.gpu.worker import run_worker
+
+        ctx = multiprocessing.get_context("spawn")
+        init_method = rendezvous(config)
+        self.procs = [
+            ctx.Process(
+                target=run_worker,
+                name=f"vx-worker0.{self.first + i}",
+                args=(
+                    config.encode(),
+                    self.first + i,
+                    enc(self.to_workers.handle),
+                    enc(self.from_driver.handle) if self.first + i == driver else None,
+                    init_method,
+                    i,
+                ),
+                daemon=False,
+            )
+            for i in range(k)
+        ]
+
+    def stop(self, reason: str) -> None:
+        if not self._failed.is_set():
+            self._reason = reason
+            self._failed.set()
+        self.link.close()  # node 0 sees it now; the relays' blocking calls return
+
+    def run(self) -> int:
+        for proc in self.procs:
+            proc.start()
+        logger.info("node: workers %s started (pids %s)",
+                    [self.first + i for i in range(len(self.procs))],
+                    [proc.pid for proc in self.procs])  # fmt: skip
+        threading.Thread(target=self._down, name="vx-link-down", daemon=True).start()
+        if self.from_driver is not None:
+            threading.Thread(target=self._up, name="vx-link-up", daemon=True).start()
+        live = {proc.sentinel: proc for proc in self.procs}
+        while live and not self._failed.is_set():
+            for sentinel in wait(list(live), timeout=0.2):
+                proc = live.pop(sentinel)  # type: ignore[call-overload]
+                proc.join()
+                if proc.exitcode != 0:
+                    self.stop(f"{proc.name} (pid {proc.pid}) exited with {proc.exitcode}")
+        if self._failed.is_set():
+            logger.error("node: stopping: %s", self._reason)
+            return ExitCode.ENGINE_DEAD
+        logger.info("node: every worker stopped")
+        return ExitCode.OK
+
+    def _down(self) -> None:
+        """Node 0's step broadcast -> this node's Workers. When node 0 closes the Link (after
+        its Shutdown, or because it died), the ring closes too: Workers that did not get a
+        Shutdown see their EngineCore gone and exit."""
+        try:
+            while True:
+                self.to_workers.send(self.link.recv())
+        except anyio.EndOfStream:
+            pass
+        except Exception as e:  # the Link broke, or a Worker's ring end is gone
+            self.stop(f"link to node 0: {type(e).__name__}: {e}")
+        self._close_ring()
+
+    def _up(self) -> None:
+        """The driver's results -> node 0's EngineCore; ends quietly when the driver closes
+        its ring (a clean Shutdown), and fails the group when it died."""
+        assert self.from_driver is not None
+        try:
+            while True:
+                self.link.send(self.from_driver.recv())
+        except anyio.EndOfStream:
+            pass
+        except Exception as e:
+            self.stop(f"driver results: {type(e).__name__}: {e}")
+
+    def _close_ring(self) -> None:
+        with self._ring_lock:
+            if not self._ring_closed:
+                self._ring_closed = True
+                self.to_workers.close()
+
+    def close(self) -> None:
+        self.link.close()
+        self._close_ring()  # the Workers see the writer closed and exit
+        _join_all(self.procs, 5.0)
+        for proc in self.procs:
+            if proc.is_alive():
+                logger.warning("killing %s (pid %s)", proc.name, proc.pid)
+                proc.kill()
+        _join_all(self.procs, 5.0)
+        if self.from_driver is not None:
+            self.from_driver.close()
