@@ -59,8 +59,16 @@ FAMILY_SHAPES = dict(
 FAMILY_EXTRA: dict[str, dict] = {
     "qwen3_moe": {"moe_intermediate_size": 768},
     "mixtral": {"intermediate_size": 768},
-    "gemma2": {"query_pre_attn_scalar": 64, "sliding_window": 128},
-    "gemma3": {"query_pre_attn_scalar": 64, "sliding_window": 128},
+    "gemma2": {
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+    },
+    "gemma3": {  # Gemma 3's five windowed layers to one global (8 layers)
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+    },
 }
 
 

@@ -47,6 +47,9 @@ class ExpertLinear(WeightForms):
         self.quantization = quantization
         self.silu_pairs = silu_pairs
         self.method, _ = select_linear_method(self, onednn=False)
+        v = self.vnni  # asked once: `vnni` walks the chain
+        #: the AMX copy with the SiLU-mul epilogue (a gate-up's, on AMX), else None
+        self.silu_vnni = v if v is not None and v.silu else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(x, None)
@@ -55,13 +58,8 @@ class ExpertLinear(WeightForms):
         """silu(gate) * up of x [n, H] -> [n, I]: the AMX GEMM with its SiLU epilogue where its
         copy takes x's rows (as `MergedColumnParallelLinear.silu_and_mul`), else the GEMM then
         the SiLU-mul."""
-        v = self.vnni
-        if (
-            v is not None
-            and v.silu
-            and x.dtype == torch.bfloat16
-            and x.shape[0] >= amx_vnni_rows()[0]
-        ):
+        v = self.silu_vnni
+        if v is not None and x.dtype == torch.bfloat16 and x.shape[0] >= amx_vnni_rows()[0]:
             out = v.apply_silu(x)
             if out is not None:
                 return out
