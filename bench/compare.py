@@ -141,7 +141,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
         return [sys.executable, "-m", "vx", "serve", args.model, "--port", str(port),
                 "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "64"]
 
-    out = [Server("vx", f"http://127.0.0.1:{vx_port}", "smollm2-135m",
+    # the served name is asked of each server (/v1/models): it follows --model
+    out = [Server("vx", f"http://127.0.0.1:{vx_port}", "",
                   vx_cmd(vx_port) + args.vx_args.split(), None)]
     for i, variant in enumerate(args.vx_variant):
         name, _, extra = variant.partition("=")
@@ -151,7 +152,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
         env = dict(w.split("=", 1) for w in words if w.split("=", 1)[0].isupper())
         flags = [w for w in words if not w.split("=", 1)[0].isupper()]
         # --vx-args go to every vx server (a smaller KV pool keeps several up within memory)
-        out.append(Server(f"vx {name}", f"http://127.0.0.1:{port}", "smollm2-135m",
+        out.append(Server(f"vx {name}", f"http://127.0.0.1:{port}", "",
                           vx_cmd(port) + args.vx_args.split() + flags, None, env or None))
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:

@@ -6,7 +6,10 @@ Usage (always under the shared benchmark lock):
         [--quantization int8|int4] [--no-settle] [--random] [--json FILE]
 
 Model: SmolLM2-135M (`vx.models_hub.resolve.resolve_model("smollm2-135m")`) in bf16, or with
-`--random` a random model of the same shapes (timings do not depend on the weights).
+`--random` a random model of the same shapes (timings do not depend on the weights), or with
+`--family F` a random bf16 model of that family (tests.models' configs, at `FAMILY_SHAPES`:
+SmolLM2's widths, 8 layers; the MoE families 8 experts, top-2, each expert half the dense MLP,
+so a token's active MLP is the dense one's; Gemma's windows of 128 keys, so decode cuts them).
 Cases: decode steps at batch 1, 16 and 64 with 256 tokens of KV per request, and prefill of
 128 and 2,048 tokens (one request). HF runs with its own DynamicCache and SDPA attention; its
 prefill asks for the last position's logits only (`logits_to_keep=1`, as `generate` does), so
@@ -46,6 +49,27 @@ GREEDY = SamplingParams.create(temperature=0.0, max_tokens=4096)
 KV_LEN = 256
 DECODE_BATCHES = (1, 16, 64)
 PREFILLS = (128, 2048)
+#: `--family`: the families vx serves, and the shapes their random models get
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3")
+FAMILY_SHAPES = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=4096,
+    initializer_range=0.02, dtype="bfloat16",
+)  # fmt: skip
+FAMILY_EXTRA: dict[str, dict] = {
+    "qwen3_moe": {"moe_intermediate_size": 768},
+    "mixtral": {"intermediate_size": 768},
+    "gemma2": {
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+    },
+    "gemma3": {  # Gemma 3's five windowed layers to one global (8 layers)
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+    },
+}
 
 
 def random_smollm2(path: str) -> str:
@@ -62,9 +86,18 @@ def random_smollm2(path: str) -> str:
     return path
 
 
-def model_path(random: bool) -> tuple[str, tempfile.TemporaryDirectory | None]:
-    """SmolLM2-135M's directory, or (`random`) a random model of its shapes in a temporary
-    directory that the caller cleans up (the second item; None for the real model)."""
+def model_path(
+    random: bool, family: str | None = None
+) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """SmolLM2-135M's directory, or (`random`) a random model of its shapes, or a random model
+    of `family`, in a temporary directory that the caller cleans up (the second item; None for
+    the real model)."""
+    if family is not None:
+        from tests.models import make_tiny_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
+        shapes = {**FAMILY_SHAPES, **FAMILY_EXTRA.get(family, {})}
+        return make_tiny_model(tmp.name, family, **shapes), tmp
     if random:
         tmp = tempfile.TemporaryDirectory(prefix="vx-bench-")
         return random_smollm2(tmp.name), tmp
@@ -186,6 +219,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
+    ap.add_argument("--family", choices=FAMILIES, default=None, help="a random model of it")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     ap.add_argument("--quantization", choices=("int8", "int4"), default=None, help="vx side only")
     ap.add_argument(
@@ -201,12 +235,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    path, tmp = model_path(args.random)
+    path, tmp = model_path(args.random, args.family)
+    prefills = PREFILLS[:1] if args.family else PREFILLS  # the issue's 128-token prefill
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     num_blocks = max(DECODE_BATCHES) * math.ceil((KV_LEN + args.repeats + 2) / BLOCK_SIZE) + 8
-    num_blocks = max(num_blocks, math.ceil((max(PREFILLS) + 1) / BLOCK_SIZE) + 8)
+    num_blocks = max(num_blocks, math.ceil((max(prefills) + 1) / BLOCK_SIZE) + 8)
     config = EngineConfig(
         model=ModelConfig(
             path=path, dtype="bfloat16", max_model_len=4096, quantization=args.quantization
@@ -232,14 +267,15 @@ def main() -> int:
         for b in DECODE_BATCHES:
             rows.append((f"decode b={b} kv={KV_LEN}", *bench_decode(driver, hf, b, args.repeats)))
     if args.only in (None, "prefill"):
-        for n in PREFILLS:
+        for n in prefills:
             rows.append((f"prefill {n}", *bench_prefill(driver, hf, n, args.repeats)))
 
+    name = f"random {args.family} (8 layers)" if args.family else "SmolLM2-135M"
     print(
-        f"\nSmolLM2-135M bf16{' (vx: ' + args.quantization + ')' if args.quantization else ''}, "
+        f"\n{name} bf16{' (vx: ' + args.quantization + ')' if args.quantization else ''}, "
         f"{args.threads} threads"
         f"{', passive OpenMP' if args.omp_passive else ''}, median of {args.repeats}, "
-        f"load {os.getloadavg()[0]:.1f} ({'random' if args.random else path})"
+        f"load {os.getloadavg()[0]:.1f} ({'random' if args.random or args.family else path})"
     )
     print(f"{'case':<22} {'HF ms':>9} {'vx ms':>9} {'vx/HF':>7}  goal <= 0.50")
     table = []
@@ -254,6 +290,7 @@ def main() -> int:
                     threads=args.threads,
                     repeats=args.repeats,
                     random=args.random,
+                    family=args.family,
                     quantization=args.quantization,
                     rows=table,
                 ),

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 #: The kernel tests: the library's own check first (it built, with every kernel the emulated
-#: CPU has), then the attention kernels, the GEMMs, the fused steps and model parity.
+#: CPU has), then the attention kernels, the GEMMs, the fused steps, the experts and model parity.
 LIBRARY_TEST = "tests/gpu/cpu/test_kernel_library.py::test_library_builds_with_the_expected_kernels"
 KERNEL_TESTS = [
     LIBRARY_TEST,
@@ -44,6 +44,7 @@ KERNEL_TESTS = [
     "tests/gpu/sample/test_greedy_step.py",
     "tests/gpu/cpu/test_fused_step.py",
     "tests/gpu/cpu/test_ops.py",
+    "tests/gpu/layers/test_fused_moe.py",
     "tests/gpu/test_model_parity.py",
 ]
 

@@ -7,7 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vx.gpu.cpu import vnni as cpu_vnni, widen as cpu_widen
+from vx.gpu.cpu.library import load_cpu_kernels
+from vx.gpu.cpu.vnni import amx_vnni_wanted
 from vx.gpu.layers.fused_moe import FusedMoE, moe_reference, select_experts
+from vx.gpu.layers.quantization import dequantize_int4, quantize_int4, quantize_int8
 
 E, K, H, INTER = 8, 2, 32, 48
 
@@ -69,3 +73,108 @@ def test_tensor_parallel_slices_sum_to_the_whole() -> None:
     parts = [build(r, 2) for r in range(2)]
     partial = sum(moe_reference(x, m.w13, m.w2, weights, ids) for m in parts)
     torch.testing.assert_close(partial, whole, atol=1e-4, rtol=1e-4)
+
+
+# ───────────────── the CPU experts: each expert's linears on the dense kernels ─────────────────
+
+#: shapes every CPU GEMM takes (N % 16, K % 32, I % 16 for the AMX SiLU copy, K % 32 for int4)
+CH, CI = 64, 32
+
+
+def _cpu_moe(dtype: torch.dtype, quantization: str | None = None, seed: int = 0) -> FusedMoE:
+    g = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(
+        E, K, CH, CI, renormalize=False, weights_in_fp32=False, dtype=dtype,
+        device=torch.device("cpu"), quantization=quantization,
+    )  # fmt: skip
+    moe.w13.data.copy_(torch.randn(E, 2 * CI, CH, generator=g) * 0.2)
+    moe.w2.data.copy_(torch.randn(E, CH, CI, generator=g) * 0.2)
+    moe.process_weights_after_loading()
+    return moe
+
+
+def _routed(tokens: int, dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, CH, generator=g).to(dtype)
+    logits = torch.randn(tokens, E, generator=g).to(dtype)
+    # one expert no token picks: it must cost nothing and add nothing
+    logits[:, E - 1] = -30.0
+    weights, ids = select_experts(logits, K, renormalize=False, weights_in_fp32=False)
+    return x, weights, ids
+
+
+def _check_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 outputs equal up to the order of fp32 sums and the bf16 roundings they carry:
+    a few bf16 steps of the output's scale, and nearly all elements within one step."""
+    assert got.dtype is torch.bfloat16 and got.shape == want.shape
+    scale = want.float().abs().max().clamp(min=1e-3)
+    diff = (got.float() - want.float()).abs()
+    assert float(diff.max()) <= 2**-5 * float(scale), float(diff.max())
+    assert float((diff <= want.float().abs() * 2**-7 + 2**-9 * scale).float().mean()) > 0.97
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 7, 40, 300])
+def test_cpu_experts_fp32_equal_the_torch_experts(tokens: int) -> None:
+    """fp32: the chains are `F.linear` on the experts' own slices, so the same numbers."""
+    moe = _cpu_moe(torch.float32)
+    assert moe.experts_fn is not moe_reference
+    x, weights, ids = _routed(tokens, torch.float32)
+    got = moe.experts_fn(x, moe.w13, moe.w2, weights, ids)
+    want = moe_reference(x, moe.w13, moe.w2, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _bf16_paths(monkeypatch, path: str) -> None:
+    """Route the linears as a CPU of that kind would, where this one has the kernels."""
+    lib = load_cpu_kernels()
+    if path == "vnni":  # AVX512-BF16 without AMX (Zen 4 and 5)
+        if lib is None or not lib.vx_has_gemm_vnni():
+            pytest.skip("no AVX512-BF16 here: the VNNI GEMM is not built")
+        monkeypatch.setattr(cpu_vnni, "_state", {"lib": lib, "amx": None})
+    elif path == "wide":  # no bf16 arithmetic: the fp32 / panel copies
+        monkeypatch.setenv("VX_CPU_WIDEN", "1")
+        monkeypatch.setattr(cpu_widen, "_state", {})
+
+
+@pytest.mark.parametrize("path", ["native", "vnni", "wide"])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 300])
+def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeypatch) -> None:
+    """bf16: each expert's linears take the chain a dense layer's would here (the AMX GEMM with
+    its SiLU epilogue, the VNNI GEMM, the skinny GEMM, the wide copies), and the sum over the
+    routed experts is the torch experts' up to the GEMMs' fp32 sums."""
+    _bf16_paths(monkeypatch, path)
+    moe = _cpu_moe(torch.bfloat16)
+    up, down = moe.experts_fn.gate_up[0], moe.experts_fn.down[0]
+    if path == "wide":
+        assert up.wide is not None and down.wide is not None
+    if path == "vnni":
+        assert up.vnni is not None and not up.vnni.amx and down.vnni is not None
+    if path == "native" and amx_vnni_wanted(moe.w2.data[0]):  # AMX: the SiLU epilogue GEMM
+        assert up.vnni is not None and up.vnni.silu and down.vnni is not None
+    assert not up.packed and not down.packed  # no oneDNN copies for experts
+    x, weights, ids = _routed(tokens, torch.bfloat16)
+    got = moe.experts_fn(x, moe.w13, moe.w2, weights, ids)
+    _check_bf16(got, moe_reference(x, moe.w13, moe.w2, weights, ids))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_cpu_experts_weight_only_quantized(method: str, tokens: int) -> None:
+    """int8 / int4: each expert's quantized copy takes its few rows; the output is the torch
+    experts' over the dequantized weights, up to bf16 roundings."""
+    moe = _cpu_moe(torch.bfloat16, quantization=method)
+    assert moe.experts_fn.gate_up[3].quant is not None and moe.experts_fn.down[3].quant is not None
+
+    def deq(w: torch.Tensor) -> torch.Tensor:
+        if method == "int8":
+            q, s = quantize_int8(w)
+            return q.float() * s.float()[:, None]
+        return dequantize_int4(*quantize_int4(w))
+
+    w13 = torch.stack([deq(w) for w in moe.w13.data]).bfloat16()
+    w2 = torch.stack([deq(w) for w in moe.w2.data]).bfloat16()
+    x, weights, ids = _routed(tokens, torch.bfloat16)
+    got = moe.experts_fn(x, moe.w13, moe.w2, weights, ids)
+    _check_bf16(got, moe_reference(x, w13, w2, weights, ids))
+    # and not the unquantized weights' output: the copies were taken
+    assert not torch.equal(got, moe_reference(x, moe.w13, moe.w2, weights, ids))

@@ -16,6 +16,8 @@ import torch
 
 from tests.gpu.conftest import PagedDriver
 from tests.gpu.test_model_parity import SMOLLM2_PROMPTS
+from tests.models import make_tiny_model
+from vx.gpu.layers.fused_moe import FusedMoE
 from vx.gpu.layers.quantization import (
     QuantizedWeight,
     dequantize_int4,
@@ -108,6 +110,30 @@ def test_quantized_model_prefill_is_bf16_decode_is_close(
         agree += int(la.argmax() == lb.argmax())
         tok = int(la.argmax())
     assert agree >= min_agree, agree
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts(tmp_path, method: str) -> None:
+    """A Qwen3-MoE model's experts take the weight-only copies too (`vx.gpu.layers.cpu_experts`):
+    every expert's two linears have one, and a decode row (two experts a layer, one row each:
+    the quantized kernels) differs from the bf16 model's and stays close."""
+    path = make_tiny_model(tmp_path, "qwen3_moe", dtype="bfloat16", moe_intermediate_size=64)
+    dense = load_model(path, dtype=torch.bfloat16, progress=False)
+    quant = load_model(path, dtype=torch.bfloat16, progress=False, quantization=method)
+    experts = [m.experts_fn for m in quant.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(
+        lin.quant is not None and lin.quant.method == method
+        for ex in experts
+        for lin in (*ex.gate_up, *ex.down)
+    )
+    a, b = PagedDriver(dense), PagedDriver(quant)
+    prompt = {"a": list(range(3, 60))}
+    la, lb = a.step_all(prompt)["a"], b.step_all(prompt)["a"]
+    tok = int(la[-1].argmax())
+    la, lb = a.step({"a": [tok]})["a"], b.step({"a": [tok]})["a"]
+    assert not torch.equal(la, lb)  # the quantized kernels ran
+    tol = {"int8": 0.15, "int4": 0.6}[method]
+    assert (la - lb).norm() < tol * la.norm(), float((la - lb).norm() / la.norm())
 
 
 def test_forced_quantized_path_everywhere(tiny_models: dict[str, str], monkeypatch) -> None:

@@ -19,15 +19,20 @@ weighted outputs added with `index_add_`, HF's order, so fp32 results match HF's
 NOTE: it reads the per-expert counts back to the host (one sync per MoE layer); a model with
 these layers is not CUDA-graph capturable (`LlamaForCausalLM.graph_capturable`). On CUDA
 `FusedMoE` takes the Triton kernel instead (`vx.gpu.layers.moe_kernel`, same contract), which
-reads nothing back; graphs stay off for MoE models until they are checked on a GPU.
+reads nothing back; graphs stay off for MoE models until they are checked on a GPU. On CPU,
+after loading, it takes `vx.gpu.layers.cpu_experts.CpuExperts` (same contract and grouping):
+each expert's linears on the dense layers' kernels, and the weight-only int8 / int4 copies.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vx.gpu.layers.cpu_experts import CpuExperts
 from vx.gpu.layers.linear import _all_reduce, _divide, silu_and_mul
 
 __all__ = ["FusedMoE", "moe_reference", "select_experts"]
@@ -101,9 +106,11 @@ class FusedMoE(nn.Module):
         device: torch.device,
         tp_rank: int = 0,
         tp_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.quantization = quantization  # weight-only, each expert's copies made after loading
         self.renormalize, self.weights_in_fp32 = renormalize, weights_in_fp32
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.inter = _divide(intermediate_size, tp_size, "expert intermediate size")
@@ -111,8 +118,11 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), False)
         #: the experts' compute, chosen once: the Triton kernel on CUDA where triton is there
-        #: (`vx.gpu.layers.moe_kernel`), else the torch reference
-        self.experts_fn = moe_reference
+        #: (`vx.gpu.layers.moe_kernel`), on CPU each expert's linear chains after loading
+        #: (`process_weights_after_loading`), else the torch reference
+        self.experts_fn: Callable[..., torch.Tensor] = moe_reference
+        if quantization and torch.device(device).type != "cpu":
+            raise NotImplementedError("weight-only quantization of experts is CPU-only")
         if torch.device(device).type == "cuda":
             from vx.gpu.layers import moe_kernel
 
@@ -128,6 +138,12 @@ class FusedMoE(nn.Module):
         else:
             at = 0 if part == "gate" else i
             self.w13.data[expert, at : at + i].copy_(loaded.narrow(0, lo, i))
+
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every expert is in place: on CPU, each expert's
+        linears get their kernels' copies (`CpuExperts`)."""
+        if self.w13.device.type == "cpu":
+            self.experts_fn = CpuExperts(self.w13, self.w2, self.quantization)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(

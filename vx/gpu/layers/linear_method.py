@@ -245,9 +245,13 @@ def chain(*links: LinearMethod | None) -> LinearMethod:
     return present[0]
 
 
-def select_linear_method(layer: Any) -> tuple[LinearMethod, torch.Tensor | None]:
+def select_linear_method(
+    layer: Any, *, onednn: bool = True
+) -> tuple[LinearMethod, torch.Tensor | None]:
     """A linear's chain after loading, and its weight in oneDNN's layout when the chain ends
-    there (the caller then keeps that in place of the plain weight), else None.
+    there (the caller then keeps that in place of the plain weight), else None. With `onednn`
+    False no oneDNN copy is made and the chain ends in `F.linear` (an expert's linears, which
+    keep their stacked weight: `vx.gpu.layers.cpu_experts`).
 
     `layer` has `weight`, `bias`, `quantization` and, for a [gate; up] read through
     `silu_and_mul`, `silu_pairs`. The forms kept, by machine:
@@ -296,7 +300,7 @@ def select_linear_method(layer: Any) -> tuple[LinearMethod, torch.Tensor | None]
     # tied to oneDNN's bf16: under the emulation (`VX_CPU_EMULATE=1`) an AVX2 host has the
     # AVX-512 kernels without it.
     plain = w.data if w.device.type == "cpu" and w.dtype == torch.bfloat16 and skinny else None
-    packed = prepack(w) if cpu_prepack_enabled(w) else None
+    packed = prepack(w) if onednn and cpu_prepack_enabled(w) else None
     return chain(
         *head,
         VnniLinear(vnni, plain) if vnni is not None else None,

@@ -68,7 +68,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, a: MoEArgs, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
-        # Replicated (every rank routes every token): tp_size 1 whatever the model's.
+        # Replicated (every rank routes every token): tp_size 1 whatever the model's; the router
+        # stays unquantized (E outputs), the experts take weight-only quantization.
         self.gate = ColumnParallelLinear(a.hidden_size, [a.num_experts], bias=False, **dd)
         self.experts = FusedMoE(
             a.num_experts,
@@ -79,6 +80,7 @@ class SparseMoeBlock(nn.Module):
             weights_in_fp32=a.weights_in_fp32,
             tp_rank=kw["tp_rank"],
             tp_size=kw["tp_size"],
+            quantization=kw.get("quantization"),
             **dd,
         )
 
@@ -99,11 +101,6 @@ class MoEForCausalLM(LlamaForCausalLM):
     _EXPERT: re.Pattern[str]
     _PARTS: dict[str, str]
     _RENAMES: dict[str, str] = {}
-
-    def __init__(self, hf_config: Any, *, quantization: str | None = None, **kw: Any) -> None:
-        if quantization:
-            raise NotImplementedError("weight-only quantization of experts is not implemented")
-        super().__init__(hf_config, **kw)
 
     def attention(self, a: ModelArgs, **kw: Any) -> nn.Module:
         """A layer's attention: Llama's here; Qwen3-MoE's has q/k norms."""

@@ -1,0 +1,113 @@
+"""The experts of a mixture-of-experts layer on CPU: each expert's linears on the dense kernels.
+
+Runs in: each Worker process (CPU devices).
+
+Why: the torch experts (`vx.gpu.layers.fused_moe.moe_reference`) multiply each expert's rows
+with `F.linear`, which on a CPU runs torch's bf16 GEMM on the plain weight, while a dense
+layer's linears take vx's skinny GEMM, its AMX / VNNI GEMMs over packed copies, the fp32
+panels of a CPU without bf16 arithmetic, or a weight-only int8 / int4 copy. Here each expert's
+gate-up and down are two linears of their own, whose method chains `select_linear_method`
+chooses once at load exactly as for a dense layer's (a gate-up's AMX copy is the GEMM with the
+SiLU-mul in its epilogue), so an expert's rows take the kernel a dense layer's rows of that
+count would. The difference: no oneDNN copy (the chain ends in `F.linear` on the stacked
+weight, which stays for the torch path and tensor parallelism; an expert's rows are a step's
+rows times top-k over E, rarely past the AMX GEMM's 2,048).
+
+`CpuExperts` keeps `moe_reference`'s contract and its grouping: the (token, slot) pairs are
+sorted by expert and their rows gathered once, each expert the step touches runs its two
+linears on its contiguous run of rows (one host read of the counts per layer), and the
+weighted outputs are scattered back once and each token's k slots summed; experts no token
+picked cost nothing. NOTE: not `index_add_` per expert as the torch experts: on bf16 CPU
+tensors it took most of the layer's time (measured, 64 rows, SmolLM2 widths), and so did
+`sum` over the slots. The slots are added in slot order, the torch experts' adds in expert
+order: the same bits for k = 2 (0 + a, then a + b), maybe not in the last bit for k > 2.
+
+Invariants: expert e's linears read `w13[e]` / `w2[e]`, views of the stacked parameters (no
+copy of the plain weight); the copies a chain keeps are made once, in `CpuExperts.__init__`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vx.gpu.cpu.vnni import amx_vnni_rows
+from vx.gpu.layers.linear import silu_and_mul
+from vx.gpu.layers.linear_method import WeightForms, select_linear_method
+
+__all__ = ["CpuExperts", "ExpertLinear"]
+
+
+class ExpertLinear(WeightForms):
+    """One expert's gate-up ([gate; up], `silu_pairs`) or down, bias-free: `weight` a view of
+    the stacked weight, `method` its chain (no oneDNN copy)."""
+
+    def __init__(self, weight: torch.Tensor, quantization: str | None, *, silu_pairs: bool) -> None:
+        self.weight = weight
+        self.bias = None
+        self.quantization = quantization
+        self.silu_pairs = silu_pairs
+        self.method, _ = select_linear_method(self, onednn=False)
+        v = self.vnni  # asked once: `vnni` walks the chain
+        #: the AMX copy with the SiLU-mul epilogue (a gate-up's, on AMX), else None
+        self.silu_vnni = v if v is not None and v.silu else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(x, None)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x [n, H] -> [n, I]: the AMX GEMM with its SiLU epilogue where its
+        copy takes x's rows (as `MergedColumnParallelLinear.silu_and_mul`), else the GEMM then
+        the SiLU-mul."""
+        v = self.silu_vnni
+        if v is not None and x.dtype == torch.bfloat16 and x.shape[0] >= amx_vnni_rows()[0]:
+            out = v.apply_silu(x)
+            if out is not None:
+                return out
+        return silu_and_mul(self(x))
+
+
+class CpuExperts:
+    """The experts' compute for `FusedMoE.experts_fn` on CPU: `moe_reference`'s contract
+    (x [T, H]; weights, ids [T, k]) -> [T, H] in x's dtype, over each expert's own chains."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, quantization: str | None) -> None:
+        self.gate_up = [ExpertLinear(w, quantization, silu_pairs=True) for w in w13.data]
+        self.down = [ExpertLinear(w, quantization, silu_pairs=False) for w in w2.data]
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuExperts({len(self.gate_up)} x [{self.gate_up[0].method}; {self.down[0].method}])"
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        t, k = ids.shape
+        if t == 0:
+            return torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs t * k + slot, grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()  # the one host read
+        xs = x[order // k]  # each pair's token row, in expert order: one gather
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                ys[rows] = self.down[e](self.gate_up[e].silu_and_mul(xs[rows]))
+                start += n
+        # weighted as the torch experts weigh (fp32 where the weights are), rounded to x's
+        # dtype, then each token's k slots summed: one scatter, not one per expert
+        flat_weights = weights.reshape(-1)[order, None]
+        per_pair = torch.empty_like(ys)
+        per_pair[order] = (ys * flat_weights).to(x.dtype)
+        slots = per_pair.view(t, k, -1)
+        out = slots[:, 0].clone()
+        for j in range(1, k):
+            out += slots[:, j]
+        return out
