@@ -11,7 +11,8 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
   (`attn_logit_softcapping`) and both may soft-cap the final logits (`final_logit_softcapping`);
 - `layer_types` alternates sliding-window and global layers; a sliding layer attends to its
   last `sliding_window` keys (`vx.gpu.attention.windowed.WindowedAttention`, which also does
-  the soft-capping); a global layer without soft-capping takes `paged_attention`;
+  the soft-capping, in the C kernels on CPU); a global layer without soft-capping takes
+  `paged_attention`;
 - Gemma 3 adds q/k RMSNorms per head, and rotates its sliding layers with their own rope
   (`rope_parameters["sliding_attention"]`: base 10 000) and its global ones with theirs.
 
@@ -210,6 +211,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, **kw)
         a = self.args
         assert isinstance(a, GemmaArgs)
+        self.attention_windows = a.windows
         # the windowed attention reads the step's lengths back to the host
         self.graph_capturable = all(w is None for w in a.windows) and a.attn_softcap is None
 
