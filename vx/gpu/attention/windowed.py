@@ -8,8 +8,9 @@ q, k, v, the layer's KV cache, the step's metadata, the scale): it writes the ne
 - on CPU, the C kernels of `paged_attention` with the window and the cap as arguments (the
   decode rows in one call: fp32 or bf16; the prefill chunks in one call: bf16 on AMX,
   AVX512-BF16 or AVX2), which read only the blocks the window sees;
-- what no kernel takes here (fp32 prefill chunks, a shape or CPU without a kernel), and CUDA,
-  per request in torch, the reference: gather only the cache blocks its window can see and
+- on CUDA, the Triton kernel (`vx.gpu.attention.triton.paged_attention`) with both;
+- what no C kernel takes (fp32 prefill chunks, a shape or CPU without a kernel), per request
+  in torch, the reference: gather only the cache blocks its window can see and
   attend with HF's eager arithmetic: scores = q k^T * scale in the model dtype,
   `tanh(s / cap) * cap` if soft-capped, the causal and window mask, softmax in fp32 cast back,
   then the weighted V.
@@ -18,11 +19,10 @@ Window semantics are HF's (`masking_utils.sliding_window_overlay`): query positi
 positions (p - window, p], `window` keys including itself. Neither path reads a key before a
 query's window, so the blocks holding only such keys may have been freed and reused.
 
-Invariants: the fused CPU step and the Triton kernels never see a windowed or soft-capped
-layer: a model whose layers need this gives them this `attn_fn`, which the fused CPU step
-declines (`FusedDecode.build` accepts only `paged_attention`). The torch path loops over the
-requests of a step in Python and reads the step's lengths back to the host, so it is not
-CUDA-graph capturable (the models that use it say so).
+Invariants: the fused CPU step never sees a windowed or soft-capped layer: a model whose
+layers need this gives them this `attn_fn`, which the fused CPU step declines
+(`FusedDecode.build` accepts only `paged_attention`). The models that use it stay out of CUDA
+graphs (the Triton path was checked under the interpreter only, not captured on a GPU).
 """
 
 from __future__ import annotations
@@ -58,21 +58,20 @@ class WindowedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         k_cache, v_cache = kv_cache
+        window, cap = self.window or 0, self.softcap or 0.0
         if q.is_cuda:
             from vx.gpu.attention import triton as triton_attention
 
             triton_attention.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        else:
-            write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+            return triton_attention.paged_attention(q, k_cache, v_cache, md, scale, window, cap)
+        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
         out = q.new_empty(q.shape)
         first, last = 0, md.num_reqs  # the requests left to the torch path
-        if not q.is_cuda:
-            window, cap = self.window or 0, self.softcap or 0.0
-            nd = md.num_decodes
-            if md.prefills and prefill_kernel(q, k_cache, v_cache, md, scale, out, window, cap):
-                last = nd
-            if nd and decode_kernel(q[:nd], k_cache, v_cache, md, scale, out[:nd], window, cap):
-                first = nd
+        nd = md.num_decodes
+        if md.prefills and prefill_kernel(q, k_cache, v_cache, md, scale, out, window, cap):
+            last = nd
+        if nd and decode_kernel(q[:nd], k_cache, v_cache, md, scale, out[:nd], window, cap):
+            first = nd
         if first >= last:
             return out
         starts = md.query_start_loc.tolist()
