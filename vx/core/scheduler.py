@@ -72,7 +72,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: EngineConfig, num_blocks: int, *, max_model_len: int | None = None
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        *,
+        max_model_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         sched = config.scheduler
         self.config = config
@@ -104,7 +109,11 @@ class Scheduler:
             limit = capacity
         #: The context limit actually enforced (report this one in EngineReady).
         self.max_model_len = limit
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        #: `sliding_window`: every layer's window (the Worker's report), or None; the KV
+        #: manager frees the blocks that slide out of it (one pool, one budget still).
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, self.enable_caching, sliding_window
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -18,7 +18,8 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
 
 The fused CPU step declines these blocks (they are not the Llama ones). A model here is not
 CUDA-graph capturable where a layer takes the windowed attention (it reads lengths back).
-Blocks that slide out of every window are not freed: the KV cache holds whole contexts.
+No block is freed as windows slide: the global layers read whole contexts, and vx keeps one
+KV group (`vx.core.kv_cache_manager` frees blocks only when every layer is windowed).
 """
 
 from __future__ import annotations
