@@ -225,8 +225,9 @@ def test_sliding_window_scheduler_reads_only_live_blocks() -> None:
     slot checks that every key a query's window reads still holds that key (no freed block was
     reused while a window could see it), the audit holds after every step, and no request ever
     holds more than its window and its chunk need."""
-    from .helpers import Driver, FakeWorker, make_add_request, make_config
     from vx.core.scheduler import Scheduler
+
+    from .helpers import Driver, FakeWorker, make_add_request, make_config
 
     W, BS = 24, 16
 
@@ -244,12 +245,12 @@ def test_sliding_window_scheduler_reads_only_live_blocks() -> None:
             result = super().execute(out)
             for rid, n in out.num_scheduled_tokens.items():
                 toks, ids, c = self.tokens[rid], self.block_ids[rid], starts[rid]
-                key = lambda p: (ids[p // BS], p % BS)  # noqa: E731
                 for p in range(c, c + n):  # the step writes its keys, then attends
-                    self.slots[key(p)] = hash(tuple(toks[: p + 1]))
+                    self.slots[ids[p // BS], p % BS] = hash(tuple(toks[: p + 1]))
                 for p in range(c, c + n):
                     for k in range(max(0, p - W + 1), p + 1):
-                        assert self.slots.get(key(k)) == hash(tuple(toks[: k + 1])), (rid, p, k)
+                        held = self.slots.get((ids[k // BS], k % BS))
+                        assert held == hash(tuple(toks[: k + 1])), (rid, p, k)
             return result
 
     for is_async in (False, True):
