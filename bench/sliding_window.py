@@ -13,7 +13,8 @@ and 4 KV heads, hidden 256) of three layouts:
 - mistral: 4 layers, every one windowed (512): the case whose blocks are freed.
 
 Each runs as `vx serve` (real processes, HTTP); per context length, one request of that many
-random prompt tokens streams `--decode` tokens (greedy, ignore_eos). Decode tok/s is the
+random prompt tokens streams `--decode` tokens (greedy, ignore_eos), `--repeats` times (a
+token more each time, so no prefix hit: the median is shown). Decode tok/s is the
 tokens after the first over the time from the first to the last (the whole model: its global
 layers' attention grows with the context); the blocks held are read from
 /metrics (`vx:kv_cache_usage_perc` x the pool) while the request decodes, alone on the server.
@@ -34,6 +35,7 @@ import json
 import os
 import random
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -103,8 +105,6 @@ def _one(url: str, model: str, ctx: int, decode: int, vocab: int) -> tuple[float
 def _layer_us(ctx: int, window: int | None, threads: int) -> float:
     """One decode row's attention over ctx keys in one layer (8 query, 4 KV heads, D 64, bf16),
     microseconds a call (median of 5 runs of 50)."""
-    import statistics
-
     import numpy as np
     import torch
 
@@ -140,6 +140,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--shapes", default="gemma2,gemma3,mistral")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="requests per context (median)")
     a = p.parse_args()
     ctxs = [int(c) for c in a.ctx.split(",")]
     print("| one layer's decode attention | " + " | ".join(f"{c} keys" for c in ctxs) + " |")
@@ -164,7 +165,10 @@ def main() -> None:
                           "--num-threads", str(a.threads)) as srv:  # fmt: skip
                 for ctx in ctxs:
                     _one(srv.url, path, 256, 4, cfg["vocab_size"])  # warm-up
-                    tps, usage = _one(srv.url, path, ctx, a.decode, cfg["vocab_size"])
+                    runs = [_one(srv.url, path, ctx + i, a.decode, cfg["vocab_size"])
+                            for i in range(a.repeats)]  # fmt: skip
+                    tps = statistics.median(r[0] for r in runs)
+                    usage = max(r[1] for r in runs)
                     held = usage * nb
                     end = ctx + a.decode
                     win_need = -(-(window - 1) // BS) + 1
