@@ -123,7 +123,7 @@ def layer_args(
             (
                 q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
                 out.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], bt.data_ptr(),
-                bt.stride(0), lens.data_ptr(), b, HQ, HKV, D, BS, D**-0.5, width * BS,
+                bt.stride(0), lens.data_ptr(), b, HQ, HKV, D, BS, D**-0.5, width * BS, 0, 0.0,
             )
         )  # fmt: skip
     return [args[i % distinct] for i in range(LAYERS)], keep

@@ -330,6 +330,9 @@ class WorkerReady(_Msg):
     num_blocks: int
     kv_cache_bytes: int
     device: str
+    #: The window (keys) every layer of the model attends within, the widest where they differ,
+    #: or None when some layer is global: the KV manager frees the blocks that slide out of it.
+    sliding_window: int | None = None
 
 
 class WorkerDead(_Msg):

@@ -173,3 +173,100 @@ def test_reset_prefix_cache_and_statistics() -> None:
     assert manager.statistics().num_cached_blocks == 0
     assert manager.get_computed_blocks(make_request("1", COMMON + [1])) == ([], 0)
     assert manager.get_block_ids("0") == []
+
+
+def test_sliding_window_frees_blocks_out_of_every_window() -> None:
+    """Every layer windowed (W = 20 keys): once n tokens are computed, the blocks wholly
+    before key n - W + 1 go back to the pool (in their places NULL_BLOCK, ids unchanged for the
+    rest); a freed block keeps its hash until reused, so it stays a correct prefix hit, and a
+    reused one is no hit at all. Without a window nothing is freed."""
+    from vx.core.block_pool import NULL_BLOCK
+
+    manager = KVCacheManager(12, sliding_window=20)
+    prompt = list(range(200, 300))  # 100 tokens
+    r0 = make_request("0", prompt)
+    assert schedule(manager, r0, 40) == [0, 1, 2]
+    # next chunk after 40 computed: keys < 21 are dead, block 0 (keys 0-15) is freed
+    assert schedule(manager, r0, 40) == [3, 4]
+    table = manager.req_to_blocks["0"]
+    assert table[0] is NULL_BLOCK and table.num_freed == 1
+    assert manager.num_held_blocks("0") == 4
+    assert free_ids(manager) == [5, 6, 7, 8, 9, 10, 11, 0]
+    # after 80: keys < 61 dead, blocks 1-2 (keys 16-47) freed, the later first
+    assert schedule(manager, r0, 20) == [5, 6]
+    assert table.num_freed == 3 and free_ids(manager)[-3:] == [0, 2, 1]
+    # the window (20 keys) and the next chunk: what r0 holds now
+    assert manager.num_held_blocks("0") == 4
+    assert manager.block_pool.check_invariants() == []
+
+    # the freed blocks still hold r0's first 48 tokens under their hashes: a hit
+    r1 = make_request("1", prompt[:70] + [1, 2, 3])
+    hits, num_hit = manager.get_computed_blocks(r1)
+    assert [b.block_id for b in hits] == [0, 1, 2, 3] and num_hit == 64
+    # evict them: r2 takes every free block, so block 0 is reused and loses its hash
+    r2 = make_request("2", list(range(1000, 1000 + 16 * 8)))
+    schedule(manager, r2, 16 * manager.block_pool.get_num_free_blocks())
+    assert manager.get_computed_blocks(r1) == ([], 0)
+    manager.free(r2)
+    manager.free(r0)  # the NULL_BLOCK places are not freed again
+    assert manager.block_pool.get_num_free_blocks() == 12
+    assert manager.block_pool.check_invariants() == []
+
+    whole = KVCacheManager(12)  # a global layer: every block stays
+    r3 = make_request("3", prompt)
+    schedule(whole, r3, 40)
+    schedule(whole, r3, 40)
+    assert whole.num_held_blocks("3") == 5 and whole.req_to_blocks["3"].num_freed == 0
+
+
+def test_sliding_window_scheduler_reads_only_live_blocks() -> None:
+    """The scheduler with a windowed pool (W = 24), driven with chunked prefills, shared
+    prefixes, decodes and preemption (a 14-block pool), sync and async: a fake KV content per
+    slot checks that every key a query's window reads still holds that key (no freed block was
+    reused while a window could see it), the audit holds after every step, and no request ever
+    holds more than its window and its chunk need."""
+    from vx.core.scheduler import Scheduler
+
+    from .helpers import Driver, FakeWorker, make_add_request, make_config
+
+    W, BS = 24, 16
+
+    class WindowWorker(FakeWorker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.slots: dict[tuple[int, int], int] = {}
+
+        def execute(self, out):
+            starts = {}
+            for new in out.scheduled_new_reqs:
+                starts[new.req_id] = new.num_computed_tokens
+            cached = out.scheduled_cached_reqs
+            starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            result = super().execute(out)
+            for rid, n in out.num_scheduled_tokens.items():
+                toks, ids, c = self.tokens[rid], self.block_ids[rid], starts[rid]
+                for p in range(c, c + n):  # the step writes its keys, then attends
+                    self.slots[ids[p // BS], p % BS] = hash(tuple(toks[: p + 1]))
+                for p in range(c, c + n):
+                    for k in range(max(0, p - W + 1), p + 1):
+                        held = self.slots.get((ids[k // BS], k % BS))
+                        assert held == hash(tuple(toks[: k + 1])), (rid, p, k)
+            return result
+
+    for is_async in (False, True):
+        config = make_config(max_num_batched_tokens=40, async_scheduling=is_async,
+                             max_model_len=200)  # fmt: skip
+        s = Scheduler(config, 14, sliding_window=W)
+        shared = list(range(100, 140))
+        for i in range(6):
+            s.add_request(make_add_request(str(i), shared + [i] * (10 + 17 * i), max_tokens=30))
+        d = Driver(s, WindowWorker())
+        for _ in range(2000):
+            if not d.in_flight and not s.has_unfinished_requests():
+                break
+            d.step()
+            report = s.kv_self_check()
+            assert report["ok"], report["problems"]
+            for r in s.running:  # the window's blocks, this step's chunk and one of slack
+                assert s.kv_cache_manager.num_held_blocks(r.request_id) <= -(-(W + 40) // BS) + 1
+        assert len(d.finish) == 6 and all(len(t) == 30 for t in d.tokens.values())

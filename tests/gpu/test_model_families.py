@@ -49,6 +49,8 @@ VARIANTS = {
         },
     ),  # fmt: skip
     "gemma3": ("gemma3", {}),
+    # a window of 8 keys on every layer (Mistral's and Phi-3's kind): the windowed attention
+    "mistral-window": ("mistral", {"sliding_window": 8}),
     # no renormalisation, and a dense MLP in layer 0 (mlp_only_layers)
     "qwen3_moe-dense0": (
         "qwen3_moe",

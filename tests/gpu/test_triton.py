@@ -82,6 +82,26 @@ def test_paged_attention_kernel(dtype, tol, hkv, g, d):
 
 
 @fresh
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (7, 0.0), (20, 5.0), (0, 5.0)])
+def test_paged_attention_kernel_window_softcap(dtype, tol, window, softcap):
+    """Sliding windows smaller than the contexts (inside a block, across blocks and query
+    tiles) and Gemma 2's soft-cap; NaN in the blocks before every window (never read)."""
+    reqs = [(0, 1), (37, 1), (16, 1), (0, 20), (17, 9), (40, 30)]
+    k_cache, v_cache, md, gen = _paged_setup(reqs, 2, 32, dtype, seed=window)
+    bt = md.block_table
+    for i, (nc, _) in enumerate(reqs):
+        for b in range(max(0, nc - window + 1) // BS if window > 0 else 0):
+            k_cache[:, bt[i, b]] = torch.nan
+            v_cache[:, bt[i, b]] = torch.nan
+    q = torch.randn(md.num_tokens, 6, 32, generator=gen).to(dtype) * 3
+    out = ta.paged_attention(q, k_cache, v_cache, md, 32**-0.5, window, softcap)
+    ref = ta.paged_attention_ref(q, k_cache, v_cache, md, 32**-0.5, window, softcap)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@fresh
 def test_paged_attention_ref_matches_cpu_path():
     """The Triton reference and the CPU path agree (so both agree with the dense reference)."""
     from vx.gpu.attention.paged import paged_attention

@@ -14,6 +14,7 @@ from vx.config import BLOCK_SIZE
 from vx.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 
 __all__ = [
+    "NULL_BLOCK",
     "BlockPool",
     "BlockPoolStatistics",
     "FreeKVCacheBlockQueue",
@@ -42,6 +43,11 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+#: The place of a block a request freed after it slid out of every window (id -1, in no pool,
+#: never hashed, never freed): block tables keep their positions. vLLM's null block.
+NULL_BLOCK = KVCacheBlock(-1)
 
 
 class FreeKVCacheBlockQueue:
@@ -244,7 +250,7 @@ class BlockPool:
         stored: list[int] | None = None if self._events is None else []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is None:
+            if block.block_hash is None and block is not NULL_BLOCK:
                 block_hash = block_hashes[i]
                 if block_hash not in cache_map:
                     cache_map[block_hash] = block

@@ -1,7 +1,18 @@
 """The KV cache manager: which blocks each request holds, prefix-cache lookups and caching.
 
-Runs in: EngineCore. One KV-cache group (full attention) and one block size; the BlockPool
-below it owns the blocks themselves.
+Runs in: EngineCore. One KV-cache group and one block size; the BlockPool below it owns the
+blocks themselves.
+
+Sliding windows (vLLM's SlidingWindowManager, for the one case one group can take): when
+every layer of the model attends within a window of W keys (`sliding_window`), a query at
+position p reads only keys (p - W, p], so once a request has computed n tokens its keys
+before n - W + 1 are never read again. `allocate_slots` then frees the blocks wholly before
+that point back to the pool and puts `NULL_BLOCK` in their places, so positions keep their
+blocks' indices (the Worker's table keeps the old ids there; its attention never reads them).
+A model with global layers beside windowed ones (Gemma 2/3) needs every block for its global
+layers: nothing is freed for it (vLLM keeps a separate KV group per kind of layer; vx has one).
+Prefix caching stays correct: a freed block keeps its hash and its contents until the pool
+reuses it, which drops the hash, so a hit never finds a block holding other tokens.
 """
 
 from __future__ import annotations
@@ -10,7 +21,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from vx.config import BLOCK_SIZE
-from vx.core.block_pool import BlockPool, BlockPoolStatistics, KVCacheBlock
+from vx.core.block_pool import NULL_BLOCK, BlockPool, BlockPoolStatistics, KVCacheBlock
 from vx.core.request import Request
 
 __all__ = ["KVCacheManager", "PrefixCacheStatistics"]
@@ -22,14 +33,16 @@ NO_NEW_BLOCKS: list[int] = []
 class BlockTable(list[KVCacheBlock]):
     """A request's blocks in position order, plus how many of the first ones are cached.
 
-    A list subclass so one dict lookup on the decode path yields both.
+    A list subclass so one dict lookup on the decode path yields both. Its first
+    `num_freed` entries are `NULL_BLOCK`: blocks freed after they slid out of the window.
     """
 
-    __slots__ = ("num_cached_blocks",)
+    __slots__ = ("num_cached_blocks", "num_freed")
 
     def __init__(self) -> None:
         super().__init__()
         self.num_cached_blocks = 0
+        self.num_freed = 0
 
 
 class PrefixCacheStatistics(NamedTuple):
@@ -60,9 +73,13 @@ class KVCacheManager:
         block_size: int = BLOCK_SIZE,
         enable_caching: bool = True,
         kv_events_medium: str | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        #: Every layer's window (keys; the widest where they differ), or None: some layer
+        #: attends to the whole context, and a request keeps all its blocks.
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self.block_pool = BlockPool(num_blocks, enable_caching, kv_events_medium, block_size)
         self.req_to_blocks: dict[str, BlockTable] = {}
         self._queries = self._hits = 0
@@ -115,6 +132,8 @@ class KVCacheManager:
         bs = self.block_size
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id)
+        if blocks is not None and self.sliding_window is not None:
+            self._free_out_of_window(request, blocks)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if (
             blocks is not None
@@ -162,6 +181,32 @@ class KVCacheManager:
             return NO_NEW_BLOCKS
         return [b.block_id for b in hits] + [b.block_id for b in new_blocks]
 
+    def _free_out_of_window(self, request: Request, blocks: BlockTable) -> None:
+        """Free the blocks whose keys every later query's window has left: those before
+        ``num_computed_tokens - W + 1`` (the next query's first key; the scheduler's computed
+        count at this point has no drafts in it, and an in-flight step reads before a reused
+        block is written). Full blocks are cached before this (they filled steps ago)."""
+        assert self.sliding_window is not None
+        dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if dead > len(blocks):
+            dead = len(blocks)
+        start = blocks.num_freed
+        if dead <= start:
+            return
+        if self.enable_caching and blocks.num_cached_blocks < dead:
+            num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            if num_full > blocks.num_cached_blocks:
+                self._cache_full_blocks(request, blocks, num_full)
+        # the latest first: the oldest (the longest-shared prefixes) are evicted last
+        self.block_pool.free_blocks(reversed(blocks[start:dead]))
+        blocks[start:dead] = [NULL_BLOCK] * (dead - start)
+        blocks.num_freed = dead
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """The pool blocks `request_id` holds now (freed window blocks not counted)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return 0 if blocks is None else len(blocks) - blocks.num_freed
+
     def _cache_full_blocks(self, request: Request, blocks: BlockTable, num_full: int) -> None:
         self.block_pool.cache_full_blocks(
             blocks, request.block_hashes, blocks.num_cached_blocks, num_full,
@@ -193,7 +238,7 @@ class KVCacheManager:
         """Release every block of `request`, last block first (it is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[blocks.num_freed :]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

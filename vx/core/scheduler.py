@@ -72,7 +72,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: EngineConfig, num_blocks: int, *, max_model_len: int | None = None
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        *,
+        max_model_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         sched = config.scheduler
         self.config = config
@@ -113,8 +118,11 @@ class Scheduler:
         self.max_model_len = limit
         # KV events name the pool's memory: "GPU" on cuda (vLLM's word), "CPU" on the CPU device.
         medium = ("GPU" if config.device == "cuda" else "CPU") if config.kv_events.enabled else None
+        #: `sliding_window`: every layer's window (the Worker's report), or None; the KV
+        #: manager frees the blocks that slide out of it (one pool, one budget still).
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, self.enable_caching, kv_events_medium=medium
+            num_blocks, self.block_size, self.enable_caching, kv_events_medium=medium,
+            sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

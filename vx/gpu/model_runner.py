@@ -195,7 +195,8 @@ class ModelRunner:
         self.max_model_len = m.max_model_len or limit
         window = getattr(self.model, "sliding_window", None)
         if window and self.max_model_len > window:
-            # The paged attention has no sliding window: stay where full attention is exact.
+            # A window on some layers only (Qwen2's max_window_layers) is not implemented:
+            # stay where full attention is exact.
             logger.warning("max_model_len capped at the sliding window (%d)", window)
             self.max_model_len = window
         self.input_batch = InputBatch(

@@ -237,10 +237,12 @@ def run_worker(
             "worker %d ready on %s in %.1f s: %d KV blocks", rank, device,
             time.perf_counter() - t0, num_blocks,
         )
+        windows = getattr(runner.model, "attention_windows", None) or (None,)
         send(
             messages.WorkerReady(
                 rank=rank, pid=os.getpid(), num_blocks=num_blocks, kv_cache_bytes=kv_bytes,
                 device=device,
+                sliding_window=None if None in windows else max(windows),
             )
         )
         stage_profile = _StageProfile(grid) if config.profile_steps and grid.pp_size > 1 else None

@@ -151,7 +151,7 @@ def test_fast_decode_matches_reference(
             q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], md.decode_block_table.data_ptr(),
             md.decode_block_table.stride(0), md.decode_seq_lens.data_ptr(),
-            b, hq, hkv, d, bs, scale, md.decode_num_blocks * bs,
+            b, hq, hkv, d, bs, scale, md.decode_num_blocks * bs, 0, 0.0,
         )  # fmt: skip
         assert decode_kernel_fn(torch.bfloat16, fast=True)(*args) == 0
         assert torch.equal(out, outs[True])

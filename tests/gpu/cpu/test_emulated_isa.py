@@ -40,6 +40,7 @@ KERNEL_TESTS = [
     LIBRARY_TEST,
     "tests/gpu/attention/test_fast_attention.py",
     "tests/gpu/attention/test_prefill_attention.py",
+    "tests/gpu/attention/test_window_kernels.py",
     "tests/gpu/cpu/test_vnni_gemm.py",
     "tests/gpu/sample/test_greedy_step.py",
     "tests/gpu/cpu/test_fused_step.py",

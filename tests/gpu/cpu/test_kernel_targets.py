@@ -297,7 +297,7 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
                 q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
                 out.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
                 table.data_ptr(), table.stride(0), seq.data_ptr(), b, hq, hkv, d, bs,
-                d**-0.5, width * bs,
+                d**-0.5, width * bs, 0, 0.0,
             )  # fmt: skip
             assert rc == 0
         diff = (outs[0].float() - outs[1].float()).abs()
@@ -308,7 +308,7 @@ def test_avx2_decode_attention_matches_the_portable_kernel(tmp_path, monkeypatch
                 q[i].data_ptr(), q.stride(0), q.stride(1), alone.data_ptr(), alone.stride(0),
                 alone.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
                 table[i].data_ptr(), table.stride(0), seq[i].data_ptr(), 1, hq, hkv, d, bs,
-                d**-0.5, max(n, 1),
+                d**-0.5, max(n, 1), 0, 0.0,
             )  # fmt: skip
             assert rc == 0 and torch.equal(alone[0], outs[1][i]), (hq, i)
             if n == 0:
@@ -359,10 +359,11 @@ def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
             starts.data_ptr(), lens.data_ptr(), computed.data_ptr(), len(chunks),
         )  # fmt: skip
         # D % 8, D > 256, Hq % Hkv
-        assert fn(*head, hq, hkv, d - 4, bs, scale) == fn(*head, hq, hkv, 264, bs, scale) == -2
-        assert hkv == 1 or fn(*head, hq + 1, hkv, d, bs, scale) == -2
+        assert fn(*head, hq, hkv, d - 4, bs, scale, 0, 0.0) == -2
+        assert fn(*head, hq, hkv, 264, bs, scale, 0, 0.0) == -2
+        assert hkv == 1 or fn(*head, hq + 1, hkv, d, bs, scale, 0, 0.0) == -2
         assert not out.any()
-        assert fn(*head, hq, hkv, d, bs, scale) == 0
+        assert fn(*head, hq, hkv, d, bs, scale, 0, 0.0) == 0
         for i, (c, n) in enumerate(chunks):
             ids = table[i, : widths[i]].long()
             k = kc[:, ids].reshape(hkv, -1, d)[:, : c + n].double()
@@ -374,6 +375,22 @@ def test_avx2_prefill_attention_matches_fp64(tmp_path, monkeypatch) -> None:
             want = (p @ v).transpose(0, 1)
             got = out[starts[i] : starts[i] + n].double()
             assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-5).all(), (hq, d, i)
+
+
+@pytest.mark.timeout(240)
+def test_avx2_window_kernels(tmp_path, monkeypatch) -> None:
+    """The x86-64-v3 build's AVX2 decode and prefill attention with sliding windows and a
+    soft-cap (tests/gpu/attention/test_window_kernels.py's cases), through the routing the
+    windowed layers use."""
+    from tests.gpu.attention.test_window_kernels import check_window_kernels
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    assert lib.vx_has_avx2_attention() and lib.vx_has_prefill_attention() == 2
+    monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
+    monkeypatch.setattr(library, "_fast_state", {"fast": True})
+    check_window_kernels()
+    monkeypatch.setattr(library, "_fast_state", {"fast": False})  # the portable decode kernel
+    check_window_kernels(prefill=False)
 
 
 @pytest.mark.timeout(300)

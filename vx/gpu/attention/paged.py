@@ -50,6 +50,8 @@ from vx.gpu.cpu.library import (
 
 __all__ = [
     "AttentionMetadata",
+    "decode_kernel",
+    "prefill_kernel",
     "PrefillChunk",
     "build_attention_metadata",
     "gather_blocks",
@@ -211,7 +213,7 @@ def paged_attention(
     write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
     md = attn_metadata
     out = q.new_empty(q.shape)
-    if md.prefills and _prefill_kernel(q, k_cache, v_cache, md, scale, out):
+    if md.prefills and prefill_kernel(q, k_cache, v_cache, md, scale, out):
         pass
     elif not md.num_decodes and len(md.prefills) == 1:
         return _prefill_attention(q, k, v, k_cache, v_cache, md.prefills[0], scale)
@@ -225,16 +227,19 @@ def paged_attention(
     return out
 
 
-def _prefill_kernel(
+def prefill_kernel(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> bool:
-    """Every prefill chunk in one call of the C kernel (bf16: AMX, or AVX2 without AVX-512);
-    False: not taken here."""
+    """Every prefill chunk in one call of the C kernel (bf16: AMX, AVX512-BF16, or AVX2 without
+    AVX-512), with a sliding `window` (keys; <= 0: none) and a logit `softcap` (<= 0: none);
+    False: not taken here (nothing written)."""
     if (
         md.prefill_starts is None
         or q.dtype != torch.bfloat16
@@ -256,6 +261,7 @@ def _prefill_kernel(
         k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
         bt.data_ptr(), bt.stride(0), md.prefill_starts.data_ptr(), md.prefill_lens.data_ptr(),
         md.prefill_computed.data_ptr(), len(md.prefills), q.shape[1], hkv, d, bs, scale,
+        window, softcap,
     )  # fmt: skip
     return rc == 0
 
@@ -273,24 +279,9 @@ def _decode_attention(
     b, hq, _ = q.shape
     g = hq // hkv
     ctx = md.decode_num_blocks * bs
+    if decode_kernel(q, k_cache, v_cache, md, scale, out):
+        return
     if md.decode_kernel:
-        fast = fast_decode_attention()
-        fn = decode_kernel_fn(q.dtype, fast=fast)
-        if fn is not None and q.dtype == k_cache.dtype and q.stride(-1) == out.stride(-1) == 1:
-            bt, lens = md.decode_block_table, md.decode_seq_lens
-            assert bt is not None and lens is not None
-            args = (
-                q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-                k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
-                bt.data_ptr(), bt.stride(0), lens.data_ptr(),
-                b, hq, hkv, d, bs, scale, ctx,
-            )  # fmt: skip
-            rc = fn(*args)
-            if rc == -2 and fast:  # a shape the fast kernel does not handle
-                rc = decode_kernel_fn(q.dtype)(*args)
-            if rc != 0:
-                raise MemoryError("the CPU decode attention kernel could not allocate scratch")
-            return
         _fill_fallback_fields(md, bs)
     assert md.decode_block_ids is not None and md.decode_mask is not None
     kbuf = md.scratch.get("decode_k")
@@ -311,6 +302,43 @@ def _decode_attention(
         scale=scale,
     )
     out.copy_(o.transpose(0, 1).reshape(b, hq, d))
+
+
+def decode_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> bool:
+    """The decode rows q [B, Hq, D] into `out` by one C kernel call (the fast kernel where it
+    runs and takes the shape, else the portable one), with a sliding `window` and a logit
+    `softcap` (<= 0: none); False: the kernel is not available for this step or dtype."""
+    if not md.decode_kernel:
+        return False
+    fast = fast_decode_attention()
+    fn = decode_kernel_fn(q.dtype, fast=fast)
+    if fn is None or q.dtype != k_cache.dtype or q.stride(-1) != 1 or out.stride(-1) != 1:
+        return False
+    hkv, _, bs, d = k_cache.shape
+    b, hq, _ = q.shape
+    bt, lens = md.decode_block_table, md.decode_seq_lens
+    assert bt is not None and lens is not None
+    args = (
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        bt.data_ptr(), bt.stride(0), lens.data_ptr(),
+        b, hq, hkv, d, bs, scale, md.decode_num_blocks * bs, window, softcap,
+    )  # fmt: skip
+    rc = fn(*args)
+    if rc == -2 and fast:  # a shape the fast kernel does not handle
+        rc = decode_kernel_fn(q.dtype)(*args)
+    if rc != 0:
+        raise MemoryError("the CPU decode attention kernel could not allocate scratch")
+    return True
 
 
 def gather_blocks(

@@ -11,7 +11,10 @@ Kernels:
 - `paged_attention`: one program per (tile of `tile_block_m` query tokens of one request,
   query head). It walks the request's block table one KV block at a time with an online
   softmax (flash-attention style), causal with the offset of the cached prefix, GQA by
-  ``kv_head = q_head // group``. Decodes are tiles with one live row.
+  ``kv_head = q_head // group``. Decodes are tiles with one live row. With a sliding `window`
+  (> 0) a query at position p sees keys (p - window, p] (HF's), and the walk starts at the
+  block of the tile's first window key (blocks before it are never read); with a `softcap`
+  (> 0) each scaled score s becomes cap * tanh(s / cap) (Gemma 2's).
 - `rms_norm`: residual add fused with RMSNorm, rounding exactly where `vx.gpu.layers.linear.RMSNorm`
   rounds (add in the model dtype, normalise in fp32, cast, multiply by the weight).
 - `rotary_embedding`: neox (rotate-half) rotary, in place on q and k, from [max_pos, D/2]
@@ -86,8 +89,12 @@ def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache[:, blocks, offsets] = v[keep].transpose(0, 1).to(v_cache.dtype)
 
 
-def paged_attention_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float):
-    """Reference: per request, gather the context through the block table; fp32 softmax."""
+def paged_attention_ref(
+    q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int = 0,
+    softcap: float = 0.0,
+):  # fmt: skip
+    """Reference: per request, gather the context through the block table; fp32 softmax; a
+    sliding `window` and a logit `softcap` (<= 0: none)."""
     hkv, _, bs, d = k_cache.shape
     hq = q.shape[1]
     g = hq // hkv
@@ -97,13 +104,22 @@ def paged_attention_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float
     for i in range(md.num_reqs):
         s, e, ctx = qsl[i], qsl[i + 1], seq_lens[i]
         nblk = -(-ctx // bs)
-        ids = md.block_table[i, :nblk].long()
-        kk = k_cache[:, ids].reshape(hkv, -1, d)[:, :ctx].float().repeat_interleave(g, 0)
-        vv = v_cache[:, ids].reshape(hkv, -1, d)[:, :ctx].float().repeat_interleave(g, 0)
+        # from the block of the first query's window on (the blocks before are never read)
+        b0 = max(0, ctx - (e - s) - window + 1) // bs if window > 0 else 0
+        ids = md.block_table[i, b0:nblk].long()
+        kk = k_cache[:, ids].reshape(hkv, -1, d)[:, : ctx - b0 * bs].float()
+        vv = v_cache[:, ids].reshape(hkv, -1, d)[:, : ctx - b0 * bs].float()
+        kk, vv = kk.repeat_interleave(g, 0), vv.repeat_interleave(g, 0)
         qq = q[s:e].float().transpose(0, 1)  # [Hq, n, D]
         scores = qq @ kk.transpose(1, 2) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > q_pos, -torch.inf)
+        k_pos = torch.arange(b0 * bs, ctx, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, -torch.inf)
         out[s:e] = (scores.softmax(-1) @ vv).transpose(0, 1).to(q.dtype)
     return out
 
@@ -162,10 +178,10 @@ if HAS_TRITON:
         q_ptr, o_ptr, kc_ptr, vc_ptr,
         bt_ptr, qsl_ptr, seq_lens_ptr, tile_req_ptr, tile_qs_ptr,
         s_qt, s_qh, s_ot, s_oh, s_ch, s_cb, s_cs, s_bt,
-        scale,
+        scale, window, softcap,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         h = tl.program_id(1)
@@ -197,7 +213,10 @@ if HAS_TRITON:
         kv_end = tl.minimum(seq_len, num_computed + q_tile + BLOCK_M)
         num_blocks = tl.cdiv(kv_end, BLOCK_SIZE)
         offs_s = tl.arange(0, BLOCK_SIZE)
-        for b in range(0, num_blocks):
+        first_block = 0
+        if WINDOWED:  # keys before the tile's first query's window: never read
+            first_block = tl.maximum(num_computed + q_tile - window + 1, 0) // BLOCK_SIZE
+        for b in range(first_block, num_blocks):
             blk = tl.load(bt_ptr + req * s_bt + b).to(tl.int64)
             kv_off = kvh * s_ch + blk * s_cb + offs_s[:, None] * s_cs + offs_d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=d_ok[None, :], other=0.0)
@@ -211,8 +230,15 @@ if HAS_TRITON:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 scores = tl.dot(q, tl.trans(k)) * scale
+            if SOFTCAP:  # cap * tanh(s / cap), tanh from exp(-2|x|) (no overflow)
+                x = scores / softcap
+                t = tl.exp(-2.0 * tl.abs(x))
+                th = (1.0 - t) / (1.0 + t)
+                scores = tl.where(x < 0, -th, th) * softcap
             key_pos = b * BLOCK_SIZE + offs_s
             ok = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)
+            if WINDOWED:
+                ok = ok & (key_pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(ok, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             # A row with nothing visible yet keeps m = -inf; shift by 0 to avoid inf - inf.
@@ -303,8 +329,12 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     )  # fmt: skip
 
 
-def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Triton: q [T, Hq, D] over the paged caches -> [T, Hq, D]. Needs `md.tile_req`."""
+def paged_attention(
+    q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """Triton: q [T, Hq, D] over the paged caches -> [T, Hq, D], with a sliding `window` and
+    a logit `softcap` (<= 0: none). Needs `md.tile_req`."""
     _require_triton()
     if md.tile_req is None or md.tile_q_start is None:
         raise ValueError("attention metadata was built without Triton tiles")
@@ -319,9 +349,10 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) ->
         md.block_table, md.query_start_loc, md.seq_lens, md.tile_req, md.tile_q_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_table.stride(0),
-        scale,
+        scale, max(int(window), 0), float(softcap) if softcap > 0 else 1.0,
         GROUP=hq // hkv, D=d, BLOCK_SIZE=bs, BLOCK_M=md.tile_block_m, BLOCK_D=max(_np2(d), 16),
         DOT_FP32=_INTERPRETING, IEEE=_INTERPRETING or q.dtype == torch.float32,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0,
     )  # fmt: skip
     return out
 

@@ -1,24 +1,28 @@
-"""Windowed attention: paged attention with a per-layer sliding window and logit soft-capping,
-in torch (the reference path for the layers that need either).
+"""Windowed attention: paged attention with a per-layer sliding window and logit soft-capping.
 
 Runs in: each Worker process.
 
 `WindowedAttention(window, softcap)` is an `attn_fn` as `paged_attention` is (same arguments:
 q, k, v, the layer's KV cache, the step's metadata, the scale): it writes the new K/V through
-`slot_mapping`, then, per request, gathers only the cache blocks its window can see and attends
-with HF's eager arithmetic: scores = q k^T * scale in the model dtype, `tanh(s / cap) * cap` if
-soft-capped, the causal and window mask, softmax in fp32 cast back, then the weighted V.
+`slot_mapping`, then attends:
+- on CPU, the C kernels of `paged_attention` with the window and the cap as arguments (the
+  decode rows in one call: fp32 or bf16; the prefill chunks in one call: bf16 on AMX,
+  AVX512-BF16 or AVX2), which read only the blocks the window sees;
+- on CUDA, the Triton kernel (`vx.gpu.attention.triton.paged_attention`) with both;
+- what no C kernel takes (fp32 prefill chunks, a shape or CPU without a kernel), per request
+  in torch, the reference: gather only the cache blocks its window can see and
+  attend with HF's eager arithmetic: scores = q k^T * scale in the model dtype,
+  `tanh(s / cap) * cap` if soft-capped, the causal and window mask, softmax in fp32 cast back,
+  then the weighted V.
 
 Window semantics are HF's (`masking_utils.sliding_window_overlay`): query position p sees key
-positions (p - window, p], `window` keys including itself. Every block of the context stays in
-the KV cache (blocks that slide out of the window are not freed yet), so prefix caching is
-unaffected: a cached block is what it was.
+positions (p - window, p], `window` keys including itself. Neither path reads a key before a
+query's window, so the blocks holding only such keys may have been freed and reused.
 
-Invariants: the C kernels (`vx.gpu.cpu`: the fused step, the decode and prefill attention) and
-the Triton kernels never see a windowed or soft-capped layer: a model whose layers need this
-gives them this `attn_fn`, which the fused CPU step declines (`FusedDecode.build` accepts only
-`paged_attention`). It loops over the requests of a step in Python and reads the step's
-lengths back to the host, so it is not CUDA-graph capturable (the models that use it say so).
+Invariants: the fused CPU step never sees a windowed or soft-capped layer: a model whose
+layers need this gives them this `attn_fn`, which the fused CPU step declines
+(`FusedDecode.build` accepts only `paged_attention`). The models that use it stay out of CUDA
+graphs (the Triton path was checked under the interpreter only, not captured on a GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from vx.gpu.attention.metadata import AttentionMetadata
-from vx.gpu.attention.paged import gather_blocks, write_kv_cache
+from vx.gpu.attention.paged import decode_kernel, gather_blocks, prefill_kernel, write_kv_cache
 
 __all__ = ["WindowedAttention"]
 
@@ -54,17 +58,26 @@ class WindowedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         k_cache, v_cache = kv_cache
+        window, cap = self.window or 0, self.softcap or 0.0
         if q.is_cuda:
             from vx.gpu.attention import triton as triton_attention
 
             triton_attention.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        else:
-            write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+            return triton_attention.paged_attention(q, k_cache, v_cache, md, scale, window, cap)
+        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
         out = q.new_empty(q.shape)
+        first, last = 0, md.num_reqs  # the requests left to the torch path
+        nd = md.num_decodes
+        if md.prefills and prefill_kernel(q, k_cache, v_cache, md, scale, out, window, cap):
+            last = nd
+        if nd and decode_kernel(q[:nd], k_cache, v_cache, md, scale, out[:nd], window, cap):
+            first = nd
+        if first >= last:
+            return out
         starts = md.query_start_loc.tolist()
         for i, seq_len in enumerate(md.seq_lens.tolist()):
             s, e = starts[i], starts[i + 1]
-            if e > s:
+            if first <= i < last and e > s:
                 out[s:e] = self._request(
                     q[s:e], k_cache, v_cache, md.block_table[i], seq_len, scale
                 )

@@ -19,10 +19,10 @@ __all__ = ["KERNEL_ABI", "OPTIONAL", "bind_kernels"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 #: q, q strides, out, out strides, K and V caches, cache strides, block table, its stride,
-#: lengths, then B, Hq, Hkv, D, BS, scale, max_len.
+#: lengths, then B, Hq, Hkv, D, BS, scale, max_len, window (<= 0: none), softcap (<= 0: none).
 _DECODE_ATTENTION = (_I32, [
     _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P,
-    _I32, _I32, _I32, _I32, _I32, _F32, _I32,
+    _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32, _F32,
 ])  # fmt: skip
 #: x, x's row stride, M, weight, bias, y, y's row stride, N, K.
 _GEMM = (_I32, [_P, _I64, _I32, _P, _P, _P, _I64, _I64, _I64])
@@ -95,7 +95,7 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_has_prefill_attention": _QUERY,
     "vx_prefill_attention_bf16": (_I32, [
         _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
-        _I32, _I32, _I32, _I32, _I32, _F32,
+        _I32, _I32, _I32, _I32, _I32, _F32, _I32, _F32,
     ]),  # fmt: skip
     # decode_step.c, split_step.c, greedy_step.c
     "vx_has_decode_step": _QUERY,

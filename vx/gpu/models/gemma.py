@@ -11,13 +11,15 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
   (`attn_logit_softcapping`) and both may soft-cap the final logits (`final_logit_softcapping`);
 - `layer_types` alternates sliding-window and global layers; a sliding layer attends to its
   last `sliding_window` keys (`vx.gpu.attention.windowed.WindowedAttention`, which also does
-  the soft-capping); a global layer without soft-capping takes `paged_attention`;
+  the soft-capping, in the C kernels on CPU); a global layer without soft-capping takes
+  `paged_attention`;
 - Gemma 3 adds q/k RMSNorms per head, and rotates its sliding layers with their own rope
   (`rope_parameters["sliding_attention"]`: base 10 000) and its global ones with theirs.
 
 The fused CPU step declines these blocks (they are not the Llama ones). A model here is not
 CUDA-graph capturable where a layer takes the windowed attention (it reads lengths back).
-Blocks that slide out of every window are not freed: the KV cache holds whole contexts.
+No block is freed as windows slide: the global layers read whole contexts, and vx keeps one
+KV group (`vx.core.kv_cache_manager` frees blocks only when every layer is windowed).
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, **kw)
         a = self.args
         assert isinstance(a, GemmaArgs)
+        self.attention_windows = a.windows
         # the windowed attention reads the step's lengths back to the host
         self.graph_capturable = all(w is None for w in a.windows) and a.attn_softcap is None
 

@@ -387,6 +387,23 @@ class LlamaForCausalLM(nn.Module):
         a = self.args_cls.from_hf(hf_config)
         self.args = a
         self.attn_fn = paged_attention
+        #: Mistral-style sliding window (tokens) the attention does NOT implement, or None:
+        #: the runner caps max_model_len at it (a Qwen2 window on some layers only).
+        self.sliding_window = None
+        #: per layer: the sliding window (keys) its attention implements, or None (global)
+        self.attention_windows: tuple[int | None, ...] = (None,) * a.num_layers
+        types = getattr(hf_config, "layer_types", None) or ()
+        if a.sliding_window and a.sliding_window < a.max_position:
+            if all(t == "sliding_attention" for t in types):
+                # every layer windowed (Mistral, Phi-3): the windowed attention, the C kernels
+                # on CPU (not the fused step, which takes `paged_attention` only)
+                from vx.gpu.attention.windowed import WindowedAttention
+
+                self.attn_fn = WindowedAttention(a.sliding_window, None)
+                self.attention_windows = (a.sliding_window,) * a.num_layers
+                self.graph_capturable = False  # it reads the step's lengths back
+            else:
+                self.sliding_window = a.sliding_window
         self.dtype, self.device = dtype, torch.device(device)
         kw = {"dtype": dtype, "device": self.device, "tp_rank": tp_rank, "tp_size": tp_size}
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
@@ -412,9 +429,6 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = a.head_dim
         self.vocab_size = a.vocab_size
         self.max_position = a.max_position
-        #: Mistral-style sliding window (tokens) or None. NOTE: the paged attention attends to
-        #: the whole context; the runner must cap max_model_len at the window when it is set.
-        self.sliding_window = a.sliding_window
 
     def build_blocks(self, a: ModelArgs, layer: int, **kw: Any) -> tuple[nn.Module, nn.Module]:
         """Layer `layer`'s (attention, MLP) modules."""

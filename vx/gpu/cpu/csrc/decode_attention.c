@@ -9,13 +9,18 @@
    bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
    pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
    batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
-   more than it saves there. */
+   more than it saves there.
+   Every decode kernel also takes `window` (> 0: the query at position len - 1 sees only keys
+   [len - window, len), HF's sliding window; <= 0: all) and `softcap` (> 0: each scaled score s
+   becomes softcap * tanh(s / softcap) before the softmax, Gemma 2's; <= 0: none). Keys before
+   the window are never read, so the blocks that hold only them may be freed and reused. */
 #include "vx_kernels.h"
 #define DECODE_KERNEL(NAME, T, LD, ST, EXP) \
 int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o_sh, \
          const T* kc, const T* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, \
          const int32_t* bt, int64_t bt_s, const int32_t* lens, \
-         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) { \
+         int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window, \
+         float softcap) { \
     const int G = Hq / Hkv; int failed = 0; \
     _Pragma("omp parallel if ((int64_t)B * Hkv * max_len >= 8192)") { \
     float* sc = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(max_len > 0 ? max_len : 1)); \
@@ -27,34 +32,37 @@ int NAME(const T* q, int64_t q_st, int64_t q_sh, T* out, int64_t o_st, int64_t o
     for (int64_t w = 0; w < (int64_t)B * Hkv; w++) { \
         const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b]; \
         const int nblk = (len + BS - 1) / BS; \
+        /* keys [lo, len): scores sit at their positions in sc, the rest is never read */ \
+        const int lo = window > 0 && len > window ? len - window : 0; \
         for (int g = 0; g < G; g++) { \
             const T* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh; \
             for (int d = 0; d < D; d++) qf[g * D + d] = LD(qr[d]) * scale; \
         } \
-        for (int n = 0; n < nblk; n++) { \
+        for (int n = lo / BS; n < nblk; n++) { \
             const T* kb = kc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
-            for (int s = 0; s < smax; s++) { \
+            for (int s = n * BS < lo ? lo - n * BS : 0; s < smax; s++) { \
                 for (int d = 0; d < D; d++) row[d] = LD(kb[s * c_ss + d]); \
                 for (int g = 0; g < G; g++) { \
                     float dot = 0.f; const float* qg = qf + g * D; \
                     for (int d = 0; d < D; d++) dot += qg[d] * row[d]; \
+                    if (softcap > 0.f) dot = softcap * tanhf(dot / softcap); \
                     sc[(int64_t)g * len + n * BS + s] = dot; \
                 } \
             } \
         } \
         for (int g = 0; g < G; g++) { \
-            float* sg = sc + (int64_t)g * len; float m = sg[0], sum = 0.f; \
-            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m; \
-            for (int j = 0; j < len; j++) { sg[j] = EXP(sg[j] - m); sum += sg[j]; } \
+            float* sg = sc + (int64_t)g * len; float m = sg[lo], sum = 0.f; \
+            for (int j = lo + 1; j < len; j++) m = sg[j] > m ? sg[j] : m; \
+            for (int j = lo; j < len; j++) { sg[j] = EXP(sg[j] - m); sum += sg[j]; } \
             const float inv = 1.f / sum; \
-            for (int j = 0; j < len; j++) sg[j] *= inv; \
+            for (int j = lo; j < len; j++) sg[j] *= inv; \
         } \
         memset(acc, 0, sizeof(float) * (size_t)G * D); \
-        for (int n = 0; n < nblk; n++) { \
+        for (int n = lo / BS; n < nblk; n++) { \
             const T* vb = vc + h * c_sh + (int64_t)bt[b * bt_s + n] * c_sb; \
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS; \
-            for (int s = 0; s < smax; s++) { \
+            for (int s = n * BS < lo ? lo - n * BS : 0; s < smax; s++) { \
                 for (int d = 0; d < D; d++) row[d] = LD(vb[s * c_ss + d]); \
                 for (int g = 0; g < G; g++) { \
                     const float p = sc[(int64_t)g * len + n * BS + s]; float* ag = acc + g * D; \
@@ -158,6 +166,26 @@ VX_INLINE __m512 vx_exp16(__m512 x) {  /* vx_expf on 16 lanes; 2^n by scalef */
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(VX_LN2_LO), r);
     return _mm512_scalef_ps(VX_EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
 }
+/* tanh on 16 lanes, from vx_exp16: (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign (no overflow;
+   within a few 1e-7 of tanhf, below the bf16 rounding of everything downstream). */
+VX_INLINE __m512 vx_tanh16(__m512 x) {
+    const __m512 e = vx_exp16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f)));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e),
+                                   _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(
+        _mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
+/* Gemma 2's logit soft-cap, cap * tanh(s / cap), on 16 scores; cap <= 0: s as it is. */
+VX_INLINE __m512 vx_softcap16(__m512 s, float cap) {
+    if (cap <= 0.f) return s;
+    return _mm512_mul_ps(vx_tanh16(_mm512_div_ps(s, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
+}
+/* The lanes of 16 keys that count: [skip, left) (left: keys left in the chunk from the first
+   lane; skip: the keys before a window's first, only in a chunk's first group). */
+VX_INLINE __mmask16 vx_keys16(int left, int skip) {
+    const __mmask16 v = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    return (__mmask16)(v & (0xFFFFu << skip));
+}
 /* Rows of n keys into L1 ahead of use: blocks are scattered, so the hardware prefetcher,
    which follows sequential lines within a page, does not see them coming. */
 VX_INLINE void vx_prefetch_rows(const vx_bf16* base, const int64_t* off, int n, int DV) {
@@ -207,7 +235,8 @@ VX_INLINE void vx_pf_step(vx_pf_cursor* c, int n) {
 VX_INLINE void vx_fast_item(
         const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
         const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
-        int BS, float scale, const int DV, const int amx, vx_pf_cursor* pf) {
+        int BS, float scale, const int DV, const int amx, vx_pf_cursor* pf, int lo,
+        float softcap) {
     enum { GB_MAX = 4 };
     const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
     float sc[16][VX_CH] __attribute__((aligned(64)));
@@ -216,8 +245,11 @@ VX_INLINE void vx_fast_item(
     float mx[16], sum[16];
     /* The next item's lines spread over this item's work, per (key, head) of q.k and of p.V
        (the two passes cost about the same): pq/256 steps each, rounded up. */
-    const int pq = (int)(((int64_t)pf->nblk * pf->lines * 256 + 2 * G * len - 1)
-                         / (len > 0 ? 2 * G * len : 1));
+    /* Keys [lo, len) (the window); chunks from `start`, which AMX needs at a multiple of 16
+       (its tiles are 16 rows of one block), the keys before lo masked out. */
+    const int start = amx ? lo & ~15 : lo, nk = len - start;
+    const int pq = (int)(((int64_t)pf->nblk * pf->lines * 256 + 2 * G * nk - 1)
+                         / (nk > 0 ? 2 * G * nk : 1));
     for (int g = 0; g < G; g++) {
         mx[g] = -INFINITY; sum[g] = 0.f;
         for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
@@ -244,8 +276,9 @@ VX_INLINE void vx_fast_item(
         }
     }
 #endif
-    for (int c0 = 0; c0 < len; c0 += VX_CH) {
+    for (int c0 = start; c0 < len; c0 += VX_CH) {
         const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
+        const int skip = c0 == start ? lo - start : 0;  /* group 0's keys before the window */
         {  /* block by block, no division per key (a runtime BS made it a costly part of an
               item) */
             int blk = c0 / BS, r = c0 % BS;
@@ -292,11 +325,11 @@ VX_INLINE void vx_fast_item(
             __m512 run[16];
             for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
             for (t = 0; t < ng; t++) {
-                const int left = cnt - t * 16;
-                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __mmask16 valid = vx_keys16(cnt - t * 16, t ? 0 : skip);
                 for (int g = 0; g < G; g++) {
-                    const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
-                        _mm512_i32gather_ps(rows, &ct[t][0][g], 4), _mm512_set1_ps(scale));
+                    const __m512 r = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                        vx_softcap16(_mm512_mul_ps(_mm512_i32gather_ps(rows, &ct[t][0][g], 4),
+                                                   _mm512_set1_ps(scale)), softcap));
                     _mm512_store_ps(&sc[g][t * 16], r);
                     run[g] = _mm512_max_ps(run[g], r);
                 }
@@ -326,10 +359,9 @@ VX_INLINE void vx_fast_item(
                                              (__m512bh)qv[v]);
                     a[i] = s;
                 }
-                const int left = cnt - t * 16;
-                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-                const __m512 r = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
-                                                    vx_hsum16(a), _mm512_set1_ps(scale));
+                const __m512 r = _mm512_mask_mov_ps(
+                    _mm512_set1_ps(-INFINITY), vx_keys16(cnt - t * 16, t ? 0 : skip),
+                    vx_softcap16(_mm512_mul_ps(vx_hsum16(a), _mm512_set1_ps(scale)), softcap));
                 _mm512_store_ps(&sc[g][t * 16], r);
                 run = _mm512_max_ps(run, r);
             }
@@ -340,8 +372,7 @@ VX_INLINE void vx_fast_item(
             __m512 s = _mm512_setzero_ps();
             const __m512 mv = _mm512_set1_ps(m_new);
             for (int t = 0; t < ng; t++) {
-                const int left = cnt - t * 16;
-                const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __mmask16 valid = vx_keys16(cnt - t * 16, t ? 0 : skip);
                 const __m512 e = _mm512_maskz_mov_ps(
                     valid, vx_exp16(_mm512_sub_ps(_mm512_load_ps(&sc[g][t * 16]), mv)));
                 _mm512_store_ps(&sc[g][t * 16], e);
@@ -349,7 +380,7 @@ VX_INLINE void vx_fast_item(
             }
             sum[g] = sum[g] * corr + _mm512_reduce_add_ps(s);
             mx[g] = m_new;
-            if (c0) {
+            if (c0 != start) {
                 const __m512 cv = _mm512_set1_ps(corr);
                 for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);
             }
@@ -397,7 +428,8 @@ int vx_decode_attention_bf16_fast(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* lens,
-        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
+        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window,
+        float softcap) {
     const int G = Hq / Hkv;
     if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
     const int amx = vx_amx_on && BS % 16 == 0;
@@ -420,15 +452,17 @@ int vx_decode_attention_bf16_fast(
         pf.lines = (int)(((int64_t)BS * c_ss * 2 + 63) / 64);
         if (w + 1 < (int64_t)B * Hkv) {  /* the next item's K and V: up to 1,024 keys */
             const int b1 = (int)((w + 1) / Hkv), h1 = (int)((w + 1) % Hkv);
-            const int n1 = lens[b1] < 16 * VX_PF_BLOCKS ? lens[b1] : 16 * VX_PF_BLOCKS;
-            for (int p = 0; p < n1 && pf.nblk < VX_PF_BLOCKS; p += BS, pf.nblk++) {
+            const int lo1 = window > 0 && lens[b1] > window ? lens[b1] - window : 0;
+            const int n1 = lens[b1] - lo1 < 16 * VX_PF_BLOCKS ? lens[b1] : lo1 + 16 * VX_PF_BLOCKS;
+            for (int p = lo1 - lo1 % BS; p < n1 && pf.nblk < VX_PF_BLOCKS; p += BS, pf.nblk++) {
                 const int64_t blk = (int64_t)bt[b1 * bt_s + p / BS] * c_sb + h1 * c_sh;
                 pf.k[pf.nblk] = (const char*)(kc + blk);
                 pf.v[pf.nblk] = (const char*)(vc + blk);
             }
         }
+        const int lo = window > 0 && lens[b] > window ? lens[b] - window : 0;
 #define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
-                                scale, DV, amx, &pf)
+                                scale, DV, amx, &pf, lo, softcap)
         switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
         case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
         case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;

@@ -16,7 +16,9 @@
 
    Same arguments and layout as the portable kernel: one item per (request, kv head), scores for
    the item's G query heads over the whole context, then P V. fp32 throughout, one bf16 rounding
-   per output; normalisation by the sum at the end (the portable kernel normalises P first). */
+   per output; normalisation by the sum at the end (the portable kernel normalises P first).
+   With a `window`, only keys [len - window, len) count: q.k starts at their first block, P V at
+   the first key; with a `softcap`, scores go through cap * tanh(s / cap) first. */
 #include "vx_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define VX_AVX2_ATT_MAX_D 256
@@ -70,6 +72,20 @@ static inline __attribute__((always_inline)) void vx_avx2_pv_tile(
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < CN; c++) _mm256_store_ps(acc + g * D + c * 8, a[g][c]);
 }
+/* cap * tanh(s / cap) on n scores in place (8 lanes at a time from vx_exp8: (1 - e^-2|x|) /
+   (1 + e^-2|x|) with x's sign; the tail scalar). */
+static void vx_softcap_avx2(float* s, int n, float cap) {
+    const __m256 c = _mm256_set1_ps(cap), ic = _mm256_set1_ps(1.f / cap), one = _mm256_set1_ps(1.f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), ic);
+        const __m256 e = vx_exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f)));
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, x)), c));
+    }
+    for (; j < n; j++) s[j] = cap * tanhf(s[j] / cap);
+}
 static inline void vx_prefetch_block(const vx_bf16* p, int rows, int64_t c_ss, int D) {
     for (int s = 0; s < rows; s++)
         for (int d = 0; d < D; d += 32) _mm_prefetch((const char*)(p + s * c_ss + d), _MM_HINT_T0);
@@ -85,7 +101,8 @@ int vx_decode_attention_bf16_avx2(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* lens,
-        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
+        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window,
+        float softcap) {
     if (D % 8 || D > VX_AVX2_ATT_MAX_D || BS > VX_AVX2_ATT_MAX_BS || Hq % Hkv || Hq / Hkv > 64)
         return -2;
     const int G = Hq / Hkv, DV = D / 8;
@@ -106,6 +123,7 @@ int vx_decode_attention_bf16_avx2(
     else for (int64_t w; (w = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
         const int b = (int)(w / Hkv), h = (int)(w % Hkv), len = lens[b];
         const int nblk = (len + BS - 1) / BS, lp = len + 8;  /* sc row stride */
+        const int lo = window > 0 && len > window ? len - window : 0, n0 = lo / BS;
         const int32_t* row_bt = bt + b * bt_s;
         for (int g = 0; g < G; g++) {
             const vx_bf16* qr = q + b * q_st + (int64_t)(h * G + g) * q_sh;
@@ -114,7 +132,7 @@ int vx_decode_attention_bf16_avx2(
         /* S = q K^T in tiles of 4 keys x up to 3 query heads (vx_avx2_qk_tile), each K row
            widened as it is read; keys past smax repeat the block's last one (their scores lie
            past len and are never read). */
-        for (int n = 0; n < nblk; n++) {
+        for (int n = n0; n < nblk; n++) {
             const vx_bf16* kb = vx_avx2_block(kc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
             const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
             for (int s0 = 0; s0 < smax; s0 += 4) {
@@ -136,11 +154,12 @@ int vx_decode_attention_bf16_avx2(
         float inv[64];  /* G <= 64 */
         for (int g = 0; g < G; g++) {
             float* sg = sc + (int64_t)g * lp;
-            float m = sg[0];
-            for (int j = 1; j < len; j++) m = sg[j] > m ? sg[j] : m;
+            if (softcap > 0.f) vx_softcap_avx2(sg + lo, len - lo, softcap);
+            float m = sg[lo];
+            for (int j = lo + 1; j < len; j++) m = sg[j] > m ? sg[j] : m;
             const __m256 mv = _mm256_set1_ps(m);
             __m256 sv = _mm256_setzero_ps();
-            int j = 0;
+            int j = lo;
             for (; j + 8 <= len; j += 8) {
                 const __m256 e = vx_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
                 _mm256_storeu_ps(sg + j, e);
@@ -155,12 +174,14 @@ int vx_decode_attention_bf16_avx2(
         /* O = P V in tiles of up to 3 query heads x 32 dims (vx_avx2_pv_tile), their sums in
            registers over a block's keys. */
         for (int i = 0; i < G * D; i++) acc[i] = 0.f;
-        for (int n = 0; n < nblk; n++) {
-            const vx_bf16* vb = vx_avx2_block(vc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
-            const int smax = (len - n * BS) < BS ? (len - n * BS) : BS;
+        for (int n = n0; n < nblk; n++) {
+            const vx_bf16* vb0 = vx_avx2_block(vc + h * c_sh, row_bt, n, nblk, c_sb, BS, c_ss, D);
+            const int s0 = n * BS < lo ? lo - n * BS : 0;  /* the window's first key */
+            const vx_bf16* vb = vb0 + s0 * c_ss;
+            const int smax = ((len - n * BS) < BS ? (len - n * BS) : BS) - s0;
             for (int c0 = 0; c0 < DV; c0 += 4)
                 for (int g0 = 0; g0 < G; g0 += 3) {
-                    const float* p = sc + (int64_t)g0 * lp + n * BS;
+                    const float* p = sc + (int64_t)g0 * lp + n * BS + s0;
                     float* a = acc + g0 * D + c0 * 8;
                     const int gn = G - g0 < 3 ? G - g0 : 3, cn = DV - c0 < 4 ? DV - c0 : 4;
                     switch (gn * 4 + cn) {
@@ -189,8 +210,9 @@ int vx_decode_attention_bf16_avx2(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* lens,
-        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len) {
-    (void)q; (void)q_st; (void)q_sh; (void)out; (void)o_st; (void)o_sh; (void)kc; (void)vc;
+        int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window,
+        float softcap) {
+    (void)window; (void)softcap; (void)q; (void)q_st; (void)q_sh; (void)out; (void)o_st; (void)o_sh; (void)kc; (void)vc;
     (void)c_sh; (void)c_sb; (void)c_ss; (void)bt; (void)bt_s; (void)lens; (void)B; (void)Hq;
     (void)Hkv; (void)D; (void)BS; (void)scale; (void)max_len;
     return -2;

@@ -194,25 +194,25 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
                 rc = vx_decode_attention_bf16_fast(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
                     c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len);
+                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
 #elif !defined(__AVX512F__)
             if (s->fast)
                 rc = vx_decode_attention_bf16_avx2(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
                     c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len);
+                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
 #endif
             if (rc == -2)
                 rc = vx_decode_attention_bf16(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
                     c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len);
+                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
         }
         if (!rc && s->np)  /* the caller checked the kernel takes them (D % 32 == 0) */
             rc = vx_prefill_attention_bf16(
                 s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, c_sb,
                 D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
-                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale);
+                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale, 0, 0.f);
         if (rc) return rc;
         int64_t Tl = T;  /* the rows past the attention */
         if (s->keep && l == n_layers - 1) {

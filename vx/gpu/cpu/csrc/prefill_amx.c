@@ -9,7 +9,10 @@
    lens[i])); caches [Hkv, NB, BS, D] (strides given), the chunk's own K/V already written;
    bt [nchunks, >= ceil(ctx / BS)] int32 (row i: chunk i's blocks); computed[i] cached tokens
    before chunk i, so query j of chunk i sits at position computed[i] + j and sees keys
-   [0, computed[i] + j]. Any block size.
+   [0, computed[i] + j]; with a sliding `window` > 0 only keys (computed[i] + j - window,
+   computed[i] + j] (HF's), and with a `softcap` > 0 each score s is cap * tanh(s * scale / cap)
+   (Gemma 2's), in natural units, before the softmax. Any block size. Keys before a chunk's
+   first query's window are neither packed nor read.
 
    Two passes, both on torch's OpenMP pool:
    1. each (chunk, kv head, 32 keys) is copied out of the paged cache into the layouts
@@ -61,13 +64,13 @@ VX_INLINE __m512 vx_exp2_16_p(__m512 x) {
    groups of 16 keys, DV dim slices of 32) then 2 DV V tiles (D / 16 dim slices of 16). */
 VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
                           const int32_t* btr, int64_t c_sb, int64_t c_ss, int BS, int ctx,
-                          int pg, int DV) {
+                          int pg, int DV, int kfirst) {
     const int D = 32 * DV;
     const vx_bf16* kr[32];
     const vx_bf16* vr[32];
     for (int n = 0; n < 32; n++) {
         const int key = 32 * pg + n;
-        if (key < ctx) {
+        if (key < ctx && key >= kfirst) {  /* before kfirst: no query's window (zeros) */
             const int64_t o = (int64_t)btr[key / BS] * c_sb + (int64_t)(key % BS) * c_ss;
             kr[n] = kh + o; vr[n] = vh + o;
         } else {
@@ -105,6 +108,16 @@ VX_INLINE void vx_pf_pack(uint32_t* dst, const vx_bf16* kh, const vx_bf16* vh,
                                _mm512_permutex2var_epi16(x, il, y));
         }
 }
+/* No window: a row's first valid key far before any chunk. */
+#define VX_PF_NO_LO (-(1 << 30))
+/* The first 32-key pair a query at position p needs (its window's first key, W > 0), as a key:
+   chunks start there. */
+VX_INLINE int vx_pf_first(int p, int W) {
+    const int f = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
+    return f & ~31;
+}
+/* The first key (relative to a chunk at c0, p = the query's position - c0) of a window. */
+VX_INLINE int vx_pf_lo(int p, int W) { return W > 0 ? p - W + 1 : VX_PF_NO_LO; }
 /* Lane r = op-reduction of v[r] over its 16 lanes, for 16 vectors at once, in
    _mm512_reduce_add_ps's order (GCC's: the 256-bit halves, the 128-bit halves, then lanes
    (0 + 2) + (1 + 3)), so the sums are its bits; max is exact in any order. */
@@ -126,23 +139,47 @@ VX_INLINE __m512 NAME(const __m512* v) {                                        
 }
 VX_PF_REDUCE16(vx_pf_reduce_add16, _mm512_add_ps)
 VX_PF_REDUCE16(vx_pf_reduce_max16, _mm512_max_ps)
+/* The score mask value: -2^100, so that its product with the scale is exact and a row whose
+   first chunk is all masked (a window's start past it) gets max - max = 0 exactly, no NaN;
+   the later chunks' correction 2^(that max - the real max) clamps at 2^-125, which removes
+   what those masked keys added. In any other row it acts as -inf did (2^-125 after the clamp). */
+#define VX_PF_MASKED (-1.2676506002282294e30f)
+/* Gemma 2's soft-cap on raw scores (unscaled q.k): s -> (cap / scale) tanh(s scale / cap), so
+   that the softmax's scale gives cap * tanh(s scale / cap); cin = scale / cap, cout = cap /
+   scale. */
+VX_INLINE __m512 vx_pf_cap16(__m512 s, float cin, float cout) {
+    return _mm512_mul_ps(vx_tanh16(_mm512_mul_ps(s, _mm512_set1_ps(cin))), _mm512_set1_ps(cout));
+}
 /* One chunk's softmax for 16 rows of an item (sb, pb, mx, sum and corr point at the first of
-   them; row r has nv0 + r valid keys in the chunk), the rows interleaved (one row at a time is a
+   them; row r's valid keys in the chunk are [lo0 + r, nv0 + r): lo0 from the window, very
+   negative without one), soft-capped first where cin > 0, the rows interleaved (one row at a time is a
    chain of dependent max, reduce, exp and sum steps that leaves the core idle). Keys past a
    row's own position, and past the chunk up to its last 32-key pair, get -inf first: exp gives
    ~2.4e-38 for them (vx_exp2_16 clamps at -125), nothing next to the row's max term of 1. Rows
    past the item's queries (zero queries) too: no stale reads. Then the running max and its
    correction, the probabilities (rounded to bf16, into pb) and the running sums. */
 VX_INLINE void vx_pf_softmax16(float (*sb)[VX_PCH], vx_bf16 (*pb)[VX_PCH], float* mx, float* sum,
-                               float* corr, int nv0, int cnt, int np, __m512 sv) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                               float* corr, int nv0, int lo0, int cnt, int np, __m512 sv,
+                               float cin, float cout) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), masked = _mm512_set1_ps(VX_PF_MASKED);
+    if (cin > 0.f)
+        for (int r = 0; r < 16; r++)
+            for (int t = 0; t < 2 * np; t++)
+                _mm512_store_ps(&sb[r][16 * t], vx_pf_cap16(_mm512_load_ps(&sb[r][16 * t]), cin, cout));
     for (int r = 0; r < 16; r++) {
         int nv = nv0 + r;
         nv = nv < 0 ? 0 : nv > cnt ? cnt : nv;
         for (int t = nv / 16; t < 2 * np; t++) {
             const int left = nv - 16 * t;
             const __mmask16 k = left <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << left);
-            _mm512_mask_store_ps(&sb[r][16 * t], k, ninf);
+            _mm512_mask_store_ps(&sb[r][16 * t], k, masked);
+        }
+        int lo = lo0 + r;  /* keys before the window */
+        lo = lo < 0 ? 0 : lo > nv ? nv : lo;
+        for (int t = 0; 16 * t < lo; t++) {
+            const int left = lo - 16 * t;
+            const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            _mm512_mask_store_ps(&sb[r][16 * t], k, masked);
         }
     }
     __m512 run[16];
@@ -210,7 +247,8 @@ VX_INLINE void vx_pf_store(const float* acc, int lda, const float* sum, vx_bf16*
 /* One (chunk, query head, 16 queries) item, rows [t0, t0 + m) of the chunk, for D > 64 (DV > 2:
    the Q tiles do not stay in tile registers; vx_pf_item32 takes D <= 64). */
 VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t o_st,
-                          const uint32_t* packed, int nc, int t0, int m, float scale, int DV) {
+                          const uint32_t* packed, int nc, int t0, int m, float scale, int DV,
+                          int W, float cin, float cout) {
     const int D = 32 * DV, ND = D / 16;
     vx_bf16 qb[16][256] __attribute__((aligned(64)));
     float sb[16][VX_PCH] __attribute__((aligned(64)));
@@ -221,7 +259,7 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
     vx_pf_init(&qb[0][0], 256, &acc[0][0], 256, mx, sum, 16, q, q_st, t0, m, D);
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
-    for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
+    for (int c0 = vx_pf_first(nc + t0, W); c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
         for (int g = 0; g < ng; g++) {  /* S = Q K^T, 16 keys a tile, DV dim slices */
@@ -235,7 +273,8 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
             _tile_stored(0, &sb[0][16 * g], VX_PCH * 4);
         }
         const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
-        vx_pf_softmax16(sb, pb, mx, sum, corr, nc + t0 + 1 - c0, cnt, np, sv);
+        vx_pf_softmax16(sb, pb, mx, sum, corr, nc + t0 + 1 - c0, vx_pf_lo(nc + t0 - c0, W), cnt,
+                        np, sv, cin, cout);
         /* O_chunk = P V, four 16-dim tiles at a time */
         for (int d0 = 0; d0 < ND; d0 += 4) {
             const int nt = ND - d0 < 4 ? ND - d0 : 4;
@@ -273,7 +312,7 @@ VX_INLINE void vx_pf_item(const vx_bf16* q, int64_t q_st, vx_bf16* out, int64_t 
    (V). */
 VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out,
                             int64_t o_st, int64_t o_sh, int GH, const uint32_t* packed, int nc,
-                            int t0, int m, float scale, int DV) {
+                            int t0, int m, float scale, int DV, int W, float cin, float cout) {
     const int D = 32 * DV, ND = D / 16;
     vx_bf16 qb[VX_PF_GH][32][64] __attribute__((aligned(64)));
     float sb[32][VX_PCH] __attribute__((aligned(64)));
@@ -288,7 +327,7 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf1
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
     const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
-    for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
+    for (int c0 = vx_pf_first(nc + t0, W); c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH;
         const int ng = (cnt + 15) / 16, np = (cnt + 31) / 32;
         for (int hg = 0; hg < GH; hg++) {
@@ -311,7 +350,8 @@ VX_INLINE void vx_pf_item32(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf1
             }
             for (int h = 0; h < 32; h += 16)
                 vx_pf_softmax16(sb + h, pb + h, mx[hg] + h, sum[hg] + h, corr + h,
-                                nc + t0 + h + 1 - c0, cnt, np, sv);
+                                nc + t0 + h + 1 - c0, vx_pf_lo(nc + t0 + h - c0, W), cnt, np,
+                                sv, cin, cout);
             for (int d0 = 0; d0 < ND; d0 += 2) {  /* O_chunk = P V, two 16-dim tiles a pass */
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int p = 0; p < np; p++) {

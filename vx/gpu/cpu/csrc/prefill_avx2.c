@@ -14,7 +14,10 @@
    Arguments and layouts: those of `vx_prefill_attention_bf16` (prefill_amx.c):
    q/out [T, Hq, D] with any row strides, chunk i owning rows [starts[i], starts[i] + lens[i]);
    caches [Hkv, NB, BS, D] by strides, the chunk's own K/V already written; bt [nchunks, >=
-   ceil(ctx / BS)]; query j of chunk i at position computed[i] + j sees keys [0, computed[i] + j].
+   ceil(ctx / BS)]; query j of chunk i at position computed[i] + j sees keys [0, computed[i] + j],
+   only (computed[i] + j - window, computed[i] + j] with a sliding `window` > 0; with a
+   `softcap` > 0 each score s is cap * tanh(s * scale / cap) first. Keys before a chunk's first
+   query's window are neither packed nor read.
 
    Two passes on torch's OpenMP pool:
    1. every (chunk, kv head, 16 keys) is widened to fp32 out of the paged cache: K transposed
@@ -93,11 +96,14 @@ static void vx_pfa_pv8(const float* P, int p_ld, const float* alpha, const float
         _mm256_store_ps(O + i * D, c);
     }
 }
-/* One item: R = m * G rows (query t0 + r / G, head hq0 + r % G) over keys [0, nkeys). */
+/* One item: R = m * G rows (query t0 + r / G, head hq0 + r % G) over keys [0, nkeys), or
+   their window W (> 0); cap2 > 0: the soft-cap in the scores' log2 units (cap * log2 e).
+   Kp, Vp: the panels addressed by key from key 0 (those before the first window never read). */
 static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out,
                         int64_t o_st, int64_t o_sh, const float* Kp, const float* Vp,
                         int computed, int t0, int m, int G, int D, float qscale, float* Q,
-                        float* O, float* S, float* mx, float* l, float* alpha) {
+                        float* O, float* S, float* mx, float* l, float* alpha, int W,
+                        float cap2) {
     const int R = m * G, D16 = D & ~15;
     for (int r = 0; r < R; r++) {
         const vx_bf16* qr = q + (int64_t)(t0 + r / G) * q_st + (int64_t)(r % G) * q_sh;
@@ -108,7 +114,8 @@ static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* o
         mx[r] = -INFINITY; l[r] = 0.f;
     }
     const int nkeys = computed + t0 + m;  /* the last query sees keys [0, nkeys) */
-    for (int k0 = 0; k0 < nkeys; k0 += VX_PFA_KC) {
+    const int first = W > 0 && computed + t0 - W + 1 > 0 ? computed + t0 - W + 1 : 0;
+    for (int k0 = first & ~15; k0 < nkeys; k0 += VX_PFA_KC) {
         const int kn = nkeys - k0 < VX_PFA_KC ? nkeys - k0 : VX_PFA_KC;
         const int kn16 = (kn + 15) & ~15;
         /* S = Q K^T over this chunk's panels */
@@ -126,13 +133,16 @@ static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* o
             float* s = S + r * VX_PFA_KC;
             const int see = computed + t0 + r / G - k0 + 1;
             const int kv = see < kn ? see : kn;
-            if (kv <= 0) {
+            /* the row's window's first key in the chunk: keys before it get p = 0 too */
+            const int lw = W > 0 ? see - W : 0, k1 = lw < 0 ? 0 : lw;
+            if (kv <= 0 || k1 >= kv) {
                 for (int k = 0; k < kn; k++) s[k] = 0.f;
                 alpha[r] = 1.f;
                 continue;
             }
+            if (cap2 > 0.f) vx_softcap_avx2(s + k1, kv - k1, cap2);
             __m256 mv = _mm256_set1_ps(mx[r]);
-            int k = 0;
+            int k = k1;
             for (; k + 8 <= kv; k += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + k));
             float t8[8], mnew;
             _mm256_storeu_ps(t8, mv);
@@ -141,7 +151,8 @@ static void vx_pfa_item(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* o
             for (; k < kv; k++) mnew = s[k] > mnew ? s[k] : mnew;
             const __m256 mb = _mm256_set1_ps(mnew);
             __m256 sum = _mm256_setzero_ps();
-            for (k = 0; k + 8 <= kv; k += 8) {
+            for (k = 0; k < k1; k++) s[k] = 0.f;
+            for (k = k1; k + 8 <= kv; k += 8) {
                 const __m256 e = vx_exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mb));
                 _mm256_storeu_ps(s + k, e);
                 sum = _mm256_add_ps(sum, e);
@@ -188,16 +199,19 @@ int vx_prefill_attention_bf16_avx2(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
         const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss,
         const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens,
-        const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale) {
+        const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale,
+        int window, float softcap) {
     if (D % 8 || D > 256 || Hkv < 1 || Hq % Hkv || nchunks < 1) return -2;
     const int G = Hq / Hkv;
+    /* chunk i's first panel: the one its first query's window starts in */
+#define VX_PFA_P0(i) (window > 0 && computed[i] - window + 1 > 0 ? (computed[i] - window + 1) / 16 : 0)
     /* per chunk: first packed panel (of Hkv * panels), first work item */
     int64_t* pn0 = (int64_t*)malloc(sizeof(int64_t) * (size_t)(2 * nchunks + 2));
     if (!pn0) return -1;
     int64_t* it0 = pn0 + nchunks + 1;
     pn0[0] = it0[0] = 0;
     for (int i = 0; i < nchunks; i++) {
-        pn0[i + 1] = pn0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 15) / 16);
+        pn0[i + 1] = pn0[i] + (int64_t)Hkv * ((computed[i] + lens[i] + 15) / 16 - VX_PFA_P0(i));
         it0[i + 1] = it0[i] + (int64_t)Hkv * ((lens[i] + VX_PFA_QT - 1) / VX_PFA_QT);
     }
     const int64_t npn = pn0[nchunks], nit = it0[nchunks], panel = (int64_t)16 * D;
@@ -211,13 +225,14 @@ int vx_prefill_attention_bf16_avx2(
     for (int64_t w = 0; w < npn; w++) {
         int i = 0;
         while (pn0[i + 1] <= w) i++;
-        const int ctx = computed[i] + lens[i], per = (ctx + 15) / 16;
-        const int h = (int)((w - pn0[i]) / per), pn = (int)((w - pn0[i]) % per);
+        const int ctx = computed[i] + lens[i], p0 = VX_PFA_P0(i), per = (ctx + 15) / 16 - p0;
+        const int h = (int)((w - pn0[i]) / per), pn = p0 + (int)((w - pn0[i]) % per);
+        const int kfirst = window > 0 && computed[i] - window + 1 > 0 ? computed[i] - window + 1 : 0;
         float* kt = packed + w * panel;
         float* vr = vpacked + w * panel;
         for (int n = 0; n < 16; n++) {
             const int key = 16 * pn + n;
-            if (key < ctx) {
+            if (key < ctx && key >= kfirst) {  /* before kfirst: no query's window (zeros) */
                 const int64_t o = (int64_t)h * c_sh + (int64_t)bt[i * bt_s + key / BS] * c_sb
                                   + (int64_t)(key % BS) * c_ss;
                 for (int d = 0; d < D; d += 8) {
@@ -249,16 +264,20 @@ int vx_prefill_attention_bf16_avx2(
         const int qt = nq - 1 - (int)((w - it0[i]) / Hkv), h = (int)((w - it0[i]) % Hkv);
         const int t0 = VX_PFA_QT * qt;
         const int m = lens[i] - t0 < VX_PFA_QT ? lens[i] - t0 : VX_PFA_QT;
-        const int64_t pw = pn0[i] + (int64_t)h * ((computed[i] + lens[i] + 15) / 16);
+        const int p0 = VX_PFA_P0(i);
+        /* addressed by absolute panel index (the item indexes panels by key / 16) */
+        const int64_t pw = pn0[i] + (int64_t)h * ((computed[i] + lens[i] + 15) / 16 - p0) - p0;
         vx_pfa_item(q + (int64_t)starts[i] * q_st + (int64_t)h * G * q_sh, q_st, q_sh,
                     out + (int64_t)starts[i] * o_st + (int64_t)h * G * o_sh, o_st, o_sh,
                     packed + pw * panel, vpacked + pw * panel, computed[i], t0, m, G, D,
-                    scale * 1.4426950408889634f, Q, O, S, mx, mx + RM, mx + 2 * RM);
+                    scale * 1.4426950408889634f, Q, O, S, mx, mx + RM, mx + 2 * RM, window,
+                    softcap > 0.f ? softcap * 1.4426950408889634f : 0.f);
     }
     free(Q);
     }
     free(packed);
     free(pn0);
+#undef VX_PFA_P0
     return failed ? -1 : 0;
 }
 #endif

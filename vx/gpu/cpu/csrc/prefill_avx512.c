@@ -80,7 +80,7 @@ VX_INLINE void vx_pf_dp_pv4(const vx_bf16* pb, const uint32_t* vt, int64_t pair_
    tokens before it, m <= 32; packed: the kv head's packed pairs from key 0. */
 static void vx_pf_item_dp(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out,
                           int64_t o_st, int64_t o_sh, int GH, const uint32_t* packed, int nc,
-                          int t0, int m, float scale, int DV) {
+                          int t0, int m, float scale, int DV, int W, float cin, float cout) {
     const int D = 32 * DV, ND = D / 16, rows = m > 16 ? 32 : 16;
     vx_bf16 qb[VX_PF_DP_ROWS] __attribute__((aligned(64)));
     float acc[VX_PF_DP_ROWS] __attribute__((aligned(64)));
@@ -94,7 +94,7 @@ static void vx_pf_item_dp(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16*
     const int kv_end = nc + t0 + m;
     const int64_t pair_dw = (int64_t)4 * DV * 256;  /* dwords per 32 packed keys */
     const __m512 sv = _mm512_set1_ps(scale * 1.44269504088896341f);
-    for (int c0 = 0; c0 < kv_end; c0 += VX_PCH) {
+    for (int c0 = vx_pf_first(nc + t0, W); c0 < kv_end; c0 += VX_PCH) {
         const int cnt = kv_end - c0 < VX_PCH ? kv_end - c0 : VX_PCH, np = (cnt + 31) / 32;
         const uint32_t* kc0 = packed + (int64_t)(c0 / 32) * pair_dw;
         for (int hg = 0; hg < GH; hg++) {
@@ -105,7 +105,8 @@ static void vx_pf_item_dp(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16*
                     vx_pf_dp_s8(qh + r0 * D, D, kc0 + p * pair_dw, DV, &sb[r0][32 * p], VX_PCH);
             for (int h = 0; h < rows; h += 16)
                 vx_pf_softmax16(sb + h, pb + h, mx[hg] + h, sum[hg] + h, corr + h,
-                                nc + t0 + h + 1 - c0, cnt, np, sv);
+                                nc + t0 + h + 1 - c0, vx_pf_lo(nc + t0 + h - c0, W), cnt, np,
+                                sv, cin, cout);
             for (int r0 = 0; r0 < rows; r0 += 4) {
                 int c = 0;
                 for (; c + 4 <= ND; c += 4)

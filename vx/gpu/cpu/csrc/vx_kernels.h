@@ -72,9 +72,9 @@ int vx_bind_threads(const int* cpus, int n);
 void vx_set_work_stealing(int mode);
 
 /* decode_attention.c: the portable decode attention, the AVX512-BF16 one, and the KV write */
-int vx_decode_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh, const float* kc, const float* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len);
-int vx_decode_attention_bf16(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len);
-int vx_decode_attention_bf16_fast(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len);
+int vx_decode_attention_f32(const float* q, int64_t q_st, int64_t q_sh, float* out, int64_t o_st, int64_t o_sh, const float* kc, const float* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window, float softcap);
+int vx_decode_attention_bf16(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window, float softcap);
+int vx_decode_attention_bf16_fast(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window, float softcap);
 int vx_fast_amx(int enable);
 int vx_has_fast_bf16(void);
 void vx_write_kv(const char* k, int64_t k_st, int64_t k_sh, const char* v, int64_t v_st, int64_t v_sh, char* kc, char* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, int64_t row_bytes, const int64_t* slots, int T, int Hkv, int BS, int64_t num_slots);
@@ -132,11 +132,11 @@ int64_t vx_screen_select(const float* a, int M, int64_t N, const double* bound, 
 
 /* decode_attention_avx2.c */
 int vx_has_avx2_attention(void);
-int vx_decode_attention_bf16_avx2(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len);
+int vx_decode_attention_bf16_avx2(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* lens, int B, int Hq, int Hkv, int D, int BS, float scale, int max_len, int window, float softcap);
 
 /* prefill_avx2.c, prefill_amx.c, prefill_avx512.c, prefill_dispatch.c */
 int vx_has_prefill_attention(void);
-int vx_prefill_attention_bf16(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens, const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale);
+int vx_prefill_attention_bf16(const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh, const vx_bf16* kc, const vx_bf16* vc, int64_t c_sh, int64_t c_sb, int64_t c_ss, const int32_t* bt, int64_t bt_s, const int32_t* starts, const int32_t* lens, const int32_t* computed, int nchunks, int Hq, int Hkv, int D, int BS, float scale, int window, float softcap);
 
 /* decode_step.c, split_step.c, greedy_step.c: the fused step */
 int vx_has_decode_step(void);
