@@ -298,24 +298,42 @@ def test_a_grammar_that_takes_too_long_gets_400(tmp_path_factory: pytest.TempPat
 def test_llm_structured_outputs_on_the_tiny_model(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    """`vx.LLM` with constraints, n = 2, at TP = 1 and TP = 2 (the same texts: every rank's
+    matchers mask alike); a grammar's end ends the request whatever min_tokens or ignore_eos
+    say; a bad regex is a ValueError."""
     from vx import LLM, SamplingParams, StructuredOutputsParams
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-llm"), arch="llama", **SERVED)
-    with LLM(model, num_threads=1) as llm:
-        so = StructuredOutputsParams(regex="[0-9]{4}-(ab|cd)")
-        outs = llm.generate(["hello", "world"], SamplingParams(n=2, max_tokens=20,
-                                                               structured_outputs=so),
-                            use_tqdm=False)  # fmt: skip
-        texts = [o.text for r in outs for o in r.outputs]
-        assert len(texts) == 4 and all(re.fullmatch("[0-9]{4}-(ab|cd)", t) for t in texts), texts
-        so = StructuredOutputsParams(json={"type": "object", "properties": {
-            "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False})
-        (out,) = llm.generate("hi", SamplingParams(temperature=0, max_tokens=40,
-                                                   structured_outputs=so), use_tqdm=False)
-        assert isinstance(json.loads(out.outputs[0].text)["ok"], bool)
-        with pytest.raises(ValueError, match="regex"):
-            llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
-                regex="[a-")), use_tqdm=False)  # fmt: skip
+    texts_by_tp = []
+    for tp in (1, 2):
+        with LLM(model, num_threads=1, tensor_parallel_size=tp) as llm:
+            so = StructuredOutputsParams(regex="[0-9]{4}-(ab|cd)")
+            outs = llm.generate(["hello", "world"], SamplingParams(n=2, max_tokens=20, seed=5,
+                                                                   structured_outputs=so),
+                                use_tqdm=False)  # fmt: skip
+            texts = [o.text for r in outs for o in r.outputs]
+            assert len(texts) == 4 and all(re.fullmatch("[0-9]{4}-(ab|cd)", t) for t in texts)
+            so = StructuredOutputsParams(json={"type": "object", "properties": {
+                "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False})
+            (out,) = llm.generate("hi", SamplingParams(temperature=0, max_tokens=40,
+                                                       structured_outputs=so), use_tqdm=False)
+            assert isinstance(json.loads(out.outputs[0].text)["ok"], bool)
+            texts.append(out.outputs[0].text)
+            texts_by_tp.append(texts)
+            if tp == 2:
+                continue
+            # the grammar's end (8 tokens at most) comes before min_tokens and max_tokens
+            so = StructuredOutputsParams(regex="[0-9]{2}")
+            for extra in ({"min_tokens": 30}, {"ignore_eos": True}):
+                (out,) = llm.generate("x", SamplingParams(max_tokens=40, structured_outputs=so,
+                                                          **extra), use_tqdm=False)  # fmt: skip
+                c = out.outputs[0]
+                assert re.fullmatch("[0-9]{2}", c.text) and c.finish_reason == "stop", extra
+                assert len(c.token_ids) <= 3, extra
+            with pytest.raises(ValueError, match="regex"):
+                llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
+                    regex="[a-")), use_tqdm=False)  # fmt: skip
+    assert texts_by_tp[0] == texts_by_tp[1]
 
 
 @pytest.mark.parametrize("stream", [False, True])
