@@ -7,6 +7,7 @@ request and then the KV pool back at zero. Screenshots land in artifacts/browser
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 from typing import Any
@@ -127,3 +128,42 @@ def test_api_key_typed_into_the_page(bare_context: Any, tiny_server: VxServer) -
     dash.wait_for_selector("#kpi-running[data-value='0']", timeout=WAIT_MS)
     dash.close()
     assert httpx.get(url + "/v1/engine/events", timeout=5).status_code == 401
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 8}}}}}]  # fmt: skip
+
+
+def test_json_mode_and_tool_call_cards(
+    context: Any, tiny_server: VxServer, artifacts: pathlib.Path
+) -> None:
+    """The JSON-mode switch makes the reply a JSON object; tools with tool_choice `required`
+    show the call the model made as a card: its function's name and its arguments."""
+    page = open_chat(context, tiny_server.url, max_tokens=600, ignore_eos=False)
+    page.check("#json_mode")
+    send(page, "Describe Paris as JSON.")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=WAIT_MS)
+    reply = page.locator(".msg.assistant").nth(0)
+    text = reply.locator(".bubble").inner_text()
+    assert text.lstrip().startswith("{"), text
+    if reply.get_attribute("data-finish") == "stop":
+        assert isinstance(json.loads(text), dict)
+    page.uncheck("#json_mode")
+    page.fill("#tools", json.dumps(WEATHER))
+    page.select_option("#tool_choice", "required")
+    send(page, "What is the weather in Paris?")
+    page.wait_for_function(
+        "document.querySelectorAll('.msg.assistant[data-state=done]').length === 2",
+        timeout=WAIT_MS,
+    )
+    reply = page.locator(".msg.assistant").nth(1)
+    # the random model may go on calling (parallel calls) until max_tokens
+    assert reply.get_attribute("data-finish") in ("tool_calls", "length")
+    cards = reply.locator(".tool-card")
+    assert cards.count() >= 1
+    for i in range(cards.count()):
+        assert cards.nth(i).locator(".tool-name").inner_text().endswith("get_weather")
+    args = json.loads(cards.first.locator(".tool-args").inner_text())  # a finished call
+    assert set(args) == {"city"} and len(args["city"]) <= 8
+    page.screenshot(path=str(artifacts / "chat-tools.png"))

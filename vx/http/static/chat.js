@@ -2,7 +2,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "system", "ignore_eos", "json_mode"];
+const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "system", "ignore_eos", "json_mode",
+                  "tools", "tool_choice"];
 const state = { history: [], controller: null, model: null };
 
 // ── settings, persisted in localStorage ──
@@ -159,6 +160,11 @@ function requestBody() {
   if (seed !== "") body.seed = parseInt(seed, 10);
   if ($("ignore_eos").checked) body.ignore_eos = true;
   if ($("json_mode").checked) body.response_format = { type: "json_object" };
+  const tools = $("tools").value.trim();
+  if (tools) {
+    body.tools = JSON.parse(tools); // a bad array fails the send with its parse error
+    body.tool_choice = $("tool_choice").value;
+  }
   return body;
 }
 
