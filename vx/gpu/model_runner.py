@@ -36,6 +36,7 @@ from vx.gpu.kv_cache import (
     num_gpu_blocks,
 )
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
+from vx.gpu.spec_decode.draft_model import DraftModelProposer
 from vx.gpu.spec_decode.ngram import NgramProposer
 from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -108,10 +109,12 @@ class ModelRunner:
         self.fused_step: FusedDecode | None = None
         #: every token a decode row of the attention (batch-invariant fp32; `load_model`)
         self.tokens_as_decodes = False
-        #: speculative decoding's draft proposer (rank 0 drafts; every rank verifies)
-        self.proposer: NgramProposer | None = None
+        #: speculative decoding's draft proposer (n-gram: rank 0 drafts; a draft model: every
+        #: rank runs it, rank 0's drafts count; every rank verifies). `load_model` loads a
+        #: draft model.
+        self.proposer: NgramProposer | DraftModelProposer | None = None
         sp = config.speculative
-        if sp.enabled:
+        if sp.method == "ngram":
             self.proposer = NgramProposer(
                 sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max
             )
@@ -129,43 +132,15 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from vx.gpu.cpu.fused_step import FusedDecode
-        from vx.gpu.cpu.pages import collapse_weights
-        from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
-        from vx.gpu.cpu.vnni import amx_vnni_rows
-        from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
         from vx.gpu.layers.linear_method import set_batch_invariant
-        from vx.gpu.loader import load_model
         from vx.gpu.sample.sampler import Sampler
 
         m = self.config.model
         torch.manual_seed(m.seed)
         # Decided before the weights are processed: each linear's method chain follows it.
         set_batch_invariant(self.config.batch_invariant)
-        self.model = load_model(
-            m.path,
-            dtype=m.dtype,
-            device=self.device,
-            tp_rank=self.rank,
-            tp_size=self.config.parallel.tensor_parallel_size,
-            progress=False,
-            quantization=m.quantization,
-        )
+        self.model = self._load_weights(m.path)
         self.dtype = next(self.model.parameters()).dtype
-        if self.config.batch_invariant:
-            _check_invariant_blocks(self.model)
-        if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
-            collapse_weights(self.model)
-            # the layers' linears only: the LM head takes one row a request
-            linears = [mod for mod in self.model.modules()
-                       if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
-            tune_row_plan(
-                [(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed]
-            )
-            last = amx_vnni_rows()[1]
-            tune_vnni(
-                [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
-                 if mod.packed and mod.vnni is not None and mod.vnni.amx]
-            )  # fmt: skip
         # Batch-invariant fp32 (no C prefill attention for fp32; SDPA's arithmetic follows the
         # chunk and the cached prefix): every token is a decode row of the decode kernel, with
         # its own position as its length, so prompts, outputs and recomputes all take one
@@ -193,10 +168,61 @@ class ModelRunner:
         from vx.gpu.sample.matchers import GrammarMatchers
 
         self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
+        sp = self.config.speculative
+        if sp.method == "draft_model":
+            assert sp.model is not None  # `EngineConfig.validate`
+            self.proposer = DraftModelProposer(
+                self._load_weights(sp.model),
+                sp.num_speculative_tokens,
+                vocab_size=self.model.vocab_size,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                batch_invariant=self.config.batch_invariant,
+                tokens_as_decodes=self.tokens_as_decodes,
+            )
+
+    def _load_weights(self, path: str) -> torch.nn.Module:
+        """Load a model (the target, or the draft model) and make its weights final for this
+        device: collapsed into huge pages and GEMM plans tuned on CPU."""
+        from vx.gpu.cpu.pages import collapse_weights
+        from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
+        from vx.gpu.cpu.vnni import amx_vnni_rows
+        from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vx.gpu.loader import load_model
+
+        m = self.config.model
+        model = load_model(
+            path,
+            dtype=m.dtype,
+            device=self.device,
+            tp_rank=self.rank,
+            tp_size=self.config.parallel.tensor_parallel_size,
+            progress=False,
+            quantization=m.quantization,
+        )
+        if self.config.batch_invariant:
+            _check_invariant_blocks(model)
+        if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
+            collapse_weights(model)
+            # the layers' linears only: the LM head takes one row a request
+            linears = [mod for mod in model.modules()
+                       if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
+            tune_row_plan(
+                [(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed]
+            )
+            last = amx_vnni_rows()[1]
+            tune_vnni(
+                [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
+                 if mod.packed and mod.vnni is not None and mod.vnni.amx]
+            )  # fmt: skip
+        return model
 
     def _block_bytes(self) -> int:
         m = self._model
-        return block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        per_block = block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        if isinstance(self.proposer, DraftModelProposer):  # its KV over the same block ids
+            per_block += self.proposer.block_bytes()
+        return per_block
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(num_blocks, kv_cache_bytes) for this rank's pool."""
@@ -279,6 +305,8 @@ class ModelRunner:
             device=self.device,
         )  # fmt: skip
         self.num_blocks = num_blocks
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks, self.config.scheduler.max_num_seqs)
         logger.info(
             "KV cache: %d blocks (%d tokens, %.2f GiB)",
             num_blocks, num_blocks * BLOCK_SIZE, num_blocks * self._block_bytes() / 2**30,
@@ -398,13 +426,24 @@ class ModelRunner:
             logprobs=logprobs_out,
             prompt_logprobs=prompt_logprobs,
             execute_time_s=time.perf_counter() - t0,
-            spec_token_ids=(
-                None if self.proposer is None
-                # rank 0 drafts (the EngineCore schedules its drafts), every rank verifies
-                else {} if self.rank != 0
-                else self.proposer.propose_batch(batch, inputs.req_ids, inputs.rows, sampled_lists)
-            ),
+            spec_token_ids=self._propose(inputs, sampled_lists),
         )
+
+    def _propose(
+        self, inputs: StepInputs, sampled: list[list[int]]
+    ) -> dict[str, list[int]] | None:
+        """The next step's drafts, by request id (rank 0's go to the EngineCore, which
+        schedules them; a draft model runs on every rank, its forwards being collective)."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        if self.rank != 0 and not isinstance(proposer, DraftModelProposer):
+            return {}
+        assert self.input_batch is not None
+        drafts = proposer.propose_batch(
+            self.input_batch, inputs.req_ids, inputs.rows, sampled, inputs.num_computed
+        )
+        return drafts if self.rank == 0 else {}
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (decodes first) and build the attention metadata."""

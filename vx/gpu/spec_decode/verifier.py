@@ -26,7 +26,7 @@ from vx.messages import Logprobs
 
 if TYPE_CHECKING:
     from vx.gpu.input_batch import InputBatch
-    from vx.gpu.spec_decode.ngram import NgramProposer
+    from vx.gpu.spec_decode.proposer import Proposer
 
 __all__ = ["SAMPLE_FAILED", "accept_drafts", "num_accepted"]
 
@@ -54,7 +54,7 @@ def accept_drafts(
     sampled: np.ndarray,
     sampled_lists: list[list[int]],
     logprobs_out: list[Logprobs | None] | None,
-    proposer: NgramProposer | None,
+    proposer: Proposer | None,
 ) -> None:
     """A step with drafts (`spec`, by request id): each sampling request's tokens are its
     accepted drafts, then its own sample; they go to `sampled_lists[i]` and join its known
