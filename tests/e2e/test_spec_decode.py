@@ -81,15 +81,18 @@ def test_draft_model_equal_to_the_target_accepts_every_greedy_draft(
     spec = {"method": "draft_model", "model": ModelConfig().model, "num_speculative_tokens": 3}
     with LLM(num_threads=2, batch_invariant=True, speculative_config=spec,
              max_num_batched_tokens=32, num_blocks=12, max_num_seqs=3) as llm:  # fmt: skip
-        greedy = llm.generate(PROMPTS, PARAMS[0], use_tqdm=False)
+        got = []
+        for params in PARAMS:  # the later ones hit the prompts' cached blocks
+            for r in llm.generate(PROMPTS, params, use_tqdm=False):
+                got.append([(c.token_ids, c.logprobs) for c in r.outputs])
+            if params is PARAMS[0]:  # greedy: every draft holds
+                stats = llm.call_utility("get_stats")
+                assert stats["spec_num_draft_tokens_total"] > 60, stats
+                assert stats["spec_num_accepted_tokens_total"] == (
+                    stats["spec_num_draft_tokens_total"]
+                ), stats
         stats = llm.call_utility("get_stats")
-        assert stats["spec_num_draft_tokens_total"] > 60, stats
-        assert stats["spec_num_accepted_tokens_total"] == stats["spec_num_draft_tokens_total"]
-        assert [[(c.token_ids, c.logprobs) for c in r.outputs] for r in greedy] == (
-            invariant_reference[: len(PROMPTS)]
-        )
-        assert _run(llm) == invariant_reference  # prefix hits
-        stats = llm.call_utility("get_stats")
+    assert got == invariant_reference
     assert stats["num_preempted_total"] > 0, stats
     logger.info("draft model: %d of %d drafts accepted (by position %s)",
                 stats["spec_num_accepted_tokens_total"], stats["spec_num_draft_tokens_total"],

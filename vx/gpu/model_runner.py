@@ -38,7 +38,7 @@ from vx.gpu.kv_cache import (
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
 from vx.gpu.spec_decode.draft_model import DraftModelProposer
 from vx.gpu.spec_decode.ngram import NgramProposer
-from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts
+from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts, roll_back
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -415,8 +415,7 @@ class ModelRunner:
         # less a drafting request's rejected drafts.
         computed = inputs.num_computed + inputs.query_lens
         if inputs.num_drafts is not None:
-            for i, toks in enumerate(sampled_lists):
-                computed[i] -= inputs.num_drafts[i] + 1 - len(toks) if toks else 0
+            roll_back(batch, inputs.rows, inputs.num_drafts, sampled_lists, computed)
         batch.num_computed_tokens[inputs.rows] = computed
         prompt_logprobs = self._prompt_logprobs(inputs, hidden) if wants_prompt_logprobs else None
         return ModelRunnerOutput(
