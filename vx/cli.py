@@ -71,7 +71,8 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (turns async scheduling off)')
+                        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
+                        'DIR, "num_speculative_tokens": 4}\' (turns async scheduling off)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
