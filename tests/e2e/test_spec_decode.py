@@ -151,3 +151,50 @@ def test_served_stream_is_the_same_and_stops_at_a_stop_string() -> None:
     assert answers[0] == answers[1]
     (full, _), (cut, finish) = answers[1]
     assert "in time" in full and cut == full[: full.index("in time")] and finish == "stop"
+
+
+DAYS_SCHEMA = {
+    "type": "object",
+    "properties": {"days": {"type": "array", "items": {"type": "string"}, "maxItems": 7}},
+    "required": ["days"],
+    "additionalProperties": False,
+}
+JSON_PROMPTS = [
+    'Answer in JSON. The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, '
+    'Saturday and Sunday. As JSON: {"days": ["Monday", "Tuesday", "Wednesday", "Thursday", '
+    '"Friday", "Saturday", "Sunday"]}. Again, as JSON:',
+    'Repeat this JSON exactly: {"days": ["Sunday", "Saturday", "Friday"]}. JSON:',
+]
+
+
+def test_constrained_requests_draft_within_their_grammar() -> None:
+    """A json_schema request drafts (n-gram): each scored position is masked by the state its
+    grammar reaches after the drafts before it, and the matcher keeps only the emitted tokens,
+    so with `--batch-invariant` the output is valid and the same as without drafts."""
+    import json
+
+    from vx import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=DAYS_SCHEMA)
+    params = [
+        SamplingParams.create(temperature=0.0, max_tokens=64, structured_outputs=so),
+        SamplingParams.create(temperature=0.7, seed=5, max_tokens=64, structured_outputs=so),
+    ]
+
+    def run(llm: LLM) -> list[Any]:
+        return [(c.token_ids, c.text, c.finish_reason) for p in params
+                for r in llm.generate(JSON_PROMPTS, p, use_tqdm=False) for c in r.outputs]  # fmt: skip
+
+    with LLM(num_threads=2, batch_invariant=True, async_scheduling=False) as llm:
+        want = run(llm)
+    with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC) as llm:
+        got = run(llm)
+        stats = llm.call_utility("get_stats")
+    assert got == want
+    assert stats["spec_num_accepted_tokens_total"] > 10, stats
+    done = [text for _, text, finish in got if finish == "stop"]
+    assert done
+    for text in done:
+        assert set(json.loads(text)) == {"days"}
+    logger.info("constrained: %d of %d drafts accepted", stats["spec_num_accepted_tokens_total"],
+                stats["spec_num_draft_tokens_total"])  # fmt: skip

@@ -382,23 +382,26 @@ class ModelRunner:
         if sample_idx.size:
             hidden_last = hidden if keep is not None or fused is not None else hidden[last_rows]
             rows = inputs.rows[sample_idx]
-            if fused is None:
+            constrained = matchers is not None and matchers.num_active > 0
+            spec = so.scheduled_spec_decode_tokens if drafts is not None else None
+            if fused is None and not (constrained and spec):  # drafts: masks by position
                 sampled = self._greedy_ids(hidden_last, rows, drafts)
+            elif fused is None:
+                sampled = None
             self._count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
-            constrained = matchers is not None and matchers.num_active > 0
             if constrained:
                 sample_req_ids = [inputs.req_ids[j] for j in sample_idx.tolist()]
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
                 if constrained:  # before anything reads the logits (logprobs included)
-                    matchers.mask_logits(logits, sample_req_ids)
+                    matchers.mask_logits(logits, sample_req_ids, spec)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
             elif constrained:
                 sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
                                                    sample_req_ids, num_reqs)  # fmt: skip
-            if constrained:  # drafting requests are never constrained (`propose_batch`)
+            if constrained and drafts is None:
                 matchers.accept(sample_req_ids, sampled.tolist())
             if drafts is None:
                 # A request whose sampling failed reports -1 (SAMPLE_FAILED); its row gets a
@@ -411,6 +414,8 @@ class ModelRunner:
                     batch, inputs.req_ids, inputs.rows, so.scheduled_spec_decode_tokens,
                     sample_idx, sampled, sampled_lists, logprobs_out, self.proposer,
                 )  # fmt: skip
+                if constrained:  # the emitted tokens only: the rejected drafts never entered
+                    matchers.accept_lists(inputs.req_ids, sampled_lists)
         # Requests advance by what was scheduled (the next diff sets the same value again),
         # less a drafting request's rejected drafts.
         computed = inputs.num_computed + inputs.query_lens

@@ -48,7 +48,7 @@ __all__ = ["DraftModelProposer"]
 class DraftModelProposer(Proposer):
     """Invariants: after `propose_batch`, the draft's KV of every position a request's target
     KV holds is the draft model's own for the same tokens; at most `k` drafts a request, none
-    past `max_model_len`, none for a failed sample or a request with a grammar."""
+    past `max_model_len`, none for a failed sample."""
 
     def __init__(
         self,
@@ -116,12 +116,7 @@ class DraftModelProposer(Proposer):
         end = batch.num_computed_tokens[rows].astype(np.int64)
         drafting = np.zeros(len(rows), dtype=bool)
         for i, toks in enumerate(sampled):
-            row = int(rows[i])
-            drafting[i] = (
-                bool(toks) and toks[0] >= 0
-                and batch.sampling_params[row].structured_outputs is None
-                and self.may_draft(req_ids[i])
-            )  # fmt: skip
+            drafting[i] = bool(toks) and toks[0] >= 0 and self.may_draft(req_ids[i])
         # the newest token (the last known one) is fed too: the first draft follows it
         end = end + drafting
         num = np.where(drafting, np.minimum(self.k, self.max_model_len - end), 0)

@@ -71,16 +71,15 @@ class NgramProposer(Proposer):
         num_computed: np.ndarray | None = None,
     ) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled now (`sampled[i]`, request
-        `req_ids[i]` at batch row `rows[i]`), by request id. None for a failed sample, or a
-        request with a grammar (its matcher would have to walk the drafts). `num_computed`
+        `req_ids[i]` at batch row `rows[i]`), by request id. None for a failed sample (a request
+        with a grammar drafts too: each draft position is masked by the state it would reach,
+        `GrammarMatchers.mask_logits`). `num_computed`
         (the step's computed counts before it) is the draft model's business."""
         out: dict[str, list[int]] = {}
         for i, toks in enumerate(sampled):
             if not toks or toks[0] < 0:
                 continue
             row = int(rows[i])
-            if batch.sampling_params[row].structured_outputs is not None:
-                continue
             drafts = self.propose(req_ids[i], batch.token_ids[row, : int(batch.num_tokens[row])])
             if drafts:
                 out[req_ids[i]] = drafts
