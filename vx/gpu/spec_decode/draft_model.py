@@ -78,7 +78,9 @@ class DraftModelProposer(Proposer):
         self.tokens_as_decodes = tokens_as_decodes
         self.dtype = next(model.parameters()).dtype
         fused = FusedDecode.build(model.model, batch_invariant=batch_invariant)
-        #: the draft's forward: the fused C step where it built (CPU, bf16), as the target's
+        #: the draft's fused C step where it built (CPU, bf16), as the target's: its forward,
+        #: and the one-row passes' layers and LM head argmax in one call
+        self.fused = fused
         self.forward: Callable[..., torch.Tensor] = model if fused is None else fused.forward
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
@@ -209,8 +211,26 @@ class DraftModelProposer(Proposer):
         """Feed each row's draft `j - 1` at `positions` (a decode row each); draft j."""
         ones = np.ones(len(rows), dtype=np.int64)
         md = self._metadata(ones, positions, tables, tables, positions, len(rows))
+        fused, head = self.fused, getattr(self.model, "lm_head", None)
+        if fused is not None and head is not None and fused.greedy_decode_takes(head, len(rows)):
+            # the layers and the head's argmax in one C call (the module path's bits)
+            ids_t = torch.from_numpy(input_ids).to(self.device)
+            pos_t = torch.from_numpy(positions).to(self.device)
+            done = fused.greedy_decode(head, ids_t, pos_t, self.kv_caches, md)
+            if done is not None:
+                hidden, ids = done
+                if ids is not None and not self._short_of_min_tokens(batch, rows, j):
+                    return np.asarray(ids, dtype=np.int64)
+                return self._argmax(batch, rows, hidden, j)
         hidden = self._forward(input_ids, positions, md, None)
         return self._argmax(batch, rows, hidden, j)
+
+    @staticmethod
+    def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_drafts: int) -> bool:
+        """Whether a row has fewer than its min_tokens outputs before this draft."""
+        n_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows] + num_drafts
+        pairs = zip(rows.tolist(), n_out.tolist(), strict=True)
+        return any(batch.sampling_params[r].min_tokens > n for r, n in pairs)
 
     def _metadata(
         self,
