@@ -57,6 +57,21 @@ def wait_health(url: str, proc: subprocess.Popen | None, timeout_s: float) -> No
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+def _spec_counts(url: str) -> tuple[float, float]:
+    """A vx server's drafts and accepted drafts so far (/metrics); (0, 0) for another."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    sums = {"vx:spec_decode_num_draft_tokens_total": 0.0,
+            "vx:spec_decode_num_accepted_tokens_total": 0.0}  # fmt: skip
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[-1])
+    return tuple(sums.values())  # type: ignore[return-value]
+
+
 def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: int = 0) -> dict:
     """One `vx bench serve` run. Each (concurrency, repeat) has its own seed, so no level
     reuses another's prompts (a reused prompt is a prefix-cache hit, not the workload)."""
@@ -70,10 +85,15 @@ def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: in
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--prompt-kind", args.prompt_kind, "--seed", str(seed), "--json", out,
     ]
+    before = _spec_counts(url)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
+    after = _spec_counts(url)
+    if after[0] > before[0]:  # a vx server with speculative decoding: its drafts in this run
+        result["spec_draft_tokens"] = after[0] - before[0]
+        result["spec_accepted_tokens"] = after[1] - before[1]
     if os.path.isabs(result.get("model") or ""):  # a server's local file (llama.cpp's GGUF)
         result["model"] = os.path.basename(result["model"])
     return result
@@ -280,9 +300,13 @@ def run_interleaved(order: list[Server], concs: list[int], args: argparse.Namesp
                     finally:
                         server.pause(True)
                     results.setdefault(server.name, {}).setdefault(conc, []).append(r)
+                    spec = ""
+                    if r.get("spec_draft_tokens"):
+                        spec = (f", drafts accepted {r['spec_accepted_tokens']:.0f} of "
+                                f"{r['spec_draft_tokens']:.0f}")
                     print(f"{server.name} c={conc}: {r['output_throughput']:.1f} tok/s, "
                           f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
-                          f"ITL p50 {r['itl_ms']['p50']:.1f} ms", file=sys.stderr)
+                          f"ITL p50 {r['itl_ms']['p50']:.1f} ms{spec}", file=sys.stderr)
                     if args.json:
                         with open(args.json, "w") as f:
                             json.dump(results, f, indent=1)

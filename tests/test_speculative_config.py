@@ -49,6 +49,8 @@ def test_bad_json_is_refused_with_the_reason(text: str, message: str) -> None:
         ({"method": "eagle"}, "unknown speculative method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"in \[1, 16\]"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "draft_model"}, "takes a \"model\""),
+        ({"method": "ngram", "model": "m"}, "takes a \"model\""),
     ],
 )
 def test_validation_names_the_problem(spec: dict, message: str) -> None:

@@ -72,7 +72,8 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (turns async scheduling off)')
+                        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
+                        'DIR, "num_speculative_tokens": 4}\' (turns async scheduling off)')
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV-cache events for routers over ZMQ, vLLM\'s keys: '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '

@@ -95,9 +95,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     `ngram`: prompt lookup over a request's own tokens (`vx.gpu.spec_decode.ngram`): the
     longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens seen before
     proposes the `num_speculative_tokens` tokens that followed it. Runs with async scheduling
-    off (a step's drafts come from its own sampled tokens)."""
+    off (a step's drafts come from its own sampled tokens).
+
+    `draft_model`: a small model (`model`, resolved to a local directory by the launcher) with
+    the target's vocabulary drafts `num_speculative_tokens` greedy tokens per step
+    (`vx.gpu.spec_decode.draft_model`)."""
 
     method: str | None = None
+    #: the draft model (`draft_model`): an HF directory, a .gguf or the default model's alias
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -190,8 +196,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.model.quantization is not None and self.device != "cpu":
             raise ValueError("quantization is implemented for CPU only")
         sp = self.speculative
-        if sp.method not in (None, "ngram"):
-            raise ValueError(f"unknown speculative method {sp.method!r} (known: ngram)")
+        if sp.method not in (None, "ngram", "draft_model"):
+            raise ValueError(
+                f"unknown speculative method {sp.method!r} (known: ngram, draft_model)"
+            )
+        if (sp.method == "draft_model") != (sp.model is not None):
+            raise ValueError('the "draft_model" method, and it alone, takes a "model"')
         if sp.enabled:
             if not 1 <= sp.num_speculative_tokens <= 16:
                 raise ValueError("num_speculative_tokens must be in [1, 16]")
@@ -240,7 +250,7 @@ def default_max_num_batched_tokens(
 
 
 def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig:
-    """`--speculative-config`'s JSON (vLLM's keys: method, num_speculative_tokens,
+    """`--speculative-config`'s JSON (vLLM's keys: method, model, num_speculative_tokens,
     prompt_lookup_min, prompt_lookup_max), or a dict of them; None: off. Unknown keys are
     refused."""
     if text is None or text == "":

@@ -65,6 +65,14 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         served_model_name=config.model.served_model_name or config.model.model,
     )
     resolved = msgspec.structs.replace(config, model=model)
+    sp = config.speculative
+    if sp.model is not None:  # the draft model, resolved as the target is
+        try:
+            draft = resolve_model(sp.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise ModelNotFoundError(f"draft model: {e}") from None
+        speculative = msgspec.structs.replace(sp, model=draft)
+        resolved = msgspec.structs.replace(resolved, speculative=speculative)
     resolved.validate()
     return resolved
 

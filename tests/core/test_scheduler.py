@@ -445,6 +445,36 @@ def test_drafts_are_scored_and_rejected_positions_rolled_back() -> None:
     check(s)
 
 
+def test_blocks_of_rejected_drafts_are_freed_and_hashes_cover_accepted_tokens() -> None:
+    """A block that held rejected drafts only goes back to the pool at once; the prefix cache
+    hashes the accepted tokens, never a draft."""
+    s = _spec_scheduler(max_num_batched_tokens=64)
+    kv = s.kv_cache_manager
+    s.add_request(make_add_request("a", list(range(14)), max_tokens=20, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, result(out, {"a": [7]}, spec_token_ids={"a": [8, 9, 10]}))
+    free = kv.block_pool.get_num_free_blocks()
+    out = s.schedule()  # positions 14-17: a second block for the drafts 9 and 10
+    assert out.scheduled_cached_reqs.new_block_ids == [[1]]
+    assert kv.block_pool.get_num_free_blocks() == free - 1
+    s.update_from_output(out, result(out, {"a": [42]}, spec_token_ids={"a": [8, 9]}))
+    a = s.requests["a"]
+    assert a.num_computed_tokens == 15 and kv.get_block_ids("a") == [0]  # block 1 is free
+    assert kv.block_pool.get_num_free_blocks() == free
+    check(s)
+    out = s.schedule()  # 15-17: a second block again; only the two tokens 42 and 8 hold
+    (second,) = out.scheduled_cached_reqs.new_block_ids[0]
+    s.update_from_output(out, result(out, {"a": [8, 5]}))
+    assert a.num_computed_tokens == 17 and kv.get_block_ids("a") == [0, second]
+    # block 0 is cached over [0..13, 7, 42] (accepted), not [0..13, 7, 8] (drafted)
+    s.add_request(make_add_request("b", [*range(14), 7, 8, 9, 10, 1]))
+    s.add_request(make_add_request("c", [*range(14), 7, 42, 8, 1]))
+    out = s.schedule()
+    hits = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    assert hits == {"b": 0, "c": 16}
+    check(s)
+
+
 def test_drafts_never_pass_the_length_limit_or_a_stop() -> None:
     s = _spec_scheduler(max_num_batched_tokens=64)
     s.add_request(make_add_request("a", list(range(10)), max_tokens=3, ignore_eos=True))

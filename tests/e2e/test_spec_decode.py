@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram drafts) through the real engine on the default model (bf16).
+"""Speculative decoding (n-gram drafts, and the default model drafting for itself) through the
+real engine on the default model (bf16).
 
 With `--batch-invariant` a row's logits do not depend on the rows beside it, so speculation
 must give the very tokens and logprobs of the run without it: greedy and seeded, batched, at a
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from vx import LLM, SamplingParams
+from vx.config import ModelConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 logger = logging.getLogger(__name__)
@@ -47,9 +49,15 @@ def _run(llm: LLM) -> list[Any]:
     return got
 
 
-def test_invariant_outputs_are_the_same_with_drafts() -> None:
+@pytest.fixture(scope="module")
+def invariant_reference() -> list[Any]:
+    """`_run`'s results with `--batch-invariant` and no drafts."""
     with LLM(num_threads=2, batch_invariant=True, async_scheduling=False) as llm:
-        want = _run(llm)
+        return _run(llm)
+
+
+def test_invariant_outputs_are_the_same_with_drafts(invariant_reference: list[Any]) -> None:
+    want = invariant_reference
     for kwargs in ({}, {"max_num_batched_tokens": 16}, {"num_blocks": 16, "max_num_seqs": 3}):
         with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC, **kwargs) as llm:
             assert _run(llm) == want, kwargs
@@ -60,6 +68,34 @@ def test_invariant_outputs_are_the_same_with_drafts() -> None:
                 assert stats["num_preempted_total"] > 0
     rate = stats["spec_num_accepted_tokens_total"] / stats["spec_num_draft_tokens_total"]
     logger.info("drafts accepted: %.0f%% (by position %s)", 100 * rate,
+                stats["spec_num_accepted_by_position"])  # fmt: skip
+
+
+def test_draft_model_equal_to_the_target_accepts_every_greedy_draft(
+    invariant_reference: list[Any],
+) -> None:
+    """The default model drafting for itself (`draft_model`), with `--batch-invariant`: the
+    draft's KV follows the target's chunks (a 32-token budget), prefix hits and preemptions,
+    its logits are the target's, so every greedy draft holds and the output (greedy, seeded,
+    min_tokens) is the run's without drafts."""
+    spec = {"method": "draft_model", "model": ModelConfig().model, "num_speculative_tokens": 3}
+    with LLM(num_threads=2, batch_invariant=True, speculative_config=spec,
+             max_num_batched_tokens=32, num_blocks=12, max_num_seqs=3) as llm:  # fmt: skip
+        got = []
+        for params in PARAMS:  # the later ones hit the prompts' cached blocks
+            for r in llm.generate(PROMPTS, params, use_tqdm=False):
+                got.append([(c.token_ids, c.logprobs) for c in r.outputs])
+            if params is PARAMS[0]:  # greedy: every draft holds
+                stats = llm.call_utility("get_stats")
+                assert stats["spec_num_draft_tokens_total"] > 60, stats
+                assert stats["spec_num_accepted_tokens_total"] == (
+                    stats["spec_num_draft_tokens_total"]
+                ), stats
+        stats = llm.call_utility("get_stats")
+    assert got == invariant_reference
+    assert stats["num_preempted_total"] > 0, stats
+    logger.info("draft model: %d of %d drafts accepted (by position %s)",
+                stats["spec_num_accepted_tokens_total"], stats["spec_num_draft_tokens_total"],
                 stats["spec_num_accepted_by_position"])  # fmt: skip
 
 
@@ -115,3 +151,50 @@ def test_served_stream_is_the_same_and_stops_at_a_stop_string() -> None:
     assert answers[0] == answers[1]
     (full, _), (cut, finish) = answers[1]
     assert "in time" in full and cut == full[: full.index("in time")] and finish == "stop"
+
+
+DAYS_SCHEMA = {
+    "type": "object",
+    "properties": {"days": {"type": "array", "items": {"type": "string"}, "maxItems": 7}},
+    "required": ["days"],
+    "additionalProperties": False,
+}
+JSON_PROMPTS = [
+    'Answer in JSON. The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, '
+    'Saturday and Sunday. As JSON: {"days": ["Monday", "Tuesday", "Wednesday", "Thursday", '
+    '"Friday", "Saturday", "Sunday"]}. Again, as JSON:',
+    'Repeat this JSON exactly: {"days": ["Sunday", "Saturday", "Friday"]}. JSON:',
+]
+
+
+def test_constrained_requests_draft_within_their_grammar() -> None:
+    """A json_schema request drafts (n-gram): each scored position is masked by the state its
+    grammar reaches after the drafts before it, and the matcher keeps only the emitted tokens,
+    so with `--batch-invariant` the output is valid and the same as without drafts."""
+    import json
+
+    from vx import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=DAYS_SCHEMA)
+    params = [
+        SamplingParams.create(temperature=0.0, max_tokens=64, structured_outputs=so),
+        SamplingParams.create(temperature=0.7, seed=5, max_tokens=64, structured_outputs=so),
+    ]
+
+    def run(llm: LLM) -> list[Any]:
+        return [(c.token_ids, c.text, c.finish_reason) for p in params
+                for r in llm.generate(JSON_PROMPTS, p, use_tqdm=False) for c in r.outputs]  # fmt: skip
+
+    with LLM(num_threads=2, batch_invariant=True, async_scheduling=False) as llm:
+        want = run(llm)
+    with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC) as llm:
+        got = run(llm)
+        stats = llm.call_utility("get_stats")
+    assert got == want
+    assert stats["spec_num_accepted_tokens_total"] > 10, stats
+    done = [text for _, text, finish in got if finish == "stop"]
+    assert done
+    for text in done:
+        assert set(json.loads(text)) == {"days"}
+    logger.info("constrained: %d of %d drafts accepted", stats["spec_num_accepted_tokens_total"],
+                stats["spec_num_draft_tokens_total"])  # fmt: skip

@@ -234,6 +234,22 @@ class KVCacheManager:
         if num_full > blocks.num_cached_blocks:
             self._cache_full_blocks(request, blocks, num_full)
 
+    def free_past(self, request: Request, num_tokens: int) -> int:
+        """Release the blocks of `request` past the first `num_tokens` positions (a step's
+        rejected drafts: those positions hold nothing it will read, and the scheduler holds
+        blocks again when it schedules tokens there); returns how many. Never a cached block
+        (cached blocks hold computed known tokens, all within `num_tokens`)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        if keep < blocks.num_cached_blocks:
+            raise RuntimeError(f"{request}: freeing cached blocks past {num_tokens} tokens")
+        gone = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(gone))
+        return len(gone)
+
     def free(self, request: Request) -> None:
         """Release every block of `request`, last block first (it is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -480,10 +480,14 @@ class Scheduler:
     def _count_accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A drafting request's step came back with `num_accepted` of its `num_drafts` drafts:
         the positions of the rejected ones were computed for nothing, so its computed count
-        goes back by them (their slots are written again when real tokens get there)."""
+        goes back by them, and the blocks past it, which held rejected drafts only, go back to
+        the pool (the Worker drops them from its block table by the same rule,
+        `vx.gpu.spec_decode.verifier.accept_drafts`)."""
         if not 0 <= num_accepted <= num_drafts:
             raise RuntimeError(f"{num_accepted} accepted of {num_drafts} drafts")
         request.num_computed_tokens -= num_drafts - num_accepted
+        if num_accepted < num_drafts:
+            self.kv_cache_manager.free_past(request, request.num_computed_tokens)
         self.num_draft_tokens_total += num_drafts
         self.num_accepted_tokens_total += num_accepted
         by_position = self.num_accepted_by_position

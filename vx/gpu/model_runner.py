@@ -44,8 +44,9 @@ from vx.gpu.kv_cache import (
     num_gpu_blocks,
 )
 from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
+from vx.gpu.spec_decode.draft_model import DraftModelProposer
 from vx.gpu.spec_decode.ngram import NgramProposer
-from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts
+from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts, roll_back
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -119,10 +120,12 @@ class ModelRunner:
         self.fused_step: FusedDecode | None = None
         #: every token a decode row of the attention (batch-invariant fp32; `load_model`)
         self.tokens_as_decodes = False
-        #: speculative decoding's draft proposer (rank 0 drafts; every rank verifies)
-        self.proposer: NgramProposer | None = None
+        #: speculative decoding's draft proposer (n-gram: rank 0 drafts; a draft model: every
+        #: rank runs it, rank 0's drafts count; every rank verifies). `load_model` loads a
+        #: draft model.
+        self.proposer: NgramProposer | DraftModelProposer | None = None
         sp = config.speculative
-        if sp.enabled:
+        if sp.method == "ngram":
             self.proposer = NgramProposer(
                 sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max
             )
@@ -140,45 +143,15 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from vx.gpu.cpu.fused_step import FusedDecode
-        from vx.gpu.cpu.pages import collapse_weights
-        from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
-        from vx.gpu.cpu.vnni import amx_vnni_rows
-        from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
         from vx.gpu.layers.linear_method import set_batch_invariant
-        from vx.gpu.loader import load_model
         from vx.gpu.sample.sampler import Sampler
 
         m = self.config.model
         torch.manual_seed(m.seed)
         # Decided before the weights are processed: each linear's method chain follows it.
         set_batch_invariant(self.config.batch_invariant)
-        self.model = load_model(
-            m.path,
-            dtype=m.dtype,
-            device=self.device,
-            tp_rank=self.rank,
-            tp_size=self.config.parallel.tensor_parallel_size,
-            pp_rank=self.grid.pp_rank,
-            pp_size=self.pp_size,
-            progress=False,
-            quantization=m.quantization,
-        )
+        self.model = self._load_weights(m.path)
         self.dtype = next(self.model.parameters()).dtype
-        if self.config.batch_invariant:
-            _check_invariant_blocks(self.model)
-        if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
-            collapse_weights(self.model)
-            # the layers' linears only: the LM head takes one row a request
-            linears = [mod for mod in self.model.modules()
-                       if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
-            tune_row_plan(
-                [(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed]
-            )
-            last = amx_vnni_rows()[1]
-            tune_vnni(
-                [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
-                 if mod.packed and mod.vnni is not None and mod.vnni.amx]
-            )  # fmt: skip
         # Batch-invariant fp32 (no C prefill attention for fp32; SDPA's arithmetic follows the
         # chunk and the cached prefix): every token is a decode row of the decode kernel, with
         # its own position as its length, so prompts, outputs and recomputes all take one
@@ -209,10 +182,63 @@ class ModelRunner:
 
         if self.grid.is_last_stage:  # the stage that samples
             self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
+        sp = self.config.speculative
+        if sp.method == "draft_model":
+            assert sp.model is not None  # `EngineConfig.validate`
+            self.proposer = DraftModelProposer(
+                self._load_weights(sp.model),
+                sp.num_speculative_tokens,
+                vocab_size=self.model.vocab_size,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                batch_invariant=self.config.batch_invariant,
+                tokens_as_decodes=self.tokens_as_decodes,
+            )
+
+    def _load_weights(self, path: str) -> torch.nn.Module:
+        """Load a model (the target, or the draft model) and make its weights final for this
+        device: collapsed into huge pages and GEMM plans tuned on CPU."""
+        from vx.gpu.cpu.pages import collapse_weights
+        from vx.gpu.cpu.row_plan import tune as tune_row_plan, tune_vnni
+        from vx.gpu.cpu.vnni import amx_vnni_rows
+        from vx.gpu.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vx.gpu.loader import load_model
+
+        m = self.config.model
+        model = load_model(
+            path,
+            dtype=m.dtype,
+            device=self.device,
+            tp_rank=self.rank,
+            tp_size=self.config.parallel.tensor_parallel_size,
+            pp_rank=self.grid.pp_rank,  # a draft model never (speculation refuses PP)
+            pp_size=self.pp_size,
+            progress=False,
+            quantization=m.quantization,
+        )
+        if self.config.batch_invariant:
+            _check_invariant_blocks(model)
+        if self.device.type == "cpu":  # before the KV cache: only populated pages collapse
+            collapse_weights(model)
+            # the layers' linears only: the LM head takes one row a request
+            linears = [mod for mod in model.modules()
+                       if isinstance(mod, ColumnParallelLinear | RowParallelLinear)]  # fmt: skip
+            tune_row_plan(
+                [(mod.weight, mod.bias, *mod.weight.shape) for mod in linears if mod.packed]
+            )
+            last = amx_vnni_rows()[1]
+            tune_vnni(
+                [(mod.vnni, mod.vnni.n, mod.vnni.k, last) for mod in linears
+                 if mod.packed and mod.vnni is not None and mod.vnni.amx]
+            )  # fmt: skip
+        return model
 
     def _block_bytes(self) -> int:
         m = self._model
-        return block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        per_block = block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        if isinstance(self.proposer, DraftModelProposer):  # its KV over the same block ids
+            per_block += self.proposer.block_bytes()
+        return per_block
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(num_blocks, kv_cache_bytes) for this rank's pool."""
@@ -295,6 +321,8 @@ class ModelRunner:
             device=self.device,
         )  # fmt: skip
         self.num_blocks = num_blocks
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks, self.config.scheduler.max_num_seqs)
         logger.info(
             "KV cache: %d blocks (%d tokens, %.2f GiB)",
             num_blocks, num_blocks * BLOCK_SIZE, num_blocks * self._block_bytes() / 2**30,
@@ -382,23 +410,26 @@ class ModelRunner:
         if sample_idx.size:
             hidden_last = hidden if keep is not None or fused is not None else hidden[last_rows]
             rows = inputs.rows[sample_idx]
-            if fused is None:
+            constrained = matchers is not None and matchers.num_active > 0
+            spec = so.scheduled_spec_decode_tokens if drafts is not None else None
+            if fused is None and not (constrained and spec):  # drafts: masks by position
                 sampled = self._greedy_ids(hidden_last, rows, drafts)
+            elif fused is None:
+                sampled = None
             self._count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
-            constrained = matchers is not None and matchers.num_active > 0
             if constrained:
                 sample_req_ids = [inputs.req_ids[j] for j in sample_idx.tolist()]
             if sampled is None:
                 logits = model.compute_logits(hidden_last)
                 if constrained:  # before anything reads the logits (logprobs included)
-                    matchers.mask_logits(logits, sample_req_ids)
+                    matchers.mask_logits(logits, sample_req_ids, spec)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
             elif constrained:
                 sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
                                                    sample_req_ids, num_reqs)  # fmt: skip
-            if constrained:  # drafting requests are never constrained (`propose_batch`)
+            if constrained and drafts is None:
                 sampled = matchers.end_where_stopped(sample_req_ids, sampled)
                 matchers.accept(sample_req_ids, sampled.tolist())
             if drafts is None:
@@ -412,12 +443,13 @@ class ModelRunner:
                     batch, inputs.req_ids, inputs.rows, so.scheduled_spec_decode_tokens,
                     sample_idx, sampled, sampled_lists, logprobs_out, self.proposer,
                 )  # fmt: skip
+                if constrained:  # the emitted tokens only: the rejected drafts never entered
+                    matchers.accept_lists(inputs.req_ids, sampled_lists)
         # Requests advance by what was scheduled (the next diff sets the same value again),
         # less a drafting request's rejected drafts.
         computed = inputs.num_computed + inputs.query_lens
         if inputs.num_drafts is not None:
-            for i, toks in enumerate(sampled_lists):
-                computed[i] -= inputs.num_drafts[i] + 1 - len(toks) if toks else 0
+            roll_back(batch, inputs.rows, inputs.num_drafts, sampled_lists, computed)
         batch.num_computed_tokens[inputs.rows] = computed
         prompt_logprobs = self._prompt_logprobs(inputs, hidden) if wants_prompt_logprobs else None
         return ModelRunnerOutput(
@@ -427,12 +459,7 @@ class ModelRunner:
             logprobs=logprobs_out,
             prompt_logprobs=prompt_logprobs,
             execute_time_s=time.perf_counter() - t0,
-            spec_token_ids=(
-                None if self.proposer is None
-                # rank 0 drafts (the EngineCore schedules its drafts), every rank verifies
-                else {} if self.rank != 0
-                else self.proposer.propose_batch(batch, inputs.req_ids, inputs.rows, sampled_lists)
-            ),
+            spec_token_ids=self._propose(inputs, sampled_lists),
         )
 
     def _stage_forward(
@@ -470,6 +497,22 @@ class ModelRunner:
                 parallel_state.send_to_next([x, residual])
             return None
         return inner.final_norm(*inner.run_layers(x, rope, kv_caches, attn_metadata, keep, residual))
+
+    def _propose(
+        self, inputs: StepInputs, sampled: list[list[int]]
+    ) -> dict[str, list[int]] | None:
+        """The next step's drafts, by request id (rank 0's go to the EngineCore, which
+        schedules them; a draft model runs on every rank, its forwards being collective)."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        if self.rank != 0 and not isinstance(proposer, DraftModelProposer):
+            return {}
+        assert self.input_batch is not None
+        drafts = proposer.propose_batch(
+            self.input_batch, inputs.req_ids, inputs.rows, sampled, inputs.num_computed
+        )
+        return drafts if self.rank == 0 else {}
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (decodes first) and build the attention metadata."""

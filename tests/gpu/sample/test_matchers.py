@@ -220,3 +220,26 @@ def test_allows_agrees_with_the_mask_on_every_token(tok_dir, hf_tok, constraint,
             break
         m.accept(["r"], [token])
         assert not m._rows["r"].failed
+
+
+def test_draft_rows_are_masked_by_the_state_after_the_drafts_before_them(tok_dir, hf_tok) -> None:
+    """Speculative decoding: a request's 1 + k rows, row j masked as if drafts[:j] were
+    consumed; a draft the grammar forbids leaves the rows after it on its own mask; the
+    matcher comes back unchanged, and `accept_lists` consumes the emitted tokens."""
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    m.apply(_step(new=[_new("a", eos, regex="12[0-9]-x")]))
+    one, two, x = (hf_tok.convert_tokens_to_ids(c) for c in ("1", "2", "x"))
+    logits = torch.zeros(4, VOCAB)
+    m.mask_logits(logits, ["a"] * 4, {"a": [one, two, x]})  # "x" breaks the grammar
+    allowed = [torch.nonzero(~torch.isinf(r)).flatten().tolist() for r in logits]
+    assert allowed[0] == [one] and allowed[1] == [two]
+    assert len(allowed[2]) >= 10 and x not in allowed[2]  # a digit
+    assert allowed[3] == allowed[2]  # past the forbidden draft: never used
+    plain = torch.zeros(1, VOCAB)
+    m.mask_logits(plain, ["a"])  # rolled back: "1" is next again
+    assert torch.nonzero(~torch.isinf(plain[0])).flatten().tolist() == [one]
+    m.accept_lists(["a"], [[one, two]])
+    plain = torch.zeros(1, VOCAB)
+    m.mask_logits(plain, ["a"])
+    assert torch.nonzero(~torch.isinf(plain[0])).flatten().tolist() == allowed[2]

@@ -265,12 +265,21 @@ class GrammarMatchers:
 
     # ─────────────────────────── per step ───────────────────────────
 
-    def mask_logits(self, logits: torch.Tensor, req_ids: list[str]) -> None:
+    def mask_logits(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> None:
         """Set to -inf every token the grammar forbids, in the rows of constrained requests.
 
-        `logits[i]` is the row of `req_ids[i]`; other rows are left as they are.
+        `logits[i]` is the row of `req_ids[i]`; other rows are left as they are. A request
+        with drafts (speculative decoding, `drafts[req_id]`) has 1 + k consecutive rows, and
+        row j is masked by the state its grammar reaches after drafts[:j]: the matcher walks
+        the drafts it allows and rolls back at once (`_fill_drafts`). Rows past a draft the
+        grammar forbids keep that draft's mask (that draft is rejected: they are never used).
         """
-        rows = [(i, self._resolve(r, self._rows[r])) for i, r in enumerate(req_ids)
+        rows = [(i, r, self._resolve(r, self._rows[r])) for i, r in enumerate(req_ids)
                 if r in self._rows]  # fmt: skip
         if not rows:
             return
@@ -279,26 +288,26 @@ class GrammarMatchers:
         if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             self._bitmask = np.empty((max(len(rows), 8), words), dtype=np.int32)
         bitmask = self._bitmask
-        for k, (_, row) in enumerate(rows):
-            m = row.matcher
-            if row.failed or m is None or m.is_error():
-                bitmask[k] = 0
-                if row.eos_token_id is not None:
-                    bitmask[k, row.eos_token_id >> 5] = np.int32(
-                        np.uint32(1 << (row.eos_token_id & 31)).view(np.int32)
-                    )
-                continue
-            llguidance.numpy.fill_next_token_bitmask(m, bitmask, k)
+        k = 0
+        while k < len(rows):
+            req_id, row = rows[k][1], rows[k][2]
+            d = drafts.get(req_id) if drafts else None
+            if d:
+                self._fill_drafts(row, d, bitmask, k)
+                k += len(d) + 1
+            else:
+                self._fill(row, bitmask, k)
+                k += 1
         if logits.device.type == "cpu" and logits.dtype == torch.float32 and (
             logits.is_contiguous()
         ):
             view = logits.numpy()  # the same memory: rows are masked in place
-            for k, (i, _) in enumerate(rows):
+            for k, (i, _, _) in enumerate(rows):
                 _mask_row(view[i], bitmask[k])
         else:
             forbid = torch.from_numpy(_forbidden(bitmask[: len(rows)], logits.shape[1]))
             forbid = forbid.to(logits.device)
-            for k, (i, _) in enumerate(rows):
+            for k, (i, _, _) in enumerate(rows):
                 logits[i].masked_fill_(forbid[k], float("-inf"))
         self.num_rows_masked += len(rows)
         self.mask_time_s += time.perf_counter() - t0
@@ -368,19 +377,64 @@ class GrammarMatchers:
                 out[k] = row.eos_token_id
         return out
 
+    def _fill(self, row: _Row, bitmask: np.ndarray, k: int) -> None:
+        """Bitmask row `k`: what `row`'s grammar allows next (its EOS alone where it failed)."""
+        m = row.matcher
+        if row.failed or m is None or m.is_error():
+            bitmask[k] = 0
+            if row.eos_token_id is not None:
+                bitmask[k, row.eos_token_id >> 5] = np.int32(
+                    np.uint32(1 << (row.eos_token_id & 31)).view(np.int32)
+                )
+            return
+        llguidance.numpy.fill_next_token_bitmask(m, bitmask, k)
+
+    def _fill_drafts(self, row: _Row, drafts: list[int], bitmask: np.ndarray, k: int) -> None:
+        """Bitmask rows k .. k + len(drafts): row k + j after drafts[:j]. The matcher consumes
+        the leading drafts its grammar allows (never past an EOS: the request ends there) and
+        rolls them back, so it leaves as it came."""
+        m = row.matcher
+        n = 0
+        if not (row.failed or m is None or m.is_error()):
+            eos = row.eos_token_id
+            n = drafts.index(eos) if eos in drafts else len(drafts)
+            n = m.validate_tokens(drafts[:n]) if n else 0
+        for j in range(len(drafts) + 1):
+            self._fill(row, bitmask, k + j)
+            if j < n:
+                assert m is not None
+                if not m.consume_token(drafts[j]):  # validate_tokens said it may
+                    raise RuntimeError(f"the grammar refused draft {drafts[j]} it validated")
+        if n:
+            assert m is not None
+            m.rollback(n)
+
     def accept(self, req_ids: list[str], token_ids: list[int]) -> None:
         """Advance the matchers of the constrained requests among `req_ids` by their token."""
-        for req_id, token in zip(req_ids, token_ids, strict=True):
+        self.accept_lists(req_ids, [[t] for t in token_ids])
+
+    def accept_lists(self, req_ids: list[str], token_lists: list[list[int]]) -> None:
+        """Advance the matchers of the constrained requests among `req_ids` by their tokens
+        (a drafting request's accepted drafts, then its own token)."""
+        for req_id, tokens in zip(req_ids, token_lists, strict=True):
             row = self._rows.get(req_id)
             if row is not None and row.pending is not None:
                 row.resolve(req_id)
-            if row is None or row.failed or row.matcher is None or token < 0:
-                continue
-            if token == row.eos_token_id and row.matcher.is_accepting():
-                continue  # the request ends here
-            if not row.matcher.consume_token(token):
-                logger.warning(
-                    "request %s: sampled token %d outside its grammar: %s",
-                    req_id, token, json.dumps(row.matcher.get_error()[:200]),
-                )  # fmt: skip
-                row.failed = True
+            for token in tokens:
+                if not self._consume(req_id, row, token):
+                    break
+
+    def _consume(self, req_id: str, row: _Row | None, token: int) -> bool:
+        """Advance `row` by one token; False where the request ends or fails there."""
+        if row is None or row.failed or row.matcher is None or token < 0:
+            return False
+        if token == row.eos_token_id and row.matcher.is_accepting():
+            return False  # the request ends here
+        if not row.matcher.consume_token(token):
+            logger.warning(
+                "request %s: sampled token %d outside its grammar: %s",
+                req_id, token, json.dumps(row.matcher.get_error()[:200]),
+            )  # fmt: skip
+            row.failed = True
+            return False
+        return True

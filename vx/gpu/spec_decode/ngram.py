@@ -9,9 +9,8 @@ proposes up to `k` tokens: those after its latest earlier occurrence (copying fa
 nearest source). The search looks only at the positions holding the suffix's last token, one
 vectorised compare over the tokens, then the few candidates.
 
-Adaptivity: a request whose drafts keep failing stops drafting. After `PROBE_DRAFTS` drafts a
-request whose acceptance is below `MIN_ACCEPTANCE` drafts no more (random text then costs
-only the search); each request is judged on its own.
+Adaptivity (`vx.gpu.spec_decode.proposer`): a request whose drafts keep failing stops drafting;
+random text then costs only the search.
 """
 
 from __future__ import annotations
@@ -20,32 +19,26 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vx.gpu.spec_decode.proposer import MIN_ACCEPTANCE, PROBE_DRAFTS, Proposer
+
 if TYPE_CHECKING:
     from vx.gpu.input_batch import InputBatch
 
 __all__ = ["MIN_ACCEPTANCE", "PROBE_DRAFTS", "NgramProposer"]
 
-#: Drafts a request is judged on before its acceptance may stop it drafting.
-PROBE_DRAFTS = 24
-#: Below this share of accepted drafts (after PROBE_DRAFTS) a request stops drafting.
-MIN_ACCEPTANCE = 0.2
-
-
-class NgramProposer:
+class NgramProposer(Proposer):
     """Invariant: `propose` returns at most `k` tokens, each a copy of a token of the request,
     and nothing for a request that `retire`d or whose acceptance fell below MIN_ACCEPTANCE."""
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         if not (k >= 1 and 1 <= min_n <= max_n):
             raise ValueError(f"bad n-gram proposer settings k={k} n=[{min_n}, {max_n}]")
+        super().__init__()
         self.k, self.min_n, self.max_n = k, min_n, max_n
-        self._drafted: dict[str, int] = {}
-        self._accepted: dict[str, int] = {}
 
     def propose(self, req_id: str, tokens: np.ndarray) -> list[int]:
         """Up to `k` drafts to follow `tokens` (the request's known tokens), or []."""
-        drafted = self._drafted.get(req_id, 0)
-        if drafted >= PROBE_DRAFTS and self._accepted.get(req_id, 0) < MIN_ACCEPTANCE * drafted:
+        if not self.may_draft(req_id):
             return []
         n_tokens = len(tokens)
         if n_tokens <= self.min_n:
@@ -70,29 +63,24 @@ class NgramProposer:
         return tokens[best_end + 1 : best_end + 1 + self.k].tolist()
 
     def propose_batch(
-        self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, sampled: list[list[int]]
+        self,
+        batch: InputBatch,
+        req_ids: list[str],
+        rows: np.ndarray,
+        sampled: list[list[int]],
+        num_computed: np.ndarray | None = None,
     ) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled now (`sampled[i]`, request
-        `req_ids[i]` at batch row `rows[i]`), by request id. None for a failed sample, or a
-        request with a grammar (its matcher would have to walk the drafts)."""
+        `req_ids[i]` at batch row `rows[i]`), by request id. None for a failed sample (a request
+        with a grammar drafts too: each draft position is masked by the state it would reach,
+        `GrammarMatchers.mask_logits`). `num_computed`
+        (the step's computed counts before it) is the draft model's business."""
         out: dict[str, list[int]] = {}
         for i, toks in enumerate(sampled):
             if not toks or toks[0] < 0:
                 continue
             row = int(rows[i])
-            if batch.sampling_params[row].structured_outputs is not None:
-                continue
             drafts = self.propose(req_ids[i], batch.token_ids[row, : int(batch.num_tokens[row])])
             if drafts:
                 out[req_ids[i]] = drafts
         return out
-
-    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A request's verified step: `num_accepted` of its `num_drafts` drafts held."""
-        self._drafted[req_id] = self._drafted.get(req_id, 0) + num_drafts
-        self._accepted[req_id] = self._accepted.get(req_id, 0) + num_accepted
-
-    def retire(self, req_id: str) -> None:
-        """Forget a request (finished, or preempted: it is judged afresh when it resumes)."""
-        self._drafted.pop(req_id, None)
-        self._accepted.pop(req_id, None)

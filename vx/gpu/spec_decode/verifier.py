@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vx.config import BLOCK_SIZE
 from vx.messages import Logprobs
 
 if TYPE_CHECKING:
     from vx.gpu.input_batch import InputBatch
-    from vx.gpu.spec_decode.ngram import NgramProposer
+    from vx.gpu.spec_decode.proposer import Proposer
 
-__all__ = ["SAMPLE_FAILED", "accept_drafts", "num_accepted"]
+__all__ = ["SAMPLE_FAILED", "accept_drafts", "num_accepted", "roll_back"]
 
 #: The token a request whose sampling failed reports (the EngineCore fails it alone).
 SAMPLE_FAILED = -1
@@ -54,7 +55,7 @@ def accept_drafts(
     sampled: np.ndarray,
     sampled_lists: list[list[int]],
     logprobs_out: list[Logprobs | None] | None,
-    proposer: NgramProposer | None,
+    proposer: Proposer | None,
 ) -> None:
     """A step with drafts (`spec`, by request id): each sampling request's tokens are its
     accepted drafts, then its own sample; they go to `sampled_lists[i]` and join its known
@@ -84,3 +85,24 @@ def accept_drafts(
             logprobs_out[i] = Logprobs(  # type: ignore[index]
                 token_ids=lp.token_ids[:n], logprobs=lp.logprobs[:n], ranks=lp.ranks[:n]
             )
+
+
+def roll_back(
+    batch: InputBatch,
+    rows: np.ndarray,
+    num_drafts: np.ndarray,
+    sampled_lists: list[list[int]],
+    computed: np.ndarray,
+) -> None:
+    """A step with drafts: `computed[i]` (request i's computed count after the step, as
+    scheduled) goes back by its rejected drafts, and its blocks past them, which held rejected
+    drafts only, leave its block table: the scheduler frees them by the same rule
+    (`Scheduler._count_accepted`), and appends the blocks it holds next after the kept ones."""
+    for i, toks in enumerate(sampled_lists):
+        rejected = int(num_drafts[i]) + 1 - len(toks) if toks else 0
+        if rejected > 0:
+            computed[i] -= rejected
+            row = int(rows[i])
+            keep = -(-int(computed[i]) // BLOCK_SIZE)
+            if batch.num_blocks[row] > keep:
+                batch.num_blocks[row] = keep
