@@ -9,7 +9,11 @@ Invariant: an `EngineConfig` that exists has been through `validate()`.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
+
+_C = TypeVar("_C", bound=msgspec.Struct)
 
 #: KV blocks hold this many tokens everywhere in vx.
 BLOCK_SIZE = 16
@@ -253,32 +257,27 @@ def parse_speculative_config(text: str | dict | None) -> SpeculativeConfig:
     """`--speculative-config`'s JSON (vLLM's keys: method, model, num_speculative_tokens,
     prompt_lookup_min, prompt_lookup_max), or a dict of them; None: off. Unknown keys are
     refused."""
-    if text is None or text == "":
-        return SpeculativeConfig()
-    try:
-        data = msgspec.json.decode(text) if isinstance(text, str) else text
-        if not isinstance(data, dict):
-            raise ValueError("a JSON object")
-        unknown = sorted(set(data) - set(SpeculativeConfig.__struct_fields__))
-        if unknown:
-            raise ValueError(f"unknown keys {unknown}")
-        return msgspec.convert(data, SpeculativeConfig, strict=True)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"bad --speculative-config: {e}") from None
+    return _parse_json_config(text, SpeculativeConfig, "--speculative-config")
 
 
 def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig:
     """`--kv-events-config`'s JSON (vLLM's keys), or a dict of them; None: off. Unknown keys
     are refused."""
+    return _parse_json_config(text, KVEventsConfig, "--kv-events-config")
+
+
+def _parse_json_config(text: str | dict | None, cls: type[_C], flag: str) -> _C:
+    """A flag's JSON object (or a dict) as `cls`, its default where None or empty; a
+    ValueError naming `flag` for bad JSON, unknown keys or wrong types."""
     if text is None or text == "":
-        return KVEventsConfig()
+        return cls()
     try:
         data = msgspec.json.decode(text) if isinstance(text, str) else text
         if not isinstance(data, dict):
             raise ValueError("a JSON object")
-        unknown = sorted(set(data) - set(KVEventsConfig.__struct_fields__))
+        unknown = sorted(set(data) - set(cls.__struct_fields__))
         if unknown:
             raise ValueError(f"unknown keys {unknown}")
-        return msgspec.convert(data, KVEventsConfig, strict=True)
+        return msgspec.convert(data, cls, strict=True)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"bad --kv-events-config: {e}") from None
+        raise ValueError(f"bad {flag}: {e}") from None
