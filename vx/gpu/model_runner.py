@@ -426,6 +426,8 @@ class ModelRunner:
                 if constrained:  # before anything reads the logits (logprobs included)
                     matchers.mask_logits(logits, sample_req_ids, spec)
                 sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
+                if constrained and drafts is not None:  # a grammar's end, per draft position
+                    sampled = matchers.end_masked_rows(sample_req_ids, sampled)
             elif constrained:
                 sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
                                                    sample_req_ids, num_reqs)  # fmt: skip

@@ -238,6 +238,9 @@ def run_worker(
             time.perf_counter() - t0, num_blocks,
         )
         windows = getattr(runner.model, "attention_windows", None) or (None,)
+        draft = getattr(runner.proposer, "model", None)  # a draft model reads the same blocks
+        if draft is not None:
+            windows = (*windows, *(getattr(draft, "attention_windows", None) or (None,)))
         send(
             messages.WorkerReady(
                 rank=rank, pid=os.getpid(), num_blocks=num_blocks, kv_cache_bytes=kv_bytes,

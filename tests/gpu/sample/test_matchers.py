@@ -243,3 +243,21 @@ def test_draft_rows_are_masked_by_the_state_after_the_drafts_before_them(tok_dir
     plain = torch.zeros(1, VOCAB)
     m.mask_logits(plain, ["a"])
     assert torch.nonzero(~torch.isinf(plain[0])).flatten().tolist() == allowed[2]
+
+
+def test_draft_rows_past_the_grammars_end_get_eos(tok_dir, hf_tok) -> None:
+    """With drafts, each row whose state (after the drafts before it) allows EOS alone gets
+    EOS after sampling (min_tokens had left it no token); rows before the end, rows of other
+    requests and failed samples keep theirs."""
+    import numpy as np
+
+    eos = hf_tok.eos_token_id
+    m = GrammarMatchers(str(tok_dir), VOCAB)
+    m.apply(_step(new=[_new("a", eos, regex="12"), _new("b", eos, regex="[0-9]+")]))
+    one, two, three = (hf_tok.convert_tokens_to_ids(c) for c in "123")
+    m.mask_logits(torch.zeros(5, VOCAB), ["a", "a", "a", "b", "b"], {"a": [one, two], "b": [one]})
+    sampled = np.array([one, two, 7, three, -1])
+    got = m.end_masked_rows(["a", "a", "a", "b", "b"], sampled)
+    assert got.tolist() == [one, two, eos, three, -1]
+    m.mask_logits(torch.zeros(1, VOCAB), ["b"])  # a later mask forgets the ended rows
+    assert m.end_masked_rows(["b"], np.array([7])).tolist() == [7]

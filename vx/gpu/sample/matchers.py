@@ -152,6 +152,8 @@ class GrammarMatchers:
         self._caches: dict[int | None, GrammarCache] = {}
         self._tokenizer_json: str | None = None
         self._bitmask = np.empty((0, 0), dtype=np.int32)
+        self._ended: list[int] = []
+        self._ended_rows: list[int] = []
         #: Totals for the step profile: rows masked and seconds spent filling masks.
         self.num_rows_masked = 0
         self.mask_time_s = 0.0
@@ -281,6 +283,7 @@ class GrammarMatchers:
         """
         rows = [(i, r, self._resolve(r, self._rows[r])) for i, r in enumerate(req_ids)
                 if r in self._rows]  # fmt: skip
+        self._ended_rows = []
         if not rows:
             return
         t0 = time.perf_counter()
@@ -288,6 +291,7 @@ class GrammarMatchers:
         if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
             self._bitmask = np.empty((max(len(rows), 8), words), dtype=np.int32)
         bitmask = self._bitmask
+        self._ended = []
         k = 0
         while k < len(rows):
             req_id, row = rows[k][1], rows[k][2]
@@ -309,6 +313,8 @@ class GrammarMatchers:
             forbid = forbid.to(logits.device)
             for k, (i, _, _) in enumerate(rows):
                 logits[i].masked_fill_(forbid[k], float("-inf"))
+        #: the logits rows whose mask allowed EOS alone (`end_masked_rows`)
+        self._ended_rows = [rows[k][0] for k in self._ended]
         self.num_rows_masked += len(rows)
         self.mask_time_s += time.perf_counter() - t0
 
@@ -378,7 +384,8 @@ class GrammarMatchers:
         return out
 
     def _fill(self, row: _Row, bitmask: np.ndarray, k: int) -> None:
-        """Bitmask row `k`: what `row`'s grammar allows next (its EOS alone where it failed)."""
+        """Bitmask row `k`: what `row`'s grammar allows next (its EOS alone where it failed).
+        Where that is EOS alone (complete or failed), `k` joins `_ended` (`end_masked_rows`)."""
         m = row.matcher
         if row.failed or m is None or m.is_error():
             bitmask[k] = 0
@@ -386,8 +393,25 @@ class GrammarMatchers:
                 bitmask[k, row.eos_token_id >> 5] = np.int32(
                     np.uint32(1 << (row.eos_token_id & 31)).view(np.int32)
                 )
+                self._ended.append(k)
             return
         llguidance.numpy.fill_next_token_bitmask(m, bitmask, k)
+        if row.eos_token_id is not None and m.is_stopped():
+            self._ended.append(k)
+
+    def end_masked_rows(self, req_ids: list[str], token_ids: np.ndarray) -> np.ndarray:
+        """After `mask_logits(logits, req_ids, drafts)` and sampling: `token_ids` (row i is
+        logits row i), with EOS in each row whose mask allowed EOS alone, as
+        `end_where_stopped` does for a step without drafts; a draft row's state is the one
+        after the drafts before it. A failed sample (-1) stays."""
+        out = token_ids
+        for i in self._ended_rows:
+            eos = self._rows[req_ids[i]].eos_token_id
+            if int(token_ids[i]) not in (-1, eos):
+                if out is token_ids:
+                    out = np.array(token_ids, dtype=np.int64, copy=True)
+                out[i] = eos
+        return out
 
     def _fill_drafts(self, row: _Row, drafts: list[int], bitmask: np.ndarray, k: int) -> None:
         """Bitmask rows k .. k + len(drafts): row k + j after drafts[:j]. The matcher consumes
