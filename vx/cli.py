@@ -263,8 +263,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     node_rank = _node_rank(args)
     headless = args.headless or node_rank > 0
+    role = f"node{node_rank}" if headless else "api"
+    if headless and args.data_parallel_start_rank:
+        role = f"dp{args.data_parallel_start_rank}"
     setup_logging(
-        f"node{node_rank}" if headless else "api", args.log_level, log_format=args.log_format,
+        role, args.log_level, log_format=args.log_format,
         log_requests=args.enable_log_requests,
     )  # fmt: skip
     try:
