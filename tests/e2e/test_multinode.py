@@ -7,8 +7,8 @@ deadline, and every process of both trees is gone within 10 s, with no /dev/shm 
 Data parallel across the two "nodes" (DP = 2, one rank each): node 0 serves (the front and
 rank 0), node 1 runs `--headless --data-parallel-start-rank 1` (rank 1's EngineCore and Worker,
 joined to the front over a Link). Greedy parity through the official client with requests on
-both ranks; then a `kill -9` of node 1's EngineCore fails the front (/health 503, exit 3) and
-every process of both trees is gone within 10 s.
+both ranks; then a `kill -9` of node 1's EngineCore fails the front (/health 503, exit 3), its
+open stream ends with the error, and every process of both trees is gone within 10 s.
 """
 
 from __future__ import annotations
@@ -118,8 +118,20 @@ def test_data_parallel_across_two_nodes_then_remote_engine_loss(tiny_model: str)
             assert metric(node0.url, "vx:prefix_cache_queries_total", engine=engine) > 0, engine
         engine_pids = httpx.get(node0.url + "/version", timeout=5).json()["engine_pids"]
         assert len(engine_pids) == 2 and engine_pids[1] in tree1, (engine_pids, tree1)
-        t0 = time.monotonic()
-        os.kill(engine_pids[1], signal.SIGKILL)  # node 1's EngineCore
+        body = {"model": "tiny", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=node0.url, timeout=30) as http, \
+                http.stream("POST", "/v1/completions", json={**body, "prompt": [3, 4]}) as a:
+            lines_a = a.iter_lines()
+            next(lines_a)  # running on rank 0: the next request goes to the idle rank 1
+            with http.stream("POST", "/v1/completions", json={**body, "prompt": [5, 6]}) as b:
+                lines_b = b.iter_lines()
+                next(lines_b)  # running on node 1's EngineCore
+                # stopped first, so that its stream is surely open when it dies
+                os.kill(engine_pids[1], signal.SIGSTOP)
+                t0 = time.monotonic()
+                os.kill(engine_pids[1], signal.SIGKILL)  # node 1's EngineCore
+                rest_b = "\n".join(lines_b)
+            assert "engine dead" in rest_b and rest_b.rstrip().endswith("[DONE]"), rest_b[-500:]
         assert poll(lambda: _health(node0.url) != 200, STEP_TIMEOUT_S), node0.log()
         t_503 = time.monotonic() - t0
         everyone = set(node0.pids) | set(tree1)
