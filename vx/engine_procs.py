@@ -33,7 +33,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from vx.config import EngineConfig
-from vx.errors import ModelNotFoundError
+from vx.errors import AddressInUseError, ModelNotFoundError
 from vx.ipc.link import Link
 from vx.ipc.link_end import LinkEnd
 from vx.ipc.ring import RingOwner, RingReader, RingWriter
@@ -147,7 +147,11 @@ class EngineProcesses:
         self._closed = False
 
     def start(self) -> None:
-        """Create the rings and spawn the children (they load in parallel)."""
+        """Create the rings and spawn the children (they load in parallel).
+
+        Raises:
+            AddressInUseError: the front cannot listen for its remote data-parallel ranks.
+        """
         from vx.core.engine_core import run_engine_core
         from vx.gpu.worker import run_worker
 
@@ -209,7 +213,15 @@ class EngineProcesses:
         """Listen for the remote ranks (here, so that a taken port fails the start) and accept
         them in a thread: each says its rank (u64) and gets the configuration."""
         p = self.config.parallel
-        self._listener = socket.create_server((p.data_parallel_address, p.data_parallel_rpc_port))
+        try:
+            self._listener = socket.create_server(
+                (p.data_parallel_address, p.data_parallel_rpc_port)
+            )
+        except OSError as e:
+            raise AddressInUseError(
+                f"cannot listen for remote data-parallel ranks on {p.data_parallel_address}:"
+                f"{p.data_parallel_rpc_port}: {e.strerror or e}"
+            ) from None
         logger.info("waiting for data-parallel ranks %s on %s:%d", sorted(self.remote),
                     p.data_parallel_address, p.data_parallel_rpc_port)  # fmt: skip
         threading.Thread(target=self._accept, name="vx-dp-accept", daemon=True).start()
