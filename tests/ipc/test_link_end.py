@@ -72,3 +72,22 @@ def test_a_link_that_never_came_fails_the_waiting_reader() -> None:
         anyio.run(wait_then_fail)
     finally:
         end.close(flush_s=0.1)
+
+
+def test_a_vanished_node_is_given_up_by_tcp_keepalive() -> None:
+    """A node that vanishes sends no FIN: the kernel's probes give the Link up within
+    seconds (the options asked for are the ones the socket holds)."""
+    from vx.ipc import link as link_module
+
+    end, remote = _pair()
+    try:
+        sock = remote._sock
+        tcp = socket.IPPROTO_TCP
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(tcp, socket.TCP_KEEPIDLE) == link_module.KEEPALIVE_IDLE_S
+        assert sock.getsockopt(tcp, socket.TCP_KEEPINTVL) == link_module.KEEPALIVE_INTERVAL_S
+        assert sock.getsockopt(tcp, socket.TCP_KEEPCNT) == link_module.KEEPALIVE_COUNT
+        assert sock.getsockopt(tcp, socket.TCP_USER_TIMEOUT) == 10_000
+    finally:
+        end.close()
+        remote.close()
