@@ -37,6 +37,7 @@ from multiprocessing.connection import wait
 import anyio
 import msgspec
 
+from vx import messages
 from vx.config import EngineConfig
 from vx.engine_procs import (
     RESULT_RING_BYTES,
@@ -48,8 +49,10 @@ from vx.engine_procs import (
 )
 from vx.errors import EngineStartupError
 from vx.exit_code import ExitCode
+from vx.ipc import codec
 from vx.ipc.link import Link, connect_link
 from vx.ipc.ring import RingReader, RingWriter
+from vx.launch import describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -257,15 +260,29 @@ class _DpNode:
         self._failed = threading.Event()
         self._reason = ""
         self._threads: list[threading.Thread] = []
+        self._send_locks = {rank: threading.Lock() for rank in links}
         #: Held to close a ring from a relay; `_rings_done` once `close` owns them.
         self._ring_lock = threading.Lock()
         self._rings_done = False
 
     def stop(self, reason: str) -> None:
-        if not self._failed.is_set():
+        """Fail the group: tell the front why (an EngineDead per rank, where its Link is
+        free within a second), then close every Link."""
+        first = not self._failed.is_set()
+        if first:
             self._reason = reason
             self._failed.set()
-        for link in self.links.values():
+        for rank, link in self.links.items():
+            lock = self._send_locks[rank]
+            if first and lock.acquire(timeout=1.0):
+                try:  # whole frames only: `_up` sends under the same lock
+                    dead = messages.EngineDead(engine_index=rank, reason=reason,
+                                               exit_code=ExitCode.ENGINE_DEAD)  # fmt: skip
+                    link.send(codec.engine_event_codec().encode(dead), timeout=1.0)
+                except Exception:  # the Link is gone already
+                    pass
+                finally:
+                    lock.release()
             link.close()  # the front sees it now; the relays' blocking calls return
 
     def run(self) -> int:
@@ -275,7 +292,8 @@ class _DpNode:
             self._threads += [
                 threading.Thread(target=self._down, args=(link, rank.to_engine), daemon=True,
                                  name=f"vx-dp{rank.index}-down"),
-                threading.Thread(target=self._up, args=(link, rank.from_engine), daemon=True,
+                threading.Thread(target=self._up, args=(rank.index, link, rank.from_engine),
+                                 daemon=True,
                                  name=f"vx-dp{rank.index}-up"),
             ]  # fmt: skip
         for t in self._threads:
@@ -289,7 +307,8 @@ class _DpNode:
                 proc = live.pop(sentinel)  # type: ignore[call-overload]
                 proc.join()
                 if proc.exitcode != 0:
-                    self.stop(f"{proc.name} (pid {proc.pid}) exited with {proc.exitcode}")
+                    self.stop(f"{describe_exit(proc, proc.exitcode)} on the node of "
+                              f"data-parallel ranks {[r.index for r in self.procs.ranks]}")
         if self._failed.is_set():
             logger.error("stopping: %s", self._reason)
             return ExitCode.ENGINE_DEAD
@@ -310,15 +329,18 @@ class _DpNode:
             if not self._rings_done:
                 to_engine.close()
 
-    def _up(self, link: Link, from_engine: RingReader) -> None:
-        """The EngineCore's events -> the front; the EngineCore gone, its Link closes."""
+    def _up(self, rank: int, link: Link, from_engine: RingReader) -> None:
+        """The EngineCore's events -> the front; after a clean exit its Link closes. A dead
+        EngineCore (its ring broken) is `run`'s to report: its exit status names the cause."""
         try:
             while True:
-                link.send(from_engine.recv())
+                data = from_engine.recv()
+                with self._send_locks[rank]:
+                    link.send(data)
         except anyio.EndOfStream:  # a clean exit (after the front's Shutdown)
             link.close()
         except Exception as e:
-            self.stop(f"EngineCore events: {type(e).__name__}: {e}")
+            logger.debug("rank %d events: %s: %s", rank, type(e).__name__, e)
 
     def close(self) -> None:
         for link in self.links.values():

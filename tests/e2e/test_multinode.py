@@ -141,6 +141,8 @@ def test_data_parallel_across_two_nodes_then_remote_engine_loss(tiny_model: str)
         t_gone = time.monotonic() - t0
         assert node0.proc is not None and node0.proc.wait(1) == 3, node0.log()
         assert node1.wait(1) == 3
+        # the front names the remote cause (node 1's EngineDead, sent before its Links closed)
+        assert "vx-engine1" in node0.full_log() and "killed by SIGKILL" in node0.full_log()
         assert not shm_of(everyone)
     finally:
         for p in [*node0.pids, *tree1]:
