@@ -20,8 +20,8 @@ node runs whole data-parallel ranks [S, S + local), each an EngineCore and its W
 node's rings (`EngineProcesses`), and joins each EngineCore to the front with one Link to
 `data_parallel_address:data_parallel_rpc_port`: two threads a rank relay the front's input into
 the EngineCore's input ring and its events back (the front's `LinkEnd`). Failure is as above: a
-child of this node exits -> every Link closes (the front fails: /health 503, exit 3) and this
-process stops the rest and exits 3; the front gone -> the input rings close, the EngineCores
+child of this node exits -> each rank's Link carries an EngineDead naming it (its exit status),
+then closes (the front fails: /health 503, exit 3) and this process stops the rest and exits 3; the front gone -> the input rings close, the EngineCores
 and their Workers exit.
 """
 
