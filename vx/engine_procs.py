@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
+import anyio
 import msgspec
 
 from vx.config import EngineConfig
@@ -235,14 +236,17 @@ class EngineProcesses:
                 self._listener.settimeout(max(0.0, deadline - time.monotonic()))
                 sock, peer = self._listener.accept()
                 link = Link(sock)
-                (rank,) = struct.unpack("<Q", link.recv(timeout=10.0))  # `connect_link`'s
-                end = waiting.pop(rank, None)
-                if end is None:
-                    logger.error("refused %s: data-parallel rank %d is not expected", peer, rank)
+                try:  # a stray connection is refused alone
+                    (rank,) = struct.unpack("<Q", link.recv(timeout=10.0))  # `connect_link`'s
+                    if rank not in waiting:
+                        raise ValueError(f"data-parallel rank {rank} is not expected")
+                    link.send(self.config.encode(), timeout=10.0)
+                except (OSError, ValueError, struct.error, anyio.EndOfStream,
+                        anyio.BrokenResourceError) as e:  # fmt: skip
+                    logger.error("refused a connection from %s: %s", peer[0], e)
                     link.close()
                     continue
-                link.send(self.config.encode())
-                end.attach(link)
+                waiting.pop(rank).attach(link)
                 logger.info("data-parallel rank %d connected from %s", rank, peer[0])
         except Exception as e:  # timed out, or closed by `close`
             for rank, end in waiting.items():
