@@ -90,6 +90,17 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headless", action="store_true",
                    help="run only this node's Workers, for node 0's EngineCore (node rank > 0)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    # Data parallel across nodes (vLLM's flags): the front's node runs ranks [0, local); each
+    # other node runs --headless with its --data-parallel-start-rank.
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="data-parallel ranks on this node (default: all)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="this node's first data-parallel rank (headless nodes)")
+    p.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="the front's node address, where remote EngineCores connect "
+                        "(default 127.0.0.1)")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=29550,
+                   help="the front's port for remote EngineCores")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                    help="CPU weight-only quantized linears and LM head for small decode batches")
@@ -199,6 +210,10 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            data_parallel_size_local=args.data_parallel_size_local or 0,
+            data_parallel_start_rank=args.data_parallel_start_rank,
+            data_parallel_address=args.data_parallel_address or "127.0.0.1",
+            data_parallel_rpc_port=args.data_parallel_rpc_port,
             **_nodes_from_args(args),
         ),
         device=args.device,
@@ -248,8 +263,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     node_rank = _node_rank(args)
     headless = args.headless or node_rank > 0
+    role = f"node{node_rank}" if headless else "api"
+    if headless and args.data_parallel_start_rank:
+        role = f"dp{args.data_parallel_start_rank}"
     setup_logging(
-        f"node{node_rank}" if headless else "api", args.log_level, log_format=args.log_format,
+        role, args.log_level, log_format=args.log_format,
         log_requests=args.enable_log_requests,
     )  # fmt: skip
     try:
@@ -257,10 +275,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid configuration: %s", e)
         return ExitCode.BAD_CONFIG
+    if headless and config.parallel.data_parallel_start_rank > 0:
+        from vx.headless import run_headless_dp
+
+        return run_headless_dp(config)
     if headless:
         from vx.headless import run_headless
 
         return run_headless(config, node_rank)
+    if config.parallel.data_parallel_start_rank:
+        logger.error("invalid configuration: --data-parallel-start-rank > 0 needs --headless")
+        return ExitCode.BAD_CONFIG
     settings = ServerSettings(
         host=args.host,
         port=args.port,

@@ -90,7 +90,27 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def workers_per_node(self) -> int:
         return self.world_size // self.nnodes
+
     data_parallel_size: int = 1
+    #: Data-parallel ranks on this node (`--data-parallel-size-local`; 0: all of them). Fewer
+    #: than `data_parallel_size`: the other ranks run on headless nodes (`vx.headless`), each
+    #: EngineCore joined to the front over a Link to `data_parallel_address`'s
+    #: `data_parallel_rpc_port`.
+    data_parallel_size_local: int = 0
+    #: This node's first data-parallel rank (`--data-parallel-start-rank`; 0 on the front's).
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+
+    @property
+    def dp_local(self) -> int:
+        """Data-parallel ranks on this node."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def dp_remote(self) -> bool:
+        """Some data-parallel ranks run on other nodes."""
+        return self.dp_local < self.data_parallel_size
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,9 +206,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if p.world_size % p.nnodes:
                 raise ValueError(f"TP x PP ({p.world_size}) is not divisible by nnodes {p.nnodes}")
             if p.data_parallel_size != 1:
-                raise ValueError("data parallel across nodes is not implemented")
+                raise ValueError("--nnodes (Workers across nodes) with data parallel is not "
+                                 "implemented; across nodes, use --data-parallel-size-local")
             if not 0 < p.master_port < 65535:
                 raise ValueError("--nnodes > 1 needs --master-port (or MASTER_PORT)")
+        if not 0 < p.dp_local <= p.data_parallel_size:
+            raise ValueError("need 0 < --data-parallel-size-local <= --data-parallel-size")
+        if p.data_parallel_start_rank < 0 or (
+            p.data_parallel_start_rank + p.dp_local > p.data_parallel_size
+        ):
+            raise ValueError("--data-parallel-start-rank + local ranks exceed --data-parallel-size")
+        if p.dp_remote and not 0 < p.data_parallel_rpc_port < 65536:
+            raise ValueError("data parallel across nodes needs --data-parallel-rpc-port")
         if p.pipeline_parallel_size > 1 and self.speculative.enabled:
             raise ValueError("speculative decoding is not implemented with pipeline parallel")
         if self.model.dtype not in ("auto", "bfloat16", "float16", "float32"):

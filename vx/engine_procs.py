@@ -10,6 +10,11 @@ writer/reader within a second and exit by themselves.
 Per data-parallel rank there are four rings: front -> engine (inputs), engine -> front (events),
 engine -> workers (a broadcast with one reader per Worker: TP x PP of them) and the driver
 (the last pipeline stage's TP rank 0) -> engine (results).
+
+Data parallel across nodes: this node runs ranks [start, start + local); on the front's node the
+others are `remote`: a `LinkEnd` each, in place of the front's two ring ends, attached when that
+rank's node connects to `data_parallel_address:data_parallel_rpc_port` (an acceptor thread; the
+front serves /health meanwhile) and is sent this configuration.
 """
 
 from __future__ import annotations
@@ -19,13 +24,19 @@ import logging
 import multiprocessing
 import os
 import socket
+import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
+import anyio
 import msgspec
 
 from vx.config import EngineConfig
-from vx.errors import ModelNotFoundError
+from vx.errors import AddressInUseError, ModelNotFoundError
+from vx.ipc.link import Link
+from vx.ipc.link_end import LinkEnd
 from vx.ipc.ring import RingOwner, RingReader, RingWriter
 from vx.ipc.wait import sweep_stale_segments
 
@@ -35,6 +46,8 @@ INPUT_RING_BYTES = 1 << 22
 EVENT_RING_BYTES = 1 << 24
 WORKER_RING_BYTES = 1 << 24
 RESULT_RING_BYTES = 1 << 22
+#: How long the front waits for the other nodes' data-parallel ranks to connect.
+REMOTE_CONNECT_TIMEOUT_S = 600.0
 
 
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
@@ -121,10 +134,25 @@ class EngineProcesses:
             raise ValueError("resolve the model first (resolve_engine_config)")
         self.config = config
         self.ranks: list[EngineRank] = []
+        p = config.parallel
+        first = p.data_parallel_start_rank
+        self.local_ranks = range(first, first + p.dp_local)
+        #: The other nodes' ranks, by index (the front's node only: a headless node's ranks
+        #: talk to the front through their own node's relay).
+        self.remote: dict[int, LinkEnd] = {}
+        if first == 0:
+            self.remote = {
+                i: LinkEnd(f"engine {i}") for i in range(p.dp_local, p.data_parallel_size)
+            }
+        self._listener: socket.socket | None = None
         self._closed = False
 
     def start(self) -> None:
-        """Create the rings and spawn the children (they load in parallel)."""
+        """Create the rings and spawn the children (they load in parallel).
+
+        Raises:
+            AddressInUseError: the front cannot listen for its remote data-parallel ranks.
+        """
         from vx.core.engine_core import run_engine_core
         from vx.gpu.worker import run_worker
 
@@ -138,7 +166,9 @@ class EngineProcesses:
         driver = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
         enc = msgspec.msgpack.encode
         try:
-            for index in range(self.config.parallel.data_parallel_size):
+            if self.remote:
+                self._listen()
+            for index in self.local_ranks:
                 to_engine = RingWriter.create(capacity=INPUT_RING_BYTES)
                 from_engine = RingReader.create(capacity=EVENT_RING_BYTES)
                 to_workers = RingOwner.create(capacity=WORKER_RING_BYTES, num_readers=local)
@@ -180,13 +210,60 @@ class EngineProcesses:
             self.close()
             raise
 
+    def _listen(self) -> None:
+        """Listen for the remote ranks (here, so that a taken port fails the start) and accept
+        them in a thread: each says its rank (u64) and gets the configuration."""
+        p = self.config.parallel
+        try:
+            self._listener = socket.create_server(
+                (p.data_parallel_address, p.data_parallel_rpc_port)
+            )
+        except OSError as e:
+            raise AddressInUseError(
+                f"cannot listen for remote data-parallel ranks on {p.data_parallel_address}:"
+                f"{p.data_parallel_rpc_port}: {e.strerror or e}"
+            ) from None
+        logger.info("waiting for data-parallel ranks %s on %s:%d", sorted(self.remote),
+                    p.data_parallel_address, p.data_parallel_rpc_port)  # fmt: skip
+        threading.Thread(target=self._accept, name="vx-dp-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        waiting = dict(self.remote)
+        deadline = time.monotonic() + REMOTE_CONNECT_TIMEOUT_S
+        try:
+            while waiting:
+                self._listener.settimeout(max(0.0, deadline - time.monotonic()))
+                sock, peer = self._listener.accept()
+                link = Link(sock)
+                try:  # a stray connection is refused alone
+                    (rank,) = struct.unpack("<Q", link.recv(timeout=10.0))  # `connect_link`'s
+                    if rank not in waiting:
+                        raise ValueError(f"data-parallel rank {rank} is not expected")
+                    link.send(self.config.encode(), timeout=10.0)
+                except (OSError, ValueError, struct.error, anyio.EndOfStream,
+                        anyio.BrokenResourceError) as e:  # fmt: skip
+                    logger.error("refused a connection from %s: %s", peer[0], e)
+                    link.close()
+                    continue
+                waiting.pop(rank).attach(link)
+                logger.info("data-parallel rank %d connected from %s", rank, peer[0])
+        except Exception as e:  # timed out, or closed by `close`
+            for rank, end in waiting.items():
+                end.fail(f"engine {rank}: its node did not connect: {type(e).__name__}: {e}")
+        finally:
+            self._listener.close()
+
     @property
     def processes(self) -> list[BaseProcess]:
         return [p for rank in self.ranks for p in rank.processes]
 
     @property
-    def engine_rings(self) -> list[tuple[RingWriter, RingReader]]:
-        return [(rank.to_engine, rank.from_engine) for rank in self.ranks]
+    def engine_rings(self) -> list[tuple[object, object]]:
+        """Every rank's input writer and event reader, by rank: local rings, remote LinkEnds."""
+        local = {rank.index: (rank.to_engine, rank.from_engine) for rank in self.ranks}
+        local.update({i: (end, end) for i, end in self.remote.items()})
+        return [local[i] for i in sorted(local)]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every child (politely, then by force) and unlink every ring. Idempotent."""
@@ -197,6 +274,17 @@ class EngineProcesses:
         from vx.ipc import codec
 
         encode = codec.engine_input_codec().encode
+        if self._listener is not None:
+            try:  # an accept still waiting returns
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for end in self.remote.values():
+            try:
+                end.send_nowait(encode(messages.Shutdown(reason="close")))
+            except Exception:  # lost already
+                pass
+            end.close()
         for rank in self.ranks:
             if rank.engine_proc is not None and rank.engine_proc.is_alive():
                 try:

@@ -14,6 +14,15 @@ closed, node 0's EngineCore sees it at once (EngineDead, /health 503, its tree e
 process stops its other Workers and exits non-zero; node 0 gone (the Link closes or breaks)
 -> the local rings close and the Workers exit within a second. A Shutdown from node 0 ends the
 Workers cleanly and this process with 0.
+
+Data parallel across nodes (`run_headless_dp`, `--headless --data-parallel-start-rank S`): this
+node runs whole data-parallel ranks [S, S + local), each an EngineCore and its Workers on this
+node's rings (`EngineProcesses`), and joins each EngineCore to the front with one Link to
+`data_parallel_address:data_parallel_rpc_port`: two threads a rank relay the front's input into
+the EngineCore's input ring and its events back (the front's `LinkEnd`). Failure is as above: a
+child of this node exits -> each rank's Link carries an EngineDead naming it (its exit status),
+then closes (the front fails: /health 503, exit 3) and this process stops the rest and exits 3; the front gone -> the input rings close, the EngineCores
+and their Workers exit.
 """
 
 from __future__ import annotations
@@ -22,27 +31,32 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 from multiprocessing.connection import wait
 
 import anyio
 import msgspec
 
+from vx import messages
 from vx.config import EngineConfig
 from vx.engine_procs import (
     RESULT_RING_BYTES,
     WORKER_RING_BYTES,
+    EngineProcesses,
     _join_all,
     rendezvous,
     resolve_engine_config,
 )
 from vx.errors import EngineStartupError
 from vx.exit_code import ExitCode
+from vx.ipc import codec
 from vx.ipc.link import Link, connect_link
 from vx.ipc.ring import RingReader, RingWriter
+from vx.launch import describe_exit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_headless"]
+__all__ = ["run_headless", "run_headless_dp"]
 
 #: How long a headless node waits for node 0 (its EngineCore's listener) and its config.
 CONNECT_TIMEOUT_S = 600.0
@@ -191,3 +205,151 @@ class _Node:
         _join_all(self.procs, 5.0)
         if self.from_driver is not None:
             self.from_driver.close()
+
+
+def run_headless_dp(hint: EngineConfig) -> int:
+    """Serve data-parallel ranks [start, start + local) for the front at
+    `data_parallel_address`; the exit code (0 after the front's Shutdown)."""
+    p = hint.parallel
+    ranks = range(p.data_parallel_start_rank, p.data_parallel_start_rank + p.dp_local)
+    host, port = p.data_parallel_address, p.data_parallel_rpc_port
+    logger.info("data-parallel ranks %s: connecting to the front at %s:%d", list(ranks), host,
+                port)  # fmt: skip
+    links: dict[int, Link] = {}
+    try:
+        for rank in ranks:
+            links[rank] = connect_link(host, port, rank, CONNECT_TIMEOUT_S)
+        for link in links.values():
+            config = EngineConfig.decode(link.recv(timeout=CONNECT_TIMEOUT_S))
+        # the front's configuration, with this node's ranks and its own copy of the model
+        config = msgspec.structs.replace(
+            config,
+            model=msgspec.structs.replace(config.model, path=""),
+            parallel=msgspec.structs.replace(
+                config.parallel, data_parallel_size_local=p.dp_local,
+                data_parallel_start_rank=p.data_parallel_start_rank,
+            ),
+        )  # fmt: skip
+        config = resolve_engine_config(config)
+    except (TimeoutError, OSError, msgspec.DecodeError, anyio.EndOfStream,
+            anyio.BrokenResourceError) as e:  # fmt: skip
+        logger.error("no configuration from the front: %s", e)
+        for link in links.values():
+            link.close()
+        return ExitCode.STARTUP_FAILED
+    except (EngineStartupError, ValueError) as e:
+        logger.error("cannot start: %s", e)
+        for link in links.values():
+            link.close()  # the front sees it and fails its start
+        return getattr(e, "exit_code", ExitCode.BAD_CONFIG)
+    node = _DpNode(config, links)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop("SIGTERM"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front orders shutdown
+    try:
+        return node.run()
+    finally:
+        node.close()
+
+
+class _DpNode:
+    """This node's EngineCores (and Workers), and two relay threads per rank."""
+
+    def __init__(self, config: EngineConfig, links: dict[int, Link]) -> None:
+        self.links = links
+        self.procs = EngineProcesses(config)
+        self._failed = threading.Event()
+        self._reason = ""
+        self._threads: list[threading.Thread] = []
+        self._send_locks = {rank: threading.Lock() for rank in links}
+        #: Held to close a ring from a relay; `_rings_done` once `close` owns them.
+        self._ring_lock = threading.Lock()
+        self._rings_done = False
+
+    def stop(self, reason: str) -> None:
+        """Fail the group: tell the front why (an EngineDead per rank, where its Link is
+        free within a second), then close every Link."""
+        first = not self._failed.is_set()
+        if first:
+            self._reason = reason
+            self._failed.set()
+        for rank, link in self.links.items():
+            lock = self._send_locks[rank]
+            if first and lock.acquire(timeout=1.0):
+                try:  # whole frames only: `_up` sends under the same lock
+                    dead = messages.EngineDead(engine_index=rank, reason=reason,
+                                               exit_code=ExitCode.ENGINE_DEAD)  # fmt: skip
+                    link.send(codec.engine_event_codec().encode(dead), timeout=1.0)
+                except Exception:  # the Link is gone already
+                    pass
+                finally:
+                    lock.release()
+            link.close()  # the front sees it now; the relays' blocking calls return
+
+    def run(self) -> int:
+        self.procs.start()
+        for rank in self.procs.ranks:
+            link = self.links[rank.index]
+            self._threads += [
+                threading.Thread(target=self._down, args=(link, rank.to_engine), daemon=True,
+                                 name=f"vx-dp{rank.index}-down"),
+                threading.Thread(target=self._up, args=(rank.index, link, rank.from_engine),
+                                 daemon=True,
+                                 name=f"vx-dp{rank.index}-up"),
+            ]  # fmt: skip
+        for t in self._threads:
+            t.start()
+        logger.info("data-parallel ranks %s started (pids %s)",
+                    [rank.index for rank in self.procs.ranks],
+                    [proc.pid for proc in self.procs.processes])  # fmt: skip
+        live = {proc.sentinel: proc for proc in self.procs.processes}
+        while live and not self._failed.is_set():
+            for sentinel in wait(list(live), timeout=0.2):
+                proc = live.pop(sentinel)  # type: ignore[call-overload]
+                proc.join()
+                if proc.exitcode != 0:
+                    self.stop(f"{describe_exit(proc, proc.exitcode)} on the node of "
+                              f"data-parallel ranks {[r.index for r in self.procs.ranks]}")
+        if self._failed.is_set():
+            logger.error("stopping: %s", self._reason)
+            return ExitCode.ENGINE_DEAD
+        logger.info("every EngineCore stopped")
+        return ExitCode.OK
+
+    def _down(self, link: Link, to_engine: RingWriter) -> None:
+        """The front's input -> the EngineCore's input ring. The front gone (the Link closed
+        or broke): the ring closes, and the EngineCore, seeing its front gone, stops its
+        Workers and exits."""
+        try:
+            while True:
+                to_engine.send(link.recv())
+        except Exception as e:
+            if not isinstance(e, anyio.EndOfStream):
+                logger.warning("link to the front: %s: %s", type(e).__name__, e)
+        with self._ring_lock:
+            if not self._rings_done:
+                to_engine.close()
+
+    def _up(self, rank: int, link: Link, from_engine: RingReader) -> None:
+        """The EngineCore's events -> the front; after a clean exit its Link closes. A dead
+        EngineCore (its ring broken) is `run`'s to report: its exit status names the cause."""
+        try:
+            while True:
+                data = from_engine.recv()
+                with self._send_locks[rank]:
+                    link.send(data)
+        except anyio.EndOfStream:  # a clean exit (after the front's Shutdown)
+            link.close()
+        except Exception as e:
+            logger.debug("rank %d events: %s: %s", rank, type(e).__name__, e)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        with self._ring_lock:
+            self._rings_done = True
+        # NOTE: the relays return once their Link is closed or their EngineCore is gone; the
+        # rings are unmapped only after that (a relay still in a ring would read freed memory).
+        deadline = time.monotonic() + 2.0
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.procs.close(timeout_s=5.0 if not self._failed.is_set() else 0.5)

@@ -241,7 +241,11 @@ async def _serve_tree(
     from vx.http.serve import serve_http, startup_banner
 
     port = sock.getsockname()[1]  # the real one, with --port 0
-    procs.start()
+    try:
+        procs.start()
+    except EngineStartupError as e:  # the remote data-parallel ranks' port is taken
+        logger.error("cannot start: %s", e)
+        return e.exit_code
     pin_host_process(config.device)  # after the spawns: the Workers keep every core
     client = EngineClient(procs.engine_rings)
     supervisor = _Supervisor()

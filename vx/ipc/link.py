@@ -8,7 +8,10 @@ msgspec bytes (`vx.ipc.codec`, never pickle) in its place: `send(data, timeout)`
 
 A message is a u64 little-endian length and the payload. Peer loss: a closed or reset connection
 raises anyio.EndOfStream / anyio.BrokenResourceError, as a ring's dead peer does; a silent peer
-(a node that vanished) shows as a `recv` timeout, the step deadline's.
+(a node that vanished) shows as a `recv` timeout, the step deadline's, and, where nobody waits
+with a deadline (an idle front, a headless node), as a broken Link once TCP keepalive gives up
+(`KEEPALIVE_IDLE_S` + `KEEPALIVE_COUNT` x `KEEPALIVE_INTERVAL_S`; `TCP_USER_TIMEOUT` for data
+left unacknowledged as long).
 
 Invariant: messages arrive whole and in order, or the Link is broken for good. `send` is called
 from one thread and `recv` from one thread (they may be two).
@@ -27,6 +30,12 @@ __all__ = ["Link", "accept_links", "connect_link"]
 
 _LEN = struct.Struct("<Q")
 
+#: TCP keepalive: the kernel probes an idle connection after this many seconds...
+KEEPALIVE_IDLE_S = 5
+#: ... every this many seconds, and gives the connection up after this many unanswered probes.
+KEEPALIVE_INTERVAL_S = 1
+KEEPALIVE_COUNT = 5
+
 
 class Link:
     """A framed, blocking TCP connection."""
@@ -34,6 +43,13 @@ class Link:
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        # NOTE: the peer's kernel answers the probes, so a busy or paused peer process is never
+        # given up; only a node or network that is gone.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        give_up_ms = 1000 * (KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, give_up_ms)
         self._sock = sock
         self._closed = False
 
