@@ -86,6 +86,7 @@ def test_two_nodes_parity_then_node_loss_fails_the_group(tiny_model: str) -> Non
         node1.wait(10)
         node0._clean_up()
         log1.close()
+        os.unlink(log1.name)
     logging.getLogger(__name__).info(
         "node loss: /health 503 after %.2f s, every process gone after %.2f s", t_503, t_gone
     )
