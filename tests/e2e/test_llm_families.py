@@ -18,7 +18,13 @@ from tests.models import SERVED, make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3", "olmoe"]
+
+
+def served(arch: str) -> dict:
+    """SERVED's checkpoint settings; OLMoE keeps head_dim = hidden / heads (HF's OLMoE sizes
+    its q norm by hidden_size)."""
+    return {**SERVED, "head_dim": 16} if arch == "olmoe" else SERVED
 
 
 #: The issue's parity size: 8 prompts (6 to 50 tokens, every one longer than the 8-key windows
@@ -37,7 +43,8 @@ CASES = {
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(model dir, HF's fp32 greedy tokens for PROMPTS8) of one family's tiny random model."""
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3, **SERVED)
+    arch = request.param
+    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=3, **served(arch))
     return path, hf_greedy(path, PROMPTS8, TOKENS)
 
 
@@ -58,7 +65,7 @@ def test_fp32_greedy_matches_hf_through_the_engine(family, case: str) -> None:
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_default_dtype_serves(tmp_path, arch: str) -> None:
-    path = make_tiny_model(tmp_path, arch, seed=4, **SERVED)
+    path = make_tiny_model(tmp_path, arch, seed=4, **served(arch))
     with closed_clean(path, max_num_batched_tokens=32, num_threads=1) as llm:
         out = vx_generate(llm, PROMPTS, temperature=0.0)
     assert [len(o) for o in out] == [12] * len(PROMPTS)
