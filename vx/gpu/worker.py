@@ -237,6 +237,8 @@ def run_worker(
             "worker %d ready on %s in %.1f s: %d KV blocks", rank, device,
             time.perf_counter() - t0, num_blocks,
         )
+        groups = runner.kv_groups
+        assert groups is not None
         windows = getattr(runner.model, "attention_windows", None) or (None,)
         draft = getattr(runner.proposer, "model", None)  # a draft model reads the same blocks
         if draft is not None:
@@ -246,6 +248,7 @@ def run_worker(
                 rank=rank, pid=os.getpid(), num_blocks=num_blocks, kv_cache_bytes=kv_bytes,
                 device=device,
                 sliding_window=None if None in windows else max(windows),
+                kv_group_windows=[w or 0 for w in groups.windows] if groups.num_groups > 1 else [],
             )
         )
         stage_profile = _StageProfile(grid) if config.profile_steps and grid.pp_size > 1 else None

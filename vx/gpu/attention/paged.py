@@ -205,6 +205,8 @@ def paged_attention(
     `k`, `v` are [T, Hkv, D] for the same tokens; Hq must be a multiple of Hkv.
     """
     k_cache, v_cache = kv_cache
+    if attn_metadata.groups is not None:
+        attn_metadata = attn_metadata.for_cache(kv_cache)
     if q.is_cuda:
         from vx.gpu.attention import triton as triton_attention
 
