@@ -49,12 +49,13 @@ def test_moe_tensor_parallel_2(tmp_path) -> None:
 
 
 def test_sliding_window_after_preemption(tmp_path) -> None:
-    """Gemma 2 (window 8, soft-caps) with a pool small enough to preempt: recomputed requests
+    """Gemma 2 (window 8, soft-caps) with a pool small enough to preempt (12 blocks of one
+    layer: a table for its global layer and one for its windowed one): recomputed requests
     give HF's tokens."""
     path = make_tiny_model(tmp_path, "gemma2", seed=6, **SERVED)
     want = hf_greedy(path, PROMPTS, 12)
     with closed_clean(
-        path, dtype="float32", max_num_batched_tokens=32, num_threads=1, num_blocks=6,
+        path, dtype="float32", max_num_batched_tokens=32, num_threads=1, num_blocks=12,
         max_num_seqs=4,
     ) as llm:  # fmt: skip
         assert vx_generate(llm, PROMPTS, temperature=0.0) == want
@@ -71,6 +72,38 @@ def test_window_blocks_freed_greedy_matches_hf(tmp_path) -> None:
     want = hf_greedy(path, PROMPTS, 12)
     with closed_clean(
         path, dtype="float32", max_num_batched_tokens=7, num_threads=1, num_blocks=6,
+        max_num_seqs=4,
+    ) as llm:  # fmt: skip
+        assert vx_generate(llm, PROMPTS, temperature=0.0) == want
+        assert vx_generate(llm, PROMPTS, temperature=0.0) == want
+        stats = llm.call_utility("get_stats")
+        assert stats["num_preempted_total"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    ("arch", "layer_types", "num_blocks"),
+    [
+        ("gemma2", ["sliding_attention", "full_attention"], 22),
+        ("gemma3", ["sliding_attention", "sliding_attention", "full_attention"], 30),
+    ],
+)
+def test_hybrid_window_blocks_freed_greedy_matches_hf(
+    tmp_path, arch: str, layer_types: list[str], num_blocks: int
+) -> None:
+    """Global and windowed layers (window 8 keys): a KV-cache group per layer here (one block
+    = one layer's), the windowed groups freeing what left their window. The four requests'
+    whole contexts take 12 blocks a group (24 for Gemma 2, 36 for Gemma 3's three layers),
+    more than the pool; with the windows freed (12 + at most 2 a request in each windowed
+    group) they fit: no preemption, chunked at 7, HF's fp32 greedy tokens, and the same again
+    over the blocks the first run freed (the prefix hits with a window's NULL blocks are
+    `test_fp32_greedy_matches_hf_chunked_and_after_prefix_hits`'s)."""
+    path = make_tiny_model(
+        tmp_path, arch, seed=8, num_hidden_layers=len(layer_types), layer_types=layer_types,
+        **SERVED,
+    )  # fmt: skip
+    want = hf_greedy(path, PROMPTS, 12)
+    with closed_clean(
+        path, dtype="float32", max_num_batched_tokens=7, num_threads=1, num_blocks=num_blocks,
         max_num_seqs=4,
     ) as llm:  # fmt: skip
         assert vx_generate(llm, PROMPTS, temperature=0.0) == want
