@@ -43,3 +43,26 @@ def test_layer_caches_share_slots() -> None:
     assert k is slots[1][0] and v is slots[1][1]
     one = kv_cache_groups([None, None])
     assert layer_caches(slots, one, 0, 2) is slots
+
+
+def test_metadata_per_group_shares_all_but_the_tables() -> None:
+    import numpy as np
+
+    from vx.gpu.attention.paged import build_attention_metadata
+
+    t0 = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int32)
+    t1 = np.array([[6, 7, 8], [9, 10, 11]], dtype=np.int32)
+    md = build_attention_metadata(
+        query_lens=np.array([1, 5]), num_computed=np.array([20, 30]), block_table=t0,
+        slot_mapping=np.array([20, 78]), num_decodes=1, group_tables=[(t1, np.array([116, 174]))],
+    )  # fmt: skip
+    assert md.groups is not None and md.groups[0] is md and md.groups[1].groups is None
+    g1 = md.groups[1]
+    assert g1.slot_mapping.tolist() == [116, 174] and g1.block_table.tolist() == t1.tolist()
+    assert g1.seq_lens is md.seq_lens and g1.query_start_loc is md.query_start_loc
+    assert len(g1.prefills) == len(md.prefills) == 1
+    assert g1.prefills[0].block_ids.tolist() == [9, 10, 11]
+    assert md.prefills[0].block_ids.tolist() == [3, 4, 5]
+    if md.decode_kernel:
+        assert g1.decode_block_table.tolist() == [[6, 7]]
+    assert md.for_cache(GroupKVCache(torch.zeros(1), torch.zeros(1), 1)) is g1

@@ -605,37 +605,36 @@ class ModelRunner:
         d = num_reqs if self.tokens_as_decodes else len(decodes) + len(drafting)
         as_rows = self.tokens_as_decodes or bool(drafting)
         t = int(cu[d - 1]) if d and as_rows else 0
-        # one metadata per KV-cache group (its own block table); a layer reads its group's
-        groups: list[AttentionMetadata] = []
+        # per KV-cache group its table's rows and slots (one group: `block_table` alone); a
+        # layer reads its group's metadata (`AttentionMetadata.for_cache`)
+        tables = []
         for table in batch.block_tables:
             slot_mapping = table[tok_rows, block_idx].astype(np.int64) * BLOCK_SIZE + offsets
             if as_rows:
-                groups.append(
-                    build_attention_metadata(
-                        query_lens=np.concatenate([np.ones(t, dtype=np.int64), query_lens[d:]]),
-                        num_computed=np.concatenate([positions[:t], num_computed[d:]]),
-                        block_table=np.concatenate(
-                            [table[tok_rows[:t], :width], table[rows[d:], :width]]
-                        ),
-                        slot_mapping=slot_mapping,
-                        num_decodes=t,
-                        device=self.device,
-                    )
-                )
+                rows_table = np.concatenate([table[tok_rows[:t], :width], table[rows[d:], :width]])
             else:
-                groups.append(
-                    build_attention_metadata(
-                        query_lens=query_lens,
-                        num_computed=num_computed,
-                        block_table=table[rows, :width],
-                        slot_mapping=slot_mapping,
-                        num_decodes=len(decodes),
-                        device=self.device,
-                    )
-                )
-        md = groups[0]
-        if len(groups) > 1:
-            md.groups = groups
+                rows_table = table[rows, :width]
+            tables.append((rows_table, slot_mapping))
+        if as_rows:
+            md = build_attention_metadata(
+                query_lens=np.concatenate([np.ones(t, dtype=np.int64), query_lens[d:]]),
+                num_computed=np.concatenate([positions[:t], num_computed[d:]]),
+                block_table=tables[0][0],
+                slot_mapping=tables[0][1],
+                num_decodes=t,
+                device=self.device,
+                group_tables=tables[1:],
+            )
+        else:
+            md = build_attention_metadata(
+                query_lens=query_lens,
+                num_computed=num_computed,
+                block_table=tables[0][0],
+                slot_mapping=tables[0][1],
+                num_decodes=len(decodes),
+                device=self.device,
+                group_tables=tables[1:],
+            )
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
