@@ -228,6 +228,8 @@ def run_worker(
             # More blocks than every sequence at full length (twice, for prefix reuse) would
             # only cost memory and EngineCore start-up time.
             per_seq = -(-(config.model.max_model_len or 2048) // config.cache.block_size)
+            assert runner.kv_groups is not None  # a block table per KV-cache group
+            per_seq *= runner.kv_groups.num_groups
             num_blocks = min(num_blocks, 2 * config.scheduler.max_num_seqs * per_seq)
         kv_bytes = num_blocks * block_bytes
         num_blocks = _min_across_ranks(num_blocks, grid.world_size)
