@@ -136,3 +136,32 @@ def test_hybrid_window_blocks_freed_greedy_matches_hf(
         assert vx_generate(llm, PROMPTS, temperature=0.0) == want
         stats = llm.call_utility("get_stats")
         assert stats["num_preempted_total"] == 0, stats
+
+
+def test_hybrid_window_blocks_freed_bf16_agrees_with_hf(tmp_path) -> None:
+    """The default dtype (bf16: the C prefill and decode kernels, each windowed layer reading
+    its own group's table) in a pool whose freed window blocks are reused at once: teacher-
+    forced on vx's greedy continuation, every token within one bf16 ulp of HF's top logit and
+    most HF's top-1 (as tests/e2e/test_llm.py holds the Llama default path)."""
+    from transformers import AutoModelForCausalLM
+
+    types = ["sliding_attention", "sliding_attention", "full_attention"]
+    path = make_tiny_model(tmp_path, "gemma3", seed=9, num_hidden_layers=3, layer_types=types,
+                           **SERVED)  # fmt: skip
+    with closed_clean(path, max_num_batched_tokens=7, num_threads=1, num_blocks=30,
+                      max_num_seqs=4) as llm:  # fmt: skip
+        ours = vx_generate(llm, PROMPTS, temperature=0.0)
+        assert llm.call_utility("get_stats")["num_preempted_total"] == 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    exact = within_ulp = total = 0
+    for prompt, new in zip(PROMPTS, ours, strict=True):
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([prompt + new[:-1]])).logits[0, len(prompt) - 1 :]
+        best = theirs.max(-1).values
+        ulp = (best.float().abs() * 2.0**-7).to(best.dtype)
+        tokens = torch.tensor(new)
+        exact += int((tokens == theirs.argmax(-1)).sum())
+        within_ulp += int((theirs.gather(1, tokens[:, None])[:, 0] >= best - ulp).sum())
+        total += len(new)
+    assert within_ulp == total, f"within one ulp {within_ulp}, exact {exact}, of {total}"
+    assert exact >= 0.9 * total, f"exact {exact} of {total}"
