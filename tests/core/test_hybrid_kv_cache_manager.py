@@ -201,3 +201,22 @@ def test_windows_free_enough_that_nothing_is_preempted(monkeypatch) -> None:
     assert run().num_preempted_total == 0
     monkeypatch.setattr(HybridKVCacheManager, "_free_out_of_windows", lambda *a: None)
     assert run().num_preempted_total > 0
+
+
+def test_only_group_0_announces_kv_events() -> None:
+    """A router sees each prefix once: the global group 0's blocks stored and removed; the
+    other groups' keys (hash + group byte) are never announced, stored or evicted."""
+    from vx.core.kv_events import BlockRemoved, BlockStored, external_hash
+
+    m = HybridKVCacheManager(12, [None, 20], kv_events_medium="CPU")
+    r0 = make_request("0", list(range(500, 548)))  # 3 full blocks
+    schedule(m, r0, 48)
+    events = m.block_pool.take_events()
+    assert [type(e) for e in events] == [BlockStored]
+    assert events[0].block_hashes == [external_hash(h) for h in r0.block_hashes[:3]]
+    m.free(r0)
+    r1 = make_request("1", list(range(900, 900 + 16 * 12)))
+    schedule(m, r1, 16 * 6)  # reuses all 12 blocks: both groups' hashed ones evicted
+    removed = [h for e in m.block_pool.take_events() if isinstance(e, BlockRemoved)
+               for h in e.block_hashes]  # fmt: skip
+    assert sorted(removed) == sorted(external_hash(h) for h in r0.block_hashes[:3])
