@@ -220,3 +220,16 @@ def test_only_group_0_announces_kv_events() -> None:
     removed = [h for e in m.block_pool.take_events() if isinstance(e, BlockRemoved)
                for h in e.block_hashes]  # fmt: skip
     assert sorted(removed) == sorted(external_hash(h) for h in r0.block_hashes[:3])
+
+
+def test_window_of_one_key_keeps_the_global_hit() -> None:
+    """A window of 1 key (legal for `WindowedAttention`): the first recomputed query reads
+    only itself, so the windowed group needs none of the hit's blocks and the hit is the
+    global group's whole prefix (it used to shrink block by block to nothing)."""
+    m = HybridKVCacheManager(30, [None, 1])
+    prompt = list(range(300, 364))  # 4 full blocks
+    r0 = make_request("0", prompt)
+    schedule(m, r0, 64)
+    m.free(r0)
+    hits, n = m.get_computed_blocks(make_request("1", prompt + [1]))
+    assert n == 4 * BS and hits[4:] == [NULL_BLOCK] * 4 and NULL_BLOCK not in hits[:4]

@@ -140,6 +140,8 @@ class HybridKVCacheManager(KVCacheManager):
     ) -> int:
         """The largest m <= n whose `need` blocks before it every one of `groups` holds (or
         all of 0..m-1, fewer than `need`, from the start)."""
+        if not need:  # a window of one key: the first recomputed query reads only itself
+            return n
         get = self.block_pool.cached_block_hash_to_block.get
         run = 0
         for i in range(n - 1, -1, -1):
