@@ -233,3 +233,126 @@ def test_window_of_one_key_keeps_the_global_hit() -> None:
     m.free(r0)
     hits, n = m.get_computed_blocks(make_request("1", prompt + [1]))
     assert n == 4 * BS and hits[4:] == [NULL_BLOCK] * 4 and NULL_BLOCK not in hits[:4]
+
+
+class _ContentWorker:
+    """A worker that keeps a fake KV content per (block, offset) and checks every key each
+    layer group reads (the whole context in a global group, the window in a windowed one)
+    is one the request still holds and still holds that key; it scores drafts against `fake_model` and rolls its tables back
+    as the Worker does (`vx.gpu.spec_decode.verifier.roll_back`)."""
+
+    def __init__(self, windows: list[int | None], rng, spec: bool, kv) -> None:
+        self.windows, self.rng, self.spec, self.kv = windows, rng, spec, kv
+        self.slots: dict[tuple[int, int], int] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def _append(self, rid: str, ids: list[int]) -> None:
+        n = len(ids) // len(self.windows)
+        assert n * len(self.windows) == len(ids), "ids not group by group"
+        for g, table in enumerate(self.tables[rid]):
+            table.extend(ids[g * n : (g + 1) * n])
+
+    def execute(self, out):
+        from vx.messages import ModelRunnerOutput
+
+        from .helpers import fake_model
+
+        for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = [*new.prompt_token_ids, *new.output_token_ids]
+            self.computed[new.req_id] = new.num_computed_tokens
+            self.tables[new.req_id] = [[] for _ in self.windows]
+            self._append(new.req_id, list(new.block_ids))
+        cached = out.scheduled_cached_reqs
+        for rid, ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            assert self.computed[rid] == num_computed, rid
+            self._append(rid, ids)
+        req_ids, sampled, proposed = [], [], {}
+        for rid, n in out.num_scheduled_tokens.items():
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            toks, c = self.tokens[rid], self.computed[rid]
+            step = toks + list(drafts)
+            for g, table in enumerate(self.tables[rid]):
+                for p in range(c, c + n):
+                    assert table[p // BS] >= 0, ("written to a freed block", rid, g, p)
+                    self.slots[table[p // BS], p % BS] = hash(tuple(step[: p + 1]))
+                w = self.windows[g]
+                held_now = self.kv.group_tables(rid)[g]  # the step runs before the next frees
+                for p in range(c, c + n):
+                    for k in range(0 if w is None else max(0, p - w + 1), p + 1):
+                        block = held_now[k // BS]
+                        live = block.block_id == table[k // BS] and block.ref_cnt > 0
+                        assert live, ("read a block it no longer holds", rid, g, p, k)
+                        held = self.slots.get((table[k // BS], k % BS))
+                        assert held == hash(tuple(step[: k + 1])), (rid, g, p, k)
+            req_ids.append(rid)
+            if c + n < len(toks):
+                self.computed[rid] = c + n
+                sampled.append([])
+                continue
+            accepted: list[int] = []
+            for d in drafts:
+                if fake_model(toks + accepted) != d:
+                    break
+                accepted.append(d)
+            accepted.append(fake_model(toks + accepted))
+            self.computed[rid] = c + n - (len(drafts) + 1 - len(accepted))
+            keep = -(-self.computed[rid] // BS)
+            for table in self.tables[rid]:
+                del table[keep:]
+            toks.extend(accepted)
+            sampled.append(accepted)
+            if self.spec:  # the true continuation, a draft now and then wrong
+                prop: list[int] = []
+                for _ in range(self.rng.randint(0, 4)):
+                    t = fake_model(toks + prop)
+                    prop.append(t % 40 + 3 if self.rng.random() < 0.25 else t)
+                proposed[rid] = prop
+        return ModelRunnerOutput(
+            step_id=out.step_id, req_ids=req_ids, sampled_token_ids=sampled,
+            spec_token_ids=proposed if self.spec else None,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_traffic_reads_only_live_blocks(seed: int) -> None:
+    """Random traffic over random groups (several global groups, two window kinds, windows
+    below and above a block, of one key), pools small enough to preempt, shared prefixes,
+    aborts, caching on or off, async scheduling or (sync) drafts rolled back: every key any
+    group reads holds its token, nothing is written to a freed block, the audit holds after
+    every step and the pool is whole at the end."""
+    import random
+
+    from vx.core.request import RequestStatus
+
+    rng = random.Random(seed)
+    windows = rng.choice([[None, 16], [None, 17], [None, 24, 24], [None, None, 33, 33, 33],
+                          [None, 16, 40], [None, 2], [None, 1, 8], [None, None, 8, 8, 8]])  # fmt: skip
+    spec = seed % 3 == 0
+    config = make_config(
+        max_num_batched_tokens=rng.choice([16, 24, 40, 64]), max_model_len=128,
+        async_scheduling=not spec and seed % 2 == 0, max_num_seqs=rng.randint(2, 8),
+        enable_prefix_caching=seed % 5 != 4,
+    )  # fmt: skip
+    s = Scheduler(config, rng.randint(30, 80), group_windows=windows)
+    shared = [rng.randint(1, 49) for _ in range(rng.randint(0, 60))]
+    for i in range(rng.randint(3, 10)):
+        prompt = shared[: rng.randint(0, len(shared))]
+        prompt += [rng.randint(1, 49) for _ in range(rng.randint(1, 50))]
+        s.add_request(make_add_request(str(i), prompt, max_tokens=rng.randint(1, 40)))
+    d = Driver(s, _ContentWorker(windows, rng, spec, s.kv_cache_manager))
+    for _ in range(5000):
+        if not d.in_flight and not s.has_unfinished_requests():
+            break
+        d.step()
+        report = s.kv_self_check()
+        assert report["ok"], report["problems"]
+        if s.requests and rng.random() < 0.03:
+            s.finish_requests(rng.choice(list(s.requests)), RequestStatus.FINISHED_ABORTED)
+    report = s.kv_self_check()
+    assert report["ok"] and report["idle"], report
