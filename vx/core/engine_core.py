@@ -156,6 +156,8 @@ class EngineCore:
         try:
             if msg.method == "reset_prefix_cache":
                 result: dict[str, object] = {"ok": self.scheduler.reset_prefix_cache()}
+                # The emptied cache must show on /metrics though no step follows.
+                self._stats_dirty = True
             elif msg.method == "kv_self_check":
                 idle = not self._in_flight and not self.scheduler.has_unfinished_requests()
                 result = dict(self.scheduler.kv_self_check())
@@ -229,19 +231,12 @@ class EngineCore:
             len(self._in_flight) < self._depth
             and self.scheduler.has_unfinished_requests()
             and (self._pp or not (self._in_flight and _carries_prefill(self._in_flight[-1])))
+            and self._schedule_and_send()
+            and len(self._in_flight) < self._depth
         ):
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens > 0:
-                if scheduler_output.scheduled_new_reqs:
-                    now = time.time()
-                    for new in scheduler_output.scheduled_new_reqs:
-                        self._scheduled_at[new.req_id] = now
-                self._workers.send(scheduler_output)
-                self._in_flight.append(scheduler_output)
-                # Queue not full yet: go back and schedule step n+1 before waiting on step n.
-                if len(self._in_flight) < self._depth:
-                    self._prof["schedule"] += time.perf_counter() - t0
-                    return
+            # Queue not full yet: go back and schedule step n+1 before waiting on step n.
+            self._prof["schedule"] += time.perf_counter() - t0
+            return
         t1 = time.perf_counter()
         if not self._in_flight:
             return
@@ -261,6 +256,16 @@ class EngineCore:
             self._log_outputs(outputs)
         self._stats_dirty = False
         stats = self._make_stats(scheduler_output, result, t2 - t1)
+        if self._pp:
+            # The stages idle until their next step (the first since its part of this one):
+            # send it before the front gets these outputs, whose streaming would otherwise take
+            # the CPU from this process in the pipeline's turnaround (on CPU they share cores).
+            while (
+                len(self._in_flight) < self._depth
+                and self.scheduler.has_unfinished_requests()
+                and self._schedule_and_send()
+            ):
+                pass
         self._emit(
             messages.EngineCoreOutputs(
                 engine_index=self.engine_index,
@@ -272,6 +277,19 @@ class EngineCore:
         t3 = time.perf_counter()
         if self.config.profile_steps:
             self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
+
+    def _schedule_and_send(self) -> bool:
+        """Schedule a step and send it to the workers; False if it had nothing to run."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return False
+        if scheduler_output.scheduled_new_reqs:
+            now = time.time()
+            for new in scheduler_output.scheduled_new_reqs:
+                self._scheduled_at[new.req_id] = now
+        self._workers.send(scheduler_output)
+        self._in_flight.append(scheduler_output)
+        return True
 
     def _stamp_scheduled(self, outputs: list[messages.EngineCoreOutput]) -> None:
         """Give each request's first output since it was scheduled its scheduling time."""
@@ -397,6 +415,7 @@ def run_engine_core(
         to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
     )
     remote: dict[int, Link] = {}
+    clean = False  # the front ordered the shutdown (the other nodes' Links say goodbye)
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
@@ -444,6 +463,7 @@ def run_engine_core(
         )
         engine.run()
         engine.shutdown()
+        clean = True
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         # The front went away: there is nobody to serve, so stop the workers and leave.
         logger.warning("EngineCore %d: the front is gone; exiting", engine_index)
@@ -468,7 +488,8 @@ def run_engine_core(
         for ring in (input_ring, output_ring, to_workers, from_rank0):
             ring.close()
         for link in remote.values():
-            link.close()
+            # Only an ordered shutdown says goodbye: otherwise the other nodes fail (exit 3).
+            link.close(goodbye=clean)
 
 
 def _accept_nodes(config: EngineConfig, config_bytes: bytes) -> dict[int, Link]:

@@ -130,36 +130,48 @@ def _min_across_ranks(value: int, world: int) -> int:
 
 
 class _StageProfile:
-    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, every 200
-    steps, how its wall time split into computing, waiting on the stage before it (or on its
+    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, once per busy
+    period, how its wall time split into computing, waiting on the stage before it (or on its
     own previous send), and waiting for the next step. The time not spent computing is this
-    stage's share of the pipeline's bubble."""
+    stage's share of the pipeline's bubble.
+
+    A busy period ends when no step came for `IDLE_GAP_S` (the engine had no requests), at
+    shutdown, or after `MAX_STEPS` steps; the idle gap itself is not counted. So one load phase
+    (a `vx bench serve` run at one concurrency) gives its own line, over exactly its steps."""
+
+    IDLE_GAP_S = 1.0
+    MAX_STEPS = 2000
 
     def __init__(self, grid) -> None:
         self.grid = grid
         self.steps = 0
         self.exec_s = 0.0
-        self.t_start = self.t0 = time.perf_counter()
+        self.t_start = self.t0 = self.t_end = time.perf_counter()
         self.wait0 = 0.0
 
     def begin(self) -> None:
         from vx.gpu import parallel_state
 
         self.t0 = time.perf_counter()
+        if self.steps and self.t0 - self.t_end >= self.IDLE_GAP_S:
+            self.flush()
         if self.steps == 0:
             self.t_start, self.wait0 = self.t0, parallel_state.wait_s
 
     def end(self) -> None:
+        self.t_end = time.perf_counter()
+        self.exec_s += self.t_end - self.t0
+        self.steps += 1
+        if self.steps >= self.MAX_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Log the busy period that ended at the last step's end, and start a new one."""
         from vx.gpu import parallel_state
 
-        now = time.perf_counter()
-        self.exec_s += now - self.t0
-        self.steps += 1
-        if self.steps < 200:
-            return
-        wall = now - self.t_start
+        wall = self.t_end - self.t_start
         pp_wait = parallel_state.wait_s - self.wait0
-        if self.grid.tp_rank == 0 and wall > 0:
+        if self.steps and self.grid.tp_rank == 0 and wall > 0:
             logger.info(
                 "pp stage %d profile over %d steps (%.2f s): compute %.1f%%, waiting on the "
                 "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%)",
@@ -252,6 +264,8 @@ def run_worker(
         while True:
             msg = in_codec.decode(inbox.recv())
             if isinstance(msg, messages.Shutdown):
+                if stage_profile is not None:
+                    stage_profile.flush()
                 break
             if stage_profile is not None:
                 stage_profile.begin()
