@@ -10,7 +10,8 @@ Usage:
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
 the ids it lacks). PP: node 0 (`taskset -c 0`: front, EngineCore, stage 0) and node 1
 (`taskset -c 1`, `--headless`: stage 1, the driver) over 127.0.0.1; TP = 1 runs on core 0.
-The client (`vx bench serve`, one run per concurrency, 1 s apart) is not pinned.
+The client (`vx bench serve`, one run per concurrency, 1.5 s apart) runs on core 1 (beside
+stage 1, which waits more than stage 0: node 0's core also runs the front and the EngineCore).
 
 With `--profile-steps` each stage logs one line per busy period (`vx/gpu/worker.py`,
 `_StageProfile`), so the lines after the start-up are the phases, in order; this prints each
@@ -122,7 +123,7 @@ def main() -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run(
-                    [py, "-m", "vx", "bench", "serve", "--base-url", url, "--concurrency", str(c),
+                    ["taskset", "-c", "1", py, "-m", "vx", "bench", "serve", "--base-url", url, "--concurrency", str(c),
                      "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
                      "--output-len", str(args.output_len), "--json", out.name],
                     check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL,

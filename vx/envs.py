@@ -115,7 +115,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "operator"),
     _text("VX_PP_LAYER_PARTITION", "",
           "Layers per pipeline stage, e.g. `10,6` (vLLM's `VLLM_PP_LAYER_PARTITION`; the same on "
-          "every node); empty: an even split.",
+          "every node); empty: vx's split, which counts the last stage's LM head as layers (an "
+          "even split for MoE models).",
           "operator"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
