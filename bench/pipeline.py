@@ -4,7 +4,7 @@ exactly each load phase.
 
 Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
-        [--concurrency 8,32] [--num-prompts 64] [--input-len 64] [--output-len 32]
+        [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
 
 `--make` first writes the model to DIR (16 layers, hidden 2,048, 32 / 8 heads, intermediate
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
@@ -88,7 +88,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=["pp", "tp1"], default="pp")
     ap.add_argument("--partition", default=None, help="VX_PP_LAYER_PARTITION (default: vx's)")
     ap.add_argument("--concurrency", default="8,32")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", default="64",
+                    help="per concurrency, or one count for all (e.g. 64,128)")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--port", type=int, default=8731)
@@ -120,15 +121,18 @@ def main() -> int:
         ))  # fmt: skip
         _wait_ready(url, procs[0], 600)
         results = []
-        for c in [int(x) for x in args.concurrency.split(",")]:
+        levels = [int(x) for x in args.concurrency.split(",")]
+        counts = [int(x) for x in args.num_prompts.split(",")]
+        counts = counts * len(levels) if len(counts) == 1 else counts
+        for c, n in zip(levels, counts, strict=True):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run(
                     ["taskset", "-c", "1", py, "-m", "vx", "bench", "serve", "--base-url", url, "--concurrency", str(c),
-                     "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                     "--num-prompts", str(n), "--input-len", str(args.input_len),
                      "--output-len", str(args.output_len), "--json", out.name],
                     check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL,
                 )  # fmt: skip
-                results.append((c, json.load(open(out.name))))
+                results.append((c, n, json.load(open(out.name))))
             time.sleep(1.5)  # an idle gap, so that each stage closes this phase's busy period
     finally:
         if procs and procs[0].poll() is None:
@@ -140,23 +144,27 @@ def main() -> int:
                 p.kill()
                 p.wait()
     stage_lines: dict[int, list[tuple[float, ...]]] = {}
+    engine_lines: list[str] = []
     for log in logs:
         log.seek(0)
-        for m in STAGE_LINE.finditer(log.read().decode(errors="replace")):
+        text = log.read().decode(errors="replace")
+        engine_lines += re.findall(r"engine_core: (profile over \d+ steps \(.*)", text)
+        for m in STAGE_LINE.finditer(text):
             stage_lines.setdefault(int(m[1]), []).append(tuple(float(x) for x in m.groups()[1:]))
         log.close()
     print(f"mode {args.mode}, partition {args.partition or 'default'}, "
-          f"{args.num_prompts} x ({args.input_len} in, {args.output_len} out)")  # fmt: skip
-    for i, (c, res) in enumerate(results):
+          f"({args.input_len} in, {args.output_len} out)")  # fmt: skip
+    for i, (c, n, res) in enumerate(results):
         row = res[0] if isinstance(res, list) else res
-        tok_s = row.get("output_throughput") or row.get("output_tok_s")
-        print(f"c = {c}: output {tok_s:.1f} tok/s")
+        print(f"c = {c}, {n} prompts: output {row['output_throughput']:.1f} tok/s")
         for stage, lines in sorted(stage_lines.items()):
             phase = lines[len(lines) - len(results) + i]  # the last lines are the phases
             steps, wall, comp, wait_prev, idle, bubble = phase
             print(f"  stage {stage}: {int(steps)} steps over {wall:.1f} s: compute {comp:.1f}%, "
                   f"waiting on the stage before {wait_prev:.1f}%, waiting for steps "
                   f"{idle:.1f}% (bubble {bubble:.1f}%)")  # fmt: skip
+    for line in engine_lines[-4:]:  # the EngineCore's own lines, every 200 steps
+        print(f"  EngineCore {line}")
     return 0
 
 

@@ -111,6 +111,18 @@ def _pp_group() -> list[str]:
     return ["-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
 
 
+def _dp_group() -> list[str]:
+    return ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(free_port())]  # fmt: skip
+
+
+def _group(mode: str) -> tuple[list[str], list[str], list[str]]:
+    """(both nodes' flags, node 0's, node 1's) for PP = 2 or DP = 2 over two nodes."""
+    if mode == "pp":
+        return _pp_group(), ["--node-rank", "0"], ["--node-rank", "1"]
+    return _dp_group(), [], ["--data-parallel-start-rank", "1"]
+
+
 def _reference(model: str) -> list[str]:
     from transformers import AutoTokenizer
 
@@ -138,33 +150,34 @@ def test_two_nodes_parity_then_node_loss_fails_the_group(tiny_model: str) -> Non
     )
 
 
-def test_a_headless_node_tells_a_lost_front_from_a_clean_shutdown(tiny_model: str) -> None:
-    """PP across two nodes: node 0's SIGTERM (an ordered shutdown) ends node 1 with 0; a
-    SIGKILL of node 0's front alone (its EngineCore then still tells node 1's Worker to stop)
-    ends node 1 with 3 (ENGINE_DEAD) and a line naming the lost front."""
-    group = _pp_group()
-    with two_nodes(tiny_model, group, ["--node-rank", "0"], ["--node-rank", "1"]) as nodes:
-        assert len(_greedy_texts(nodes.node0.url)) == len(PROMPTS)
-        assert nodes.node0.stop(signal.SIGTERM, timeout_s=30) == 0, nodes.node0.log()
-        assert nodes.node1.wait(30) == 0, nodes.node1_log()[-3000:]
-        assert not any(alive(p) for p in nodes.everyone()) and not shm_of(nodes.everyone())
-    with two_nodes(tiny_model, _pp_group(), ["--node-rank", "0"], ["--node-rank", "1"]) as nodes:
-        assert nodes.node0.proc is not None
-        os.kill(nodes.node0.proc.pid, signal.SIGKILL)  # the front only
-        everyone = nodes.everyone()
-        assert poll(lambda: not any(alive(p) for p in everyone), 10.0), (
-            [p for p in everyone if alive(p)], nodes.node1_log()[-3000:],
-        )
-        assert nodes.node1.wait(1) == 3, nodes.node1_log()[-3000:]
-        assert "lost node 0 (the front)" in nodes.node1_log()
-        assert not shm_of(everyone)
+@pytest.mark.parametrize("mode", ["pp", "dp"])
+def test_a_headless_node_tells_a_lost_front_from_a_clean_shutdown(tiny_model: str, mode: str) -> None:
+    """Node 0's SIGTERM (an ordered shutdown) ends node 1 with 0; a SIGKILL of node 0's front
+    alone ends node 1 with 3 (ENGINE_DEAD) and a line naming the lost front. With PP, node 0's
+    EngineCore still tells node 1's Worker to stop when its front is gone: only the Link's end
+    (no goodbye) tells node 1 that the group failed."""
+    lost = {"pp": "lost node 0 (the front)", "dp": "lost the front"}[mode]
+    for kill in (False, True):
+        group, node0, node1 = _group(mode)
+        with two_nodes(tiny_model, group, node0, node1) as nodes:
+            assert nodes.node0.proc is not None
+            if kill:
+                os.kill(nodes.node0.proc.pid, signal.SIGKILL)  # the front only
+            else:
+                assert len(_greedy_texts(nodes.node0.url)) == len(PROMPTS)
+                assert nodes.node0.stop(signal.SIGTERM, timeout_s=30) == 0, nodes.node0.log()
+            everyone = nodes.everyone()
+            assert poll(lambda e=everyone: not any(alive(p) for p in e), 10.0), (
+                [p for p in everyone if alive(p)], nodes.node1_log()[-3000:],
+            )
+            assert nodes.node1.wait(1) == (3 if kill else 0), nodes.node1_log()[-3000:]
+            assert (lost in nodes.node1_log()) == kill, nodes.node1_log()[-3000:]
+            assert not shm_of(everyone)
 
 
 def test_data_parallel_across_two_nodes_then_remote_engine_loss(tiny_model: str) -> None:
     reference = _reference(tiny_model)
-    dp = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-          "--data-parallel-rpc-port", str(free_port())]  # fmt: skip
-    with two_nodes(tiny_model, dp, [], ["--data-parallel-start-rank", "1"]) as nodes:
+    with two_nodes(tiny_model, *_group("dp")) as nodes:
         node0, tree1 = nodes.node0, nodes.tree1
         assert _greedy_texts(node0.url) == reference, node0.log()
         # the balancer sent the concurrent requests to both ranks
