@@ -37,7 +37,8 @@ sys.path.insert(0, ROOT)
 
 STAGE_LINE = re.compile(
     r"pp stage (\d+) profile over (\d+) steps \(([\d.]+) s\): compute ([\d.]+)%, waiting on the "
-    r"stage before ([\d.]+)%, waiting for steps ([\d.]+)% \(bubble ([\d.]+)%\)"
+    r"stage before ([\d.]+)%, waiting for steps ([\d.]+)% \(bubble ([\d.]+)%\); step "
+    r"delivery ([\d.]+) ms"
 )
 
 
@@ -159,10 +160,11 @@ def main() -> int:
         print(f"c = {c}, {n} prompts: output {row['output_throughput']:.1f} tok/s")
         for stage, lines in sorted(stage_lines.items()):
             phase = lines[len(lines) - len(results) + i]  # the last lines are the phases
-            steps, wall, comp, wait_prev, idle, bubble = phase
+            steps, wall, comp, wait_prev, idle, bubble, delivery = phase
             print(f"  stage {stage}: {int(steps)} steps over {wall:.1f} s: compute {comp:.1f}%, "
                   f"waiting on the stage before {wait_prev:.1f}%, waiting for steps "
-                  f"{idle:.1f}% (bubble {bubble:.1f}%)")  # fmt: skip
+                  f"{idle:.1f}% (bubble {bubble:.1f}%); step delivery {delivery:.2f} ms, "
+                  f"{1e3 * wall * comp / 100 / steps:.1f} ms of compute a step")  # fmt: skip
     for line in engine_lines[-4:]:  # the EngineCore's own lines, every 200 steps
         print(f"  EngineCore {line}")
     return 0

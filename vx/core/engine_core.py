@@ -240,8 +240,12 @@ class EngineCore:
         t1 = time.perf_counter()
         if not self._in_flight:
             return
+        waiting_since = time.time()
         result = self._workers.recv_output()
         t2 = time.perf_counter()
+        if result.sent_at > waiting_since:  # sent while we waited: its transit alone
+            self._prof["delivered"] += 1
+            self._prof["delivery"] += time.time() - result.sent_at
         scheduler_output = self._in_flight.popleft()
         if result.step_id != scheduler_output.step_id:
             raise EngineDeadError(
@@ -287,6 +291,8 @@ class EngineCore:
             now = time.time()
             for new in scheduler_output.scheduled_new_reqs:
                 self._scheduled_at[new.req_id] = now
+        if self.config.profile_steps:
+            scheduler_output = msgspec.structs.replace(scheduler_output, sent_at=time.time())
         self._workers.send(scheduler_output)
         self._in_flight.append(scheduler_output)
         return True
@@ -357,7 +363,8 @@ class EngineCore:
             wall = now - p["start"]
             logger.info(
                 "profile over %d steps (%.2f s, idle %.1f%%): schedule %.0f us, update+emit "
-                "%.0f us, wait %.2f ms (worker execute %.2f ms); host share %.1f%%; %s",
+                "%.0f us, wait %.2f ms (worker execute %.2f ms, result delivery %.2f ms); "
+                "host share %.1f%%; %s",
                 n,
                 wall,
                 100.0 * max(0.0, wall - total) / wall if wall > 0 else 0.0,
@@ -365,6 +372,7 @@ class EngineCore:
                 1e6 * p["update"] / n,
                 1e3 * p["wait"] / n,
                 1e3 * p["execute"] / n,
+                1e3 * p["delivery"] / max(p["delivered"], 1),
                 100.0 * host / total if total else 0.0,
                 "; ".join(
                     f"{k} steps {p[k]:.0f}: {p[k + '_rows'] / p[k]:.1f} requests, "

@@ -148,8 +148,11 @@ class _StageProfile:
         self.exec_s = 0.0
         self.t_start = self.t0 = self.t_end = time.perf_counter()
         self.wait0 = 0.0
+        #: steps sent after this stage was idle, and their total EngineCore -> stage transit
+        self.delivered, self.delivery_s = 0, 0.0
 
-    def begin(self) -> None:
+    def begin(self, sent_at: float) -> None:
+        """A step arrived; `sent_at`: when the EngineCore sent it (epoch s)."""
         from vx.gpu import parallel_state
 
         self.t0 = time.perf_counter()
@@ -157,6 +160,10 @@ class _StageProfile:
             self.flush()
         if self.steps == 0:
             self.t_start, self.wait0 = self.t0, parallel_state.wait_s
+        now = time.time()
+        if sent_at > now - (self.t0 - self.t_end):  # sent while this stage waited: transit
+            self.delivered += 1
+            self.delivery_s += now - sent_at
 
     def end(self) -> None:
         self.t_end = time.perf_counter()
@@ -174,12 +181,15 @@ class _StageProfile:
         if self.steps and self.grid.tp_rank == 0 and wall > 0:
             logger.info(
                 "pp stage %d profile over %d steps (%.2f s): compute %.1f%%, waiting on the "
-                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%)",
+                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%); step "
+                "delivery %.2f ms (%d steps sent while idle)",
                 self.grid.pp_rank, self.steps, wall, 100 * (self.exec_s - pp_wait) / wall,
                 100 * pp_wait / wall, 100 * (wall - self.exec_s) / wall,
                 100 * (wall - self.exec_s + pp_wait) / wall,
+                1e3 * self.delivery_s / max(self.delivered, 1), self.delivered,
             )  # fmt: skip
         self.steps, self.exec_s = 0, 0.0
+        self.delivered, self.delivery_s = 0, 0.0
 
 
 def run_worker(
@@ -268,11 +278,13 @@ def run_worker(
                     stage_profile.flush()
                 break
             if stage_profile is not None:
-                stage_profile.begin()
+                stage_profile.begin(msg.sent_at)
             output = runner.execute(msg)
             if stage_profile is not None:
                 stage_profile.end()
             if driver:
+                if config.profile_steps:  # the EngineCore times the result's delivery
+                    output = msgspec.structs.replace(output, sent_at=time.time())
                 send(output)
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         logger.warning("worker %d: the EngineCore is gone; exiting", rank)
