@@ -275,6 +275,8 @@ class _DpNode:
         self._rings_done = False
         #: `close` has begun: the Links' ends are ours, not a lost front.
         self._closing = False
+        #: Ranks whose EngineCore exited cleanly: their Link was closed here.
+        self._ended: set[int] = set()
 
     def stop(self, reason: str) -> None:
         """Fail the group: tell the front why (an EngineDead per rank, where its Link is
@@ -301,7 +303,8 @@ class _DpNode:
         for rank in self.procs.ranks:
             link = self.links[rank.index]
             self._threads += [
-                threading.Thread(target=self._down, args=(link, rank.to_engine), daemon=True,
+                threading.Thread(target=self._down, args=(rank.index, link, rank.to_engine),
+                                 daemon=True,
                                  name=f"vx-dp{rank.index}-down"),
                 threading.Thread(target=self._up, args=(rank.index, link, rank.from_engine),
                                  daemon=True,
@@ -326,7 +329,7 @@ class _DpNode:
         logger.info("every EngineCore stopped")
         return ExitCode.OK
 
-    def _down(self, link: Link, to_engine: RingWriter) -> None:
+    def _down(self, rank: int, link: Link, to_engine: RingWriter) -> None:
         """The front's input -> the EngineCore's input ring. The front gone (the Link closed
         or broke): the ring closes, and the EngineCore, seeing its front gone, stops its
         Workers and exits."""
@@ -335,8 +338,8 @@ class _DpNode:
                 to_engine.send(link.recv())
         except anyio.EndOfStream:  # the front's goodbye, after its Shutdown: an ordered end
             pass
-        except Exception as e:  # the front lost (no goodbye), unless we are closing
-            if not self._closing:
+        except Exception as e:  # the front lost (no goodbye), unless we closed the Link
+            if not self._closing and rank not in self._ended:
                 self.stop(f"lost the front: {type(e).__name__}: {e}")
         with self._ring_lock:
             if not self._rings_done:
@@ -351,6 +354,7 @@ class _DpNode:
                 with self._send_locks[rank]:
                     link.send(data)
         except anyio.EndOfStream:  # a clean exit (after the front's Shutdown)
+            self._ended.add(rank)  # before `_down` sees the Link close under it
             link.close()
         except Exception as e:
             logger.debug("rank %d events: %s: %s", rank, type(e).__name__, e)
