@@ -10,7 +10,8 @@ Usage:
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
 the ids it lacks). PP: node 0 (`taskset -c 0`: front, EngineCore, stage 0) and node 1
 (`taskset -c 1`, `--headless`: stage 1, the driver) over 127.0.0.1; TP = 1 runs on core 0.
-The client (`vx bench serve`, one run per concurrency, 1.5 s apart) runs on core 1 (beside
+The client (`vx bench serve`: one warm-up request, then one run per concurrency with no
+warm-up of its own, each 1.5 s apart so that each is a busy period of its own) runs on core 1 (beside
 stage 1, which waits more than stage 0: node 0's core also runs the front and the EngineCore).
 
 With `--profile-steps` each stage logs one line per busy period (`vx/gpu/worker.py`,
@@ -121,6 +122,13 @@ def main() -> int:
             stdout=logs[0], stderr=subprocess.STDOUT, env=env,
         ))  # fmt: skip
         _wait_ready(url, procs[0], 600)
+        # One unmeasured request first, in its own busy period: inside a phase's, its steps of
+        # one request (one step in flight) would count in that phase's bubble.
+        bench = [py, "-m", "vx", "bench", "serve", "--base-url", url, "--input-len",
+                 str(args.input_len), "--output-len", str(args.output_len), "--warmup", "0"]
+        subprocess.run(["taskset", "-c", "1", *bench, "--concurrency", "1", "--num-prompts", "1"],
+                       check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(1.5)  # an idle gap: the warm-up's busy period closes
         results = []
         levels = [int(x) for x in args.concurrency.split(",")]
         counts = [int(x) for x in args.num_prompts.split(",")]
@@ -128,9 +136,8 @@ def main() -> int:
         for c, n in zip(levels, counts, strict=True):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 subprocess.run(
-                    ["taskset", "-c", "1", py, "-m", "vx", "bench", "serve", "--base-url", url, "--concurrency", str(c),
-                     "--num-prompts", str(n), "--input-len", str(args.input_len),
-                     "--output-len", str(args.output_len), "--json", out.name],
+                    ["taskset", "-c", "1", *bench, "--concurrency", str(c), "--num-prompts",
+                     str(n), "--json", out.name],
                     check=True, cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL,
                 )  # fmt: skip
                 results.append((c, n, json.load(open(out.name))))
