@@ -208,8 +208,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             if p.world_size % p.nnodes:
                 raise ValueError(f"TP x PP ({p.world_size}) is not divisible by nnodes {p.nnodes}")
             if p.data_parallel_size != 1:
-                raise ValueError("--nnodes (Workers across nodes) with data parallel is not "
-                                 "implemented; across nodes, use --data-parallel-size-local")
+                raise ValueError(
+                    "--nnodes (one EngineCore's Workers across nodes: TP or PP across nodes) "
+                    "with data parallel is not supported: each data-parallel rank's TP x PP "
+                    "Workers must fit on one node; across nodes, place whole ranks with "
+                    "--data-parallel-size-local"
+                )
             if not 0 < p.master_port < 65535:
                 raise ValueError("--nnodes > 1 needs --master-port (or MASTER_PORT)")
         if not 0 < p.dp_local <= p.data_parallel_size:

@@ -103,13 +103,20 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            doc="Log each request's admission, first token and finish at INFO, with its prompt "
                "in the front (`vx serve --enable-log-requests` sets it for the children).",
            set_by="operator; vx itself, for its child processes"),
+    EnvVar(name="VX_SERVER_DEV_MODE", type="flag (1: on)", parse=_on_if_1, default=False,
+           shown_default="0",
+           doc="Serve the development endpoints (vLLM's `VLLM_SERVER_DEV_MODE`): `POST "
+               "/reset_prefix_cache`. Not for production: anyone who can reach the port can "
+               "drop every engine's prefix cache.",
+           set_by="operator; tests/core/test_kv_events.py"),
     _text("VX_HOST_CPUS", "auto",
           "Cores for the front and EngineCore processes: `auto` (on CPU the last allowed core), "
           "a list such as `0,2-3`, or `off`/`none`/empty to leave them where they are.",
           "operator"),
     _text("VX_PP_LAYER_PARTITION", "",
           "Layers per pipeline stage, e.g. `10,6` (vLLM's `VLLM_PP_LAYER_PARTITION`; the same on "
-          "every node); empty: an even split.",
+          "every node); empty: vx's split, which counts the last stage's LM head as layers (an "
+          "even split for MoE models).",
           "operator"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",

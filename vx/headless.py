@@ -11,9 +11,10 @@ here) the driver's results from its ring back over the Link. The bytes stay the 
 
 Failure (the whole group fails, never part of it): a Worker of this node exits -> the Link is
 closed, node 0's EngineCore sees it at once (EngineDead, /health 503, its tree exits) and this
-process stops its other Workers and exits non-zero; node 0 gone (the Link closes or breaks)
--> the local rings close and the Workers exit within a second. A Shutdown from node 0 ends the
-Workers cleanly and this process with 0.
+process stops its other Workers and exits non-zero; node 0 gone (its Link ends without a
+goodbye, `vx.ipc.link`) -> the local rings close, the Workers exit within a second and this
+process exits 3 (ENGINE_DEAD). Only an ordered shutdown (node 0's Shutdown, then its goodbye)
+ends the Workers cleanly and this process with 0.
 
 Data parallel across nodes (`run_headless_dp`, `--headless --data-parallel-start-rank S`): this
 node runs whole data-parallel ranks [S, S + local), each an EngineCore and its Workers on this
@@ -21,8 +22,10 @@ node's rings (`EngineProcesses`), and joins each EngineCore to the front with on
 `data_parallel_address:data_parallel_rpc_port`: two threads a rank relay the front's input into
 the EngineCore's input ring and its events back (the front's `LinkEnd`). Failure is as above: a
 child of this node exits -> each rank's Link carries an EngineDead naming it (its exit status),
-then closes (the front fails: /health 503, exit 3) and this process stops the rest and exits 3; the front gone -> the input rings close, the EngineCores
-and their Workers exit.
+then closes (the front fails: /health 503, exit 3) and this process stops the rest and exits 3;
+the front gone (a Link ends without a goodbye) -> the input rings close, the EngineCores and
+their Workers exit, and this process exits 3. The front's ordered shutdown (a Shutdown per rank,
+then a goodbye) ends it with 0.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ __all__ = ["run_headless", "run_headless_dp"]
 
 #: How long a headless node waits for node 0 (its EngineCore's listener) and its config.
 CONNECT_TIMEOUT_S = 600.0
+#: After its Workers exited, how long a node waits for node 0's Link to end (a goodbye or not).
+LINK_VERDICT_S = 5.0
 
 
 def run_headless(hint: EngineConfig, node_rank: int) -> int:
@@ -147,7 +152,8 @@ class _Node:
         logger.info("node: workers %s started (pids %s)",
                     [self.first + i for i in range(len(self.procs))],
                     [proc.pid for proc in self.procs])  # fmt: skip
-        threading.Thread(target=self._down, name="vx-link-down", daemon=True).start()
+        down = threading.Thread(target=self._down, name="vx-link-down", daemon=True)
+        down.start()
         if self.from_driver is not None:
             threading.Thread(target=self._up, name="vx-link-up", daemon=True).start()
         live = {proc.sentinel: proc for proc in self.procs}
@@ -157,6 +163,9 @@ class _Node:
                 proc.join()
                 if proc.exitcode != 0:
                     self.stop(f"{proc.name} (pid {proc.pid}) exited with {proc.exitcode}")
+        # NOTE: the Workers also exit cleanly on the Shutdown that node 0's EngineCore sends
+        # when its front is gone; how the Link then ends (a goodbye or not) is the verdict.
+        down.join(LINK_VERDICT_S)
         if self._failed.is_set():
             logger.error("node: stopping: %s", self._reason)
             return ExitCode.ENGINE_DEAD
@@ -170,10 +179,10 @@ class _Node:
         try:
             while True:
                 self.to_workers.send(self.link.recv())
-        except anyio.EndOfStream:
+        except anyio.EndOfStream:  # node 0's goodbye: an ordered shutdown
             pass
-        except Exception as e:  # the Link broke, or a Worker's ring end is gone
-            self.stop(f"link to node 0: {type(e).__name__}: {e}")
+        except Exception as e:  # node 0 lost (no goodbye), or a Worker's ring end is gone
+            self.stop(f"lost node 0 (the front): {type(e).__name__}: {e}")
         self._close_ring()
 
     def _up(self) -> None:
@@ -264,6 +273,10 @@ class _DpNode:
         #: Held to close a ring from a relay; `_rings_done` once `close` owns them.
         self._ring_lock = threading.Lock()
         self._rings_done = False
+        #: `close` has begun: the Links' ends are ours, not a lost front.
+        self._closing = False
+        #: Ranks whose EngineCore exited cleanly: their Link was closed here.
+        self._ended: set[int] = set()
 
     def stop(self, reason: str) -> None:
         """Fail the group: tell the front why (an EngineDead per rank, where its Link is
@@ -290,7 +303,8 @@ class _DpNode:
         for rank in self.procs.ranks:
             link = self.links[rank.index]
             self._threads += [
-                threading.Thread(target=self._down, args=(link, rank.to_engine), daemon=True,
+                threading.Thread(target=self._down, args=(rank.index, link, rank.to_engine),
+                                 daemon=True,
                                  name=f"vx-dp{rank.index}-down"),
                 threading.Thread(target=self._up, args=(rank.index, link, rank.from_engine),
                                  daemon=True,
@@ -315,16 +329,18 @@ class _DpNode:
         logger.info("every EngineCore stopped")
         return ExitCode.OK
 
-    def _down(self, link: Link, to_engine: RingWriter) -> None:
+    def _down(self, rank: int, link: Link, to_engine: RingWriter) -> None:
         """The front's input -> the EngineCore's input ring. The front gone (the Link closed
         or broke): the ring closes, and the EngineCore, seeing its front gone, stops its
         Workers and exits."""
         try:
             while True:
                 to_engine.send(link.recv())
-        except Exception as e:
-            if not isinstance(e, anyio.EndOfStream):
-                logger.warning("link to the front: %s: %s", type(e).__name__, e)
+        except anyio.EndOfStream:  # the front's goodbye, after its Shutdown: an ordered end
+            pass
+        except Exception as e:  # the front lost (no goodbye), unless we closed the Link
+            if not self._closing and rank not in self._ended:
+                self.stop(f"lost the front: {type(e).__name__}: {e}")
         with self._ring_lock:
             if not self._rings_done:
                 to_engine.close()
@@ -338,11 +354,13 @@ class _DpNode:
                 with self._send_locks[rank]:
                     link.send(data)
         except anyio.EndOfStream:  # a clean exit (after the front's Shutdown)
+            self._ended.add(rank)  # before `_down` sees the Link close under it
             link.close()
         except Exception as e:
             logger.debug("rank %d events: %s: %s", rank, type(e).__name__, e)
 
     def close(self) -> None:
+        self._closing = True
         for link in self.links.values():
             link.close()
         with self._ring_lock:

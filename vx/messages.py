@@ -298,6 +298,9 @@ class SchedulerOutput(_StepMsg, frozen=True):
     #: Speculative decoding: each drafting request's draft tokens, scored this step after its
     #: last known token (its `num_scheduled_tokens` is 1 + len(drafts)).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    #: `--profile-steps`: when the EngineCore sent it (epoch s; 0 otherwise), so that a Worker
+    #: can time its delivery.
+    sent_at: float = 0.0
 
 
 WorkerInput = SchedulerOutput | Shutdown
@@ -328,6 +331,9 @@ class ModelRunnerOutput(_StepMsg, frozen=True):
     execute_time_s: float = 0.0
     #: Speculative decoding: the drafts rank 0 proposes for each request's next step.
     spec_token_ids: dict[str, list[int]] | None = None
+    #: `--profile-steps`: when the driver sent it (epoch s; 0 otherwise), so that the
+    #: EngineCore can time its delivery.
+    sent_at: float = 0.0
 
 
 class WorkerReady(_Msg):

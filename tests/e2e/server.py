@@ -28,7 +28,14 @@ def free_port() -> int:
 
 
 class VxServer:
-    def __init__(self, model: str, *args: str, startup_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        startup_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`env`: variables set for this server's tree only, over the test's environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -38,13 +45,14 @@ class VxServer:
         self.log_path = f"/tmp/vx-e2e-{self.port}.log"
         self.exit_code: int | None = None
         self.pids: list[int] = []
+        self.env = {**os.environ, **env} if env else None
 
     def __enter__(self) -> VxServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vx", "serve", self.model, "--port", str(self.port),
              "--num-threads", "1", *self.args],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

@@ -118,7 +118,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, kv_port: int, replay_port: 
               "endpoint": f"tcp://*:{kv_port}", "replay_endpoint": f"tcp://*:{replay_port}",
               "topic": "kv-events"}  # fmt: skip
     with VxServer(model, "--served-model-name", "tiny", "--num-gpu-blocks-override",
-                  str(NUM_BLOCKS), "--kv-events-config", json.dumps(events)) as srv:  # fmt: skip
+                  str(NUM_BLOCKS), "--kv-events-config", json.dumps(events),
+                  env={"VX_SERVER_DEV_MODE": "1"}) as srv:  # serves POST /reset_prefix_cache
         yield srv
 
 
@@ -201,6 +202,34 @@ def test_kv_events_predict_the_prefix_cache(
         sub.close()
 
 
+def test_reset_prefix_cache_clears_every_index(
+    server: VxServer, kv_port: int, replay_port: int
+) -> None:
+    """vLLM's development endpoint end to end (its refusals: tests/http): it empties the
+    replica's prefix cache, the subscriber's index empties with it on the AllBlocksCleared
+    event, and the prompt that hit before hits nothing."""
+    sub = Subscriber(f"tcp://127.0.0.1:{kv_port}", f"tcp://127.0.0.1:{replay_port}", b"kv-events")
+    try:
+        a = [11 + i % 50 for i in range(40)]
+        assert wait_for(lambda: _complete(server, a, 1) and (sub.drain() or sub.next_seq))
+        assert wait_for(lambda: sub.drain() or len(sub.index.hashes) == _cached_free(server) > 0)
+        r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+        assert wait_for(lambda: sub.drain() or "AllBlocksCleared" in sub.kinds)
+        assert sub.index.hashes == set() and _cached_free(server) == 0
+        assert sub.predicted_hit_tokens(a) == 0
+        before = _hits(server)
+        assert _complete(server, a, 1)
+        assert wait_for(lambda: sub.drain() or len(sub.index.hashes) == _cached_free(server) > 0)
+        assert _hits(server) == before  # nothing was left to hit
+    finally:
+        sub.close()
+
+
+def _cached_free(server: VxServer) -> float:
+    return metric(server.url, "vx:kv_num_cached_free_blocks")
+
+
 def _complete(server: VxServer, prompt: list[int], max_tokens: int) -> bool:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
@@ -255,3 +284,6 @@ def test_data_parallel_front_balances_by_prefix_and_load(dp_server: VxServer) ->
     send(a2, (len(a2), 0))
     b3 = b[:32] + [9] * 7
     send(b3, (len(b3), 5 * len(b3)), n=6)  # five on rank 1, then rank 1 is 5 ahead: rank 0
+
+    # a development endpoint: not served without VX_SERVER_DEV_MODE=1 (vLLM's gate)
+    assert httpx.post(dp_server.url + "/reset_prefix_cache", timeout=5).status_code == 404

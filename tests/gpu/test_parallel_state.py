@@ -20,6 +20,31 @@ def test_layers_split_as_vllm_splits_them(layers: int, pp: int, sizes: list[int]
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
+@pytest.mark.parametrize(
+    ("layers", "pp", "head", "sizes"),
+    [
+        (16, 2, 4.32, [10, 6]),  # Llama-3.2-1B: its 128,256 x 2,048 head weighs 4.3 layers
+        (16, 4, 4.32, [5, 5, 5, 1]),
+        (32, 2, 0.25, [16, 16]),  # a light head: even (a tie keeps the first stage lighter)
+        (3, 2, 50.0, [2, 1]),  # a head heavier than every layer: the last stage keeps one
+    ],
+)
+def test_the_lm_head_counts_as_layers(layers: int, pp: int, head: float, sizes: list[int]) -> None:
+    ranges = [get_pp_indices(layers, r, pp, head) for r in range(pp)]
+    assert [end - start for start, end in ranges] == sizes
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+
+
+def test_llama_1b_head_weight() -> None:
+    from vx.gpu.models.llama import LlamaForCausalLM, ModelArgs
+
+    a = ModelArgs(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                  num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                  max_position=2048, rope={}, qkv_bias=False, o_bias=False, mlp_bias=False,
+                  tie_word_embeddings=True, sliding_window=None, hidden_act="silu")  # fmt: skip
+    assert 4.3 < LlamaForCausalLM.pp_head_layers(a) < 4.4
+
+
 def test_partition_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,6")
     assert [get_pp_indices(16, r, 2) for r in range(2)] == [(0, 10), (10, 16)]

@@ -165,6 +165,10 @@ class FakeEngine:
                     result = messages.UtilityResult(
                         call_id=msg.call_id, result={"num_running": len(self.running)}
                     )
+                elif msg.method == "reset_prefix_cache":  # refused while requests hold blocks
+                    result = messages.UtilityResult(
+                        call_id=msg.call_id, result={"ok": not self.running}
+                    )
                 else:
                     result = messages.UtilityResult(
                         call_id=msg.call_id, error=f"unknown method {msg.method}"

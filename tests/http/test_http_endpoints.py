@@ -325,6 +325,34 @@ async def test_utility_calls_and_stats(tokenizer: Tokenizer) -> None:
         assert h.client.max_model_len == 256 and h.client.ready[0].engine_index == 0
 
 
+async def test_reset_prefix_cache_is_a_dev_endpoint(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Served only with VX_SERVER_DEV_MODE=1 (vLLM's gate); 409 naming the busy engine while a
+    request runs there, 400 for vLLM's preempting variant, 200 once every engine reset."""
+    async with running_app(tokenizer) as h, h.http() as c:
+        assert (await c.post("/reset_prefix_cache")).status_code == 404
+    monkeypatch.setenv("VX_SERVER_DEV_MODE", "1")
+    async with running_app(tokenizer, num_engines=2) as h, h.http() as c:
+        for e in h.engines:  # type: ignore[attr-defined]
+            e.gate.clear()  # a request stays running
+        params = msgspec.convert({"max_tokens": 4}, type=messages.SamplingParams)
+        stream = h.client.add_request(
+            messages.AddRequest(request_id="r", prompt_token_ids=[5], sampling_params=params)
+        )
+        busy = h.engines[stream.engine_index]  # type: ignore[attr-defined]
+        await busy.wait_for_async(lambda e: bool(e.running))
+        r = await c.post("/reset_prefix_cache")
+        assert r.status_code == 409, r.text
+        assert f"[{stream.engine_index}]" in r.json()["error"]["message"], r.text
+        r = await c.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        assert r.status_code == 400, r.text
+        h.client.abort_nowait([stream.request_id], "client_disconnect")
+        await busy.wait_for_async(lambda e: not e.running)
+        r = await c.post("/reset_prefix_cache")
+        assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+
+
 async def test_data_parallel_routes_to_least_loaded(tokenizer: Tokenizer) -> None:
     async with running_app(tokenizer, num_engines=2) as h:
         h.engines[0].gate.clear()  # type: ignore[attr-defined]

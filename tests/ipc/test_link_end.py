@@ -58,6 +58,32 @@ def test_messages_cross_whole_and_in_order_then_a_closed_link_is_a_dead_engine()
         remote.close()
 
 
+def test_an_ordered_close_says_goodbye_and_a_lost_peer_does_not() -> None:
+    """The front's `close` (after its Shutdown) ends the remote side's reads with EndOfStream
+    (an ordered end: the remote node exits 0); a peer that closes without a goodbye, as a
+    killed process's socket does, is BrokenResourceError (a lost front: exit 3)."""
+    end, remote = _pair()
+    try:
+        end.send_nowait(b"shutdown")
+        end.close()
+        assert remote.recv(timeout=5) == b"shutdown"
+        with pytest.raises(anyio.EndOfStream):
+            remote.recv(timeout=5)
+    finally:
+        remote.close()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = Link(socket.create_connection(server.getsockname()))
+        b = Link(server.accept()[0])
+    try:
+        a.send(b"x")
+        a.close()  # no goodbye
+        assert b.recv(timeout=5) == b"x"
+        with pytest.raises(anyio.BrokenResourceError, match="without a goodbye"):
+            b.recv(timeout=5)
+    finally:
+        b.close()
+
+
 def test_a_link_that_never_came_fails_the_waiting_reader() -> None:
     end = LinkEnd("engine 1")
 

@@ -159,6 +159,8 @@ class EngineCore:
         try:
             if msg.method == "reset_prefix_cache":
                 result: dict[str, object] = {"ok": self.scheduler.reset_prefix_cache()}
+                # The emptied cache must show on /metrics though no step follows.
+                self._stats_dirty = True
             elif msg.method == "kv_self_check":
                 idle = not self._in_flight and not self.scheduler.has_unfinished_requests()
                 result = dict(self.scheduler.kv_self_check())
@@ -232,24 +234,21 @@ class EngineCore:
             len(self._in_flight) < self._depth
             and self.scheduler.has_unfinished_requests()
             and (self._pp or not (self._in_flight and _carries_prefill(self._in_flight[-1])))
+            and self._schedule_and_send()
+            and len(self._in_flight) < self._depth
         ):
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens > 0:
-                if scheduler_output.scheduled_new_reqs:
-                    now = time.time()
-                    for new in scheduler_output.scheduled_new_reqs:
-                        self._scheduled_at[new.req_id] = now
-                self._workers.send(scheduler_output)
-                self._in_flight.append(scheduler_output)
-                # Queue not full yet: go back and schedule step n+1 before waiting on step n.
-                if len(self._in_flight) < self._depth:
-                    self._prof["schedule"] += time.perf_counter() - t0
-                    return
+            # Queue not full yet: go back and schedule step n+1 before waiting on step n.
+            self._prof["schedule"] += time.perf_counter() - t0
+            return
         t1 = time.perf_counter()
         if not self._in_flight:
             return
+        waiting_since = time.time()
         result = self._workers.recv_output()
         t2 = time.perf_counter()
+        if result.sent_at > waiting_since:  # sent while we waited: its transit alone
+            self._prof["delivered"] += 1
+            self._prof["delivery"] += time.time() - result.sent_at
         scheduler_output = self._in_flight.popleft()
         if result.step_id != scheduler_output.step_id:
             raise EngineDeadError(
@@ -264,6 +263,16 @@ class EngineCore:
             self._log_outputs(outputs)
         self._stats_dirty = False
         stats = self._make_stats(scheduler_output, result, t2 - t1)
+        if self._pp:
+            # The stages idle until their next step (the first since its part of this one):
+            # send it before the front gets these outputs, whose streaming would otherwise take
+            # the CPU from this process in the pipeline's turnaround (on CPU they share cores).
+            while (
+                len(self._in_flight) < self._depth
+                and self.scheduler.has_unfinished_requests()
+                and self._schedule_and_send()
+            ):
+                pass
         self._emit(
             messages.EngineCoreOutputs(
                 engine_index=self.engine_index,
@@ -275,6 +284,21 @@ class EngineCore:
         t3 = time.perf_counter()
         if self.config.profile_steps:
             self._profile(t1 - t0, t2 - t1, t3 - t2, result.execute_time_s, scheduler_output)
+
+    def _schedule_and_send(self) -> bool:
+        """Schedule a step and send it to the workers; False if it had nothing to run."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return False
+        if scheduler_output.scheduled_new_reqs:
+            now = time.time()
+            for new in scheduler_output.scheduled_new_reqs:
+                self._scheduled_at[new.req_id] = now
+        if self.config.profile_steps:
+            scheduler_output = msgspec.structs.replace(scheduler_output, sent_at=time.time())
+        self._workers.send(scheduler_output)
+        self._in_flight.append(scheduler_output)
+        return True
 
     def _stamp_scheduled(self, outputs: list[messages.EngineCoreOutput]) -> None:
         """Give each request's first output since it was scheduled its scheduling time."""
@@ -342,7 +366,8 @@ class EngineCore:
             wall = now - p["start"]
             logger.info(
                 "profile over %d steps (%.2f s, idle %.1f%%): schedule %.0f us, update+emit "
-                "%.0f us, wait %.2f ms (worker execute %.2f ms); host share %.1f%%; %s",
+                "%.0f us, wait %.2f ms (worker execute %.2f ms, result delivery %.2f ms); "
+                "host share %.1f%%; %s",
                 n,
                 wall,
                 100.0 * max(0.0, wall - total) / wall if wall > 0 else 0.0,
@@ -350,6 +375,7 @@ class EngineCore:
                 1e6 * p["update"] / n,
                 1e3 * p["wait"] / n,
                 1e3 * p["execute"] / n,
+                1e3 * p["delivery"] / max(p["delivered"], 1),
                 100.0 * host / total if total else 0.0,
                 "; ".join(
                     f"{k} steps {p[k]:.0f}: {p[k + '_rows'] / p[k]:.1f} requests, "
@@ -400,6 +426,7 @@ def run_engine_core(
         to_workers, from_rank0, step_timeout_s=config.step_timeout_s, worker_pids=pids
     )
     remote: dict[int, Link] = {}
+    clean = False  # the front ordered the shutdown (the other nodes' Links say goodbye)
     out_codec = codec.engine_event_codec()
     engine: EngineCore | None = None
     try:
@@ -447,6 +474,7 @@ def run_engine_core(
         )
         engine.run()
         engine.shutdown()
+        clean = True
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         # The front went away: there is nobody to serve, so stop the workers and leave.
         logger.warning("EngineCore %d: the front is gone; exiting", engine_index)
@@ -471,7 +499,8 @@ def run_engine_core(
         for ring in (input_ring, output_ring, to_workers, from_rank0):
             ring.close()
         for link in remote.values():
-            link.close()
+            # Only an ordered shutdown says goodbye: otherwise the other nodes fail (exit 3).
+            link.close(goodbye=clean)
 
 
 def _accept_nodes(config: EngineConfig, config_bytes: bytes) -> dict[int, Link]:

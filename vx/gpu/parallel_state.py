@@ -5,7 +5,8 @@ Runs in: each Worker process.
 The grid follows vLLM's layout: `world = pp * tp` Workers, global rank `pp_rank * tp + tp_rank`,
 so each pipeline stage is `tp` consecutive ranks (one tensor-parallel group) and a stage's
 tensor-parallel rank t talks to rank t of the next stage. The layers are split across the
-stages as vLLM's `get_pp_indices` splits them. The one torch.distributed world (gloo on CPU;
+stages as vLLM's `get_pp_indices` splits them, except that the last stage's LM head counts as
+the layers it weighs (`get_pp_indices`). The one torch.distributed world (gloo on CPU;
 NCCL for CUDA tensors, gloo for the CPU ones) carries the tensor-parallel collectives, inside
 a stage's group, and the hidden states and residual from stage to stage (`send_to_next` /
 `recv_from_prev`); its CPU side also carries the start-up's pool-size agreement.
@@ -111,11 +112,18 @@ def init(
     return _grid
 
 
-def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of stage `pp_rank`'s layers: an even split, the remainder going one each to
-    the stages just before the last (the first holds the embedding, the last the final norm and
-    the LM head); vLLM's `get_pp_indices`. `VX_PP_LAYER_PARTITION` sets the counts instead (the
-    last stage's LM head may weigh as much as several layers)."""
+def get_pp_indices(
+    num_layers: int, pp_rank: int, pp_size: int, last_stage_extra: float = 0.0
+) -> tuple[int, int]:
+    """[start, end) of stage `pp_rank`'s layers. `VX_PP_LAYER_PARTITION` sets the counts.
+
+    Otherwise, with `last_stage_extra` (the LM head's cost, in layers: a decode step reads its
+    weights as it reads a layer's), the last stage takes the layer count that makes the slowest
+    stage fastest, counting the head, and the others split the rest evenly (a tie goes to fewer
+    layers before the last stage: on CPU the first stage shares its node with the front). With
+    none, vLLM's `get_pp_indices`: an even split, the remainder going one each to the stages
+    just before the last (the first holds the embedding, the last the final norm and the head).
+    Every stage keeps at least one layer."""
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
     from vx import envs
@@ -127,12 +135,24 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
                 f"VX_PP_LAYER_PARTITION={envs.VX_PP_LAYER_PARTITION!r}: need {pp_size} "
                 f"positive counts summing to {num_layers}"
             )
+    elif last_stage_extra > 0 and pp_size > 1:
+        def slowest(last: int) -> float:
+            return max(last + last_stage_extra, -(-(num_layers - last) // (pp_size - 1)))
+
+        last = min(range(num_layers - pp_size + 1, 0, -1), key=slowest)  # ties: the larger
+        parts = _even(num_layers - last, pp_size - 1) + [last]
     else:
-        parts = [num_layers // pp_size] * pp_size
-        for i in range(2, num_layers % pp_size + 2):
-            parts[-i] += 1
+        parts = _even(num_layers, pp_size)
     start = sum(parts[:pp_rank])
     return start, start + parts[pp_rank]
+
+
+def _even(num_layers: int, n: int) -> list[int]:
+    """vLLM's split: even, the remainder one each to the parts just before the last."""
+    parts = [num_layers // n] * n
+    for i in range(2, num_layers % n + 2):
+        parts[-i] += 1
+    return parts
 
 
 def send_to_next(tensors: list[torch.Tensor]) -> None:

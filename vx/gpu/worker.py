@@ -130,44 +130,66 @@ def _min_across_ranks(value: int, world: int) -> int:
 
 
 class _StageProfile:
-    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, every 200
-    steps, how its wall time split into computing, waiting on the stage before it (or on its
+    """`--profile-steps` with pipeline parallel: each TP rank 0 of a stage logs, once per busy
+    period, how its wall time split into computing, waiting on the stage before it (or on its
     own previous send), and waiting for the next step. The time not spent computing is this
-    stage's share of the pipeline's bubble."""
+    stage's share of the pipeline's bubble.
+
+    A busy period ends when no step came for `IDLE_GAP_S` (the engine had no requests), at
+    shutdown, or after `MAX_STEPS` steps; the idle gap itself is not counted. So one load phase
+    (a `vx bench serve` run at one concurrency) gives its own line, over exactly its steps."""
+
+    IDLE_GAP_S = 1.0
+    MAX_STEPS = 2000
 
     def __init__(self, grid) -> None:
         self.grid = grid
         self.steps = 0
         self.exec_s = 0.0
-        self.t_start = self.t0 = time.perf_counter()
+        self.t_start = self.t0 = self.t_end = time.perf_counter()
         self.wait0 = 0.0
+        #: steps sent after this stage was idle, and their total EngineCore -> stage transit
+        self.delivered, self.delivery_s = 0, 0.0
 
-    def begin(self) -> None:
+    def begin(self, sent_at: float) -> None:
+        """A step arrived; `sent_at`: when the EngineCore sent it (epoch s)."""
         from vx.gpu import parallel_state
 
         self.t0 = time.perf_counter()
+        if self.steps and self.t0 - self.t_end >= self.IDLE_GAP_S:
+            self.flush()
         if self.steps == 0:
             self.t_start, self.wait0 = self.t0, parallel_state.wait_s
+        now = time.time()
+        if sent_at > now - (self.t0 - self.t_end):  # sent while this stage waited: transit
+            self.delivered += 1
+            self.delivery_s += now - sent_at
 
     def end(self) -> None:
+        self.t_end = time.perf_counter()
+        self.exec_s += self.t_end - self.t0
+        self.steps += 1
+        if self.steps >= self.MAX_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Log the busy period that ended at the last step's end, and start a new one."""
         from vx.gpu import parallel_state
 
-        now = time.perf_counter()
-        self.exec_s += now - self.t0
-        self.steps += 1
-        if self.steps < 200:
-            return
-        wall = now - self.t_start
+        wall = self.t_end - self.t_start
         pp_wait = parallel_state.wait_s - self.wait0
-        if self.grid.tp_rank == 0 and wall > 0:
+        if self.steps and self.grid.tp_rank == 0 and wall > 0:
             logger.info(
                 "pp stage %d profile over %d steps (%.2f s): compute %.1f%%, waiting on the "
-                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%)",
+                "stage before %.1f%%, waiting for steps %.1f%% (bubble %.1f%%); step "
+                "delivery %.2f ms (%d steps sent while idle)",
                 self.grid.pp_rank, self.steps, wall, 100 * (self.exec_s - pp_wait) / wall,
                 100 * pp_wait / wall, 100 * (wall - self.exec_s) / wall,
                 100 * (wall - self.exec_s + pp_wait) / wall,
+                1e3 * self.delivery_s / max(self.delivered, 1), self.delivered,
             )  # fmt: skip
         self.steps, self.exec_s = 0, 0.0
+        self.delivered, self.delivery_s = 0, 0.0
 
 
 def run_worker(
@@ -257,13 +279,17 @@ def run_worker(
         while True:
             msg = in_codec.decode(inbox.recv())
             if isinstance(msg, messages.Shutdown):
+                if stage_profile is not None:
+                    stage_profile.flush()
                 break
             if stage_profile is not None:
-                stage_profile.begin()
+                stage_profile.begin(msg.sent_at)
             output = runner.execute(msg)
             if stage_profile is not None:
                 stage_profile.end()
             if driver:
+                if config.profile_steps:  # the EngineCore times the result's delivery
+                    output = msgspec.structs.replace(output, sent_at=time.time())
                 send(output)
     except (anyio.BrokenResourceError, anyio.EndOfStream):
         logger.warning("worker %d: the EngineCore is gone; exiting", rank)

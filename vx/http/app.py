@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # imported only with --otlp-traces-endpoint (no cost without)
     from vx.http.tracing import RequestTracer
 
 import vx
+from vx import envs
+from vx.errors import EngineDeadError
 from vx.http import chat, completions
 from vx.http.access_log import AccessLogMiddleware
 from vx.http.dashboard import EngineEvents, StatsLogger, UIMiddleware, make_lifespan
@@ -131,6 +133,33 @@ class Endpoints:
                 "engines": engines,
             }
         )
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Development endpoint (served only with `VX_SERVER_DEV_MODE=1`, as vLLM's is with
+        `VLLM_SERVER_DEV_MODE`): every engine forgets its cached prefixes, and each one that
+        has a KV-event publisher announces AllBlocksCleared. An engine resets only while no
+        request holds blocks: vx does not preempt running requests for it, so
+        `reset_running_requests=true` is refused (400), and a busy engine answers 409."""
+        if request.query_params.get("reset_running_requests", "false").lower() == "true":
+            return error_response(
+                400, "vx resets the prefix cache only while idle (reset_running_requests "
+                "is not supported)", code="unsupported",
+            )  # fmt: skip
+        client = self.ctx.client
+        try:
+            refused = [
+                i for i in range(client.num_engines)
+                if not (await client.call_utility("reset_prefix_cache", engine_index=i))["ok"]
+            ]  # fmt: skip
+        except EngineDeadError:
+            return error_response(503, "The engine is dead.", code="engine_dead")
+        if refused:
+            return error_response(
+                409, f"engine(s) {refused} hold blocks for running requests; retry when idle",
+                code="busy",
+            )  # fmt: skip
+        logger.info("prefix cache reset on %d engine(s)", client.num_engines)
+        return _json({"ok": True})
 
     async def version(self, request: Request) -> Response:
         ready = self.ctx.client.ready
@@ -405,6 +434,9 @@ def build_app(
         Route("/v1/engine/events", events.stream, methods=["GET"]),
         Route("/", ep.root, methods=["GET"]),
     ]
+    if envs.VX_SERVER_DEV_MODE:
+        logger.warning("VX_SERVER_DEV_MODE: development endpoints are served (not for production)")
+        routes.append(Route("/reset_prefix_cache", ep.reset_prefix_cache, methods=["POST"]))
     # The lifespan runs the dashboard's block-map poller and the periodic progress line.
     lifespan = make_lifespan(events.poll_block_maps, StatsLogger(engine_client, metrics).run)
     app = Starlette(routes=routes, exception_handlers=_error_handlers(), lifespan=lifespan)

@@ -6,8 +6,11 @@ msgspec bytes (`vx.ipc.codec`, never pickle) in its place: `send(data, timeout)`
 `recv(timeout)` behave as `RingWriter.send` and `RingReader.recv` do, so the EngineCore's
 `WorkerGroup` reads and writes either alike.
 
-A message is a u64 little-endian length and the payload. Peer loss: a closed or reset connection
-raises anyio.EndOfStream / anyio.BrokenResourceError, as a ring's dead peer does; a silent peer
+A message is a u64 little-endian length and the payload. A clean end is a goodbye frame (the
+reserved length `GOODBYE`, sent by `close(goodbye=True)` after the peer was told to shut down):
+`recv` raises anyio.EndOfStream, as a ring's closed writer does. Peer loss: a connection closed
+without a goodbye (its process died or was killed) or reset raises anyio.BrokenResourceError, so
+a node can tell a lost peer from an ordered shutdown; a silent peer
 (a node that vanished) shows as a `recv` timeout, the step deadline's, and, where nobody waits
 with a deadline (an idle front, a headless node), as a broken Link once TCP keepalive gives up
 (`KEEPALIVE_IDLE_S` + `KEEPALIVE_COUNT` x `KEEPALIVE_INTERVAL_S`; `TCP_USER_TIMEOUT` for data
@@ -29,6 +32,8 @@ import anyio
 __all__ = ["Link", "accept_links", "connect_link"]
 
 _LEN = struct.Struct("<Q")
+#: The length that is no message: the sender's goodbye (`close(goodbye=True)`).
+GOODBYE = 2**64 - 1
 
 #: TCP keepalive: the kernel probes an idle connection after this many seconds...
 KEEPALIVE_IDLE_S = 5
@@ -67,6 +72,8 @@ class Link:
         the Link unusable: the caller treats a timeout as fatal)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         (n,) = _LEN.unpack(self._read(_LEN.size, deadline))
+        if n == GOODBYE:
+            raise anyio.EndOfStream
         return self._read(n, deadline)
 
     def _read(self, n: int, deadline: float | None) -> bytes:
@@ -85,7 +92,9 @@ class Link:
             except OSError as e:
                 raise anyio.BrokenResourceError(f"link to the other node broke: {e}") from None
             if k == 0:
-                raise anyio.EndOfStream
+                raise anyio.BrokenResourceError(
+                    "the other node closed the link without a goodbye (its process is gone)"
+                )
             got += k
         return bytes(buf)
 
@@ -96,9 +105,17 @@ class Link:
         poller.register(self._sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         return bool(poller.poll(0))
 
-    def close(self) -> None:
+    def close(self, goodbye: bool = False) -> None:
+        """Close the connection; with `goodbye`, first tell the peer that this is an ordered
+        end (best effort, at most a second: a peer that is gone cannot be told)."""
         if not self._closed:
             self._closed = True
+            if goodbye:
+                try:
+                    self._sock.settimeout(1.0)
+                    self._sock.sendall(_LEN.pack(GOODBYE))
+                except OSError:
+                    pass
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -16,6 +16,8 @@ Failure: the Link closing or breaking, for any reason but our own `close`, is a 
 `receive` / `recv_nowait` (once the messages before it are read) and `send_nowait` raise
 anyio.BrokenResourceError. A remote EngineCore never closes its Link while the front runs
 (its node closes it when the EngineCore exits), so unlike a ring there is no clean EndOfStream.
+`close` (the front's ordered shutdown, after the Shutdown it queued) ends the Link with a
+goodbye; the remote node reads a Link that ends without one as a lost front and exits non-zero.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class LinkEnd:
                 t.join(flush_s)
         self._closed = True
         if self._link is not None:
-            self._link.close()
+            self._link.close(goodbye=True)  # an ordered end: the remote node exits 0
         for t in self._threads:
             t.join(1.0)
         self._wake_r.close()

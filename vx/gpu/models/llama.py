@@ -368,6 +368,12 @@ class LlamaForCausalLM(nn.Module):
     #: `forward` never reads a value back to the host, so CUDA graphs may capture it
     graph_capturable: bool = True
 
+    @staticmethod
+    def pp_head_layers(a: ModelArgs) -> float:
+        """The LM head's weight in layers (`get_pp_indices`): a dense MLP's layer. A family
+        whose layers cost otherwise (MoE: the experts a step touches) says 0, an even split."""
+        return _pp_head_layers(a)
+
     def __init__(
         self,
         hf_config: Any,
@@ -409,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        start, end = get_pp_indices(a.num_layers, pp_rank, pp_size)
+        start, end = get_pp_indices(a.num_layers, pp_rank, pp_size, self.pp_head_layers(a))
         #: this pipeline stage holds the final norm and the LM head (and samples)
         self.is_last_stage = end == a.num_layers
         self.model = self.model_cls(
@@ -524,6 +530,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.append(name)
         return names
+
+
+def _pp_head_layers(a: ModelArgs) -> float:
+    """The LM head's weights in layers' worth (the cost a decode step reads on the last
+    pipeline stage, `get_pp_indices`), for a dense MLP."""
+    attn = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+    return a.vocab_size * a.hidden_size / (attn + 3 * a.hidden_size * a.intermediate_size)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -99,6 +99,10 @@ class MoEForCausalLM(LlamaForCausalLM):
     the module's (Mixtral's `block_sparse_moe.` -> `mlp.`).
     """
 
+    @staticmethod
+    def pp_head_layers(a: ModelArgs) -> float:
+        return 0.0  # a layer's cost depends on the experts each step touches: an even split
+
     args_cls = MoEArgs
     graph_capturable = False  # the torch experts read their token counts back (fused_moe)
     _EXPERT: re.Pattern[str]
