@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram drafts, and the default model drafting for itself) through the
-real engine on the default model (bf16).
+real engine on the default model (bf16), with async scheduling (the default) unless said.
 
 With `--batch-invariant` a row's logits do not depend on the rows beside it, so speculation
 must give the very tokens and logprobs of the run without it: greedy and seeded, batched, at a
@@ -58,7 +58,12 @@ def invariant_reference() -> list[Any]:
 
 def test_invariant_outputs_are_the_same_with_drafts(invariant_reference: list[Any]) -> None:
     want = invariant_reference
-    for kwargs in ({}, {"max_num_batched_tokens": 16}, {"num_blocks": 16, "max_num_seqs": 3}):
+    # async scheduling (the default: draft slots) and without it (drafts sent)
+    for kwargs in (
+        {},
+        {"max_num_batched_tokens": 16, "async_scheduling": False},
+        {"num_blocks": 16, "max_num_seqs": 3},
+    ):
         with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC, **kwargs) as llm:
             assert _run(llm) == want, kwargs
             assert _run(llm) == want, kwargs  # prefix hits
