@@ -381,7 +381,7 @@ def _copy_bandwidth() -> float:
 def cmd_decode(args) -> None:
     from vx.gpu.input_batch import InputBatch
     from vx.gpu.model_runner import ModelRunner
-    from vx.gpu.sample.sampler import Sampler
+    from vx.gpu.sample.step_sampler import StepSampler
 
     bw = _copy_bandwidth()
     t0 = time.perf_counter()
@@ -405,7 +405,7 @@ def cmd_decode(args) -> None:
     runner.input_batch = InputBatch(
         max(batches), max_model_len, math.ceil(max_model_len / BLOCK_SIZE)
     )
-    runner.sampler = Sampler()
+    runner.sampling = StepSampler(model, runner.input_batch, runner.device)
     t0 = time.perf_counter()
     runner.initialize_kv_cache(num_blocks)  # allocates the pool, then captures the graphs
     graphs = runner.cuda_graphs

@@ -46,6 +46,7 @@ _ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -77,6 +78,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     },
     "qwen3": {"head_dim": 16},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    # clip_qkv low enough that the random projections' outliers are clamped
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "clip_qkv": 2.0},
     "qwen3_moe": {
         "head_dim": 16,
         "num_experts": 8,

@@ -10,7 +10,7 @@ such a request fails alone, with finish reason "error", and that the engine keep
 Invariant: with the variable unset, `poison_seed()` returns None and no code path changes. Set,
 only what touches a poisoned request changes: a Worker step whose batch holds one leaves the fused
 greedy step and the LM head's C argmax for the sampler, where that request raises (and fails
-alone); every other step keeps them (`ModelRunner._poisoned`), so a shared test server with the
+alone); every other step keeps them (`StepSampler.poisoned`), so a shared test server with the
 variable set still serves its other requests on the default path.
 """
 

@@ -38,6 +38,7 @@ __all__ = [
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
+    "SAMPLE_FAILED",
     "SamplingParams",
     "SchedulerOutput",
     "SchedulerStats",
@@ -303,6 +304,11 @@ WorkerInput = SchedulerOutput | Shutdown
 
 
 # ─────────────────────────── 4. Worker -> EngineCore ───────────────────────────
+
+
+#: The token a request reports in `ModelRunnerOutput.sampled_token_ids` when its sampling
+#: raised in the Worker; the EngineCore finishes it alone, with finish_reason "error".
+SAMPLE_FAILED = -1
 
 
 class ModelRunnerOutput(_StepMsg, frozen=True):

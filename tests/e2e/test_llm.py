@@ -81,7 +81,7 @@ def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def vx_generate(llm: LLM, prompts: list[list[int]], **params: object) -> list[list[int]]:
-    sp = SamplingParams.create(max_tokens=NEW_TOKENS, ignore_eos=True, **params)
+    sp = SamplingParams.create(**{"max_tokens": NEW_TOKENS, "ignore_eos": True, **params})
     return [r.outputs[0].token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
 
 

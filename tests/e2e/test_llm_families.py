@@ -1,6 +1,7 @@
 """`vx.LLM` end to end on the families beyond Llama (issue 50): tiny random models served
 through EngineCore + Workers, fp32 greedy output equal to HF's own class token for token,
-with prefill chunked at 7 tokens and a second run served partly from the prefix cache; and the
+64 tokens x 8 prompts, with prefill chunked at 7 (and a second run served partly from the
+prefix cache), at 16 under a pool small enough to preempt, and at 33 under TP = 2; and the
 default dtype (bf16 checkpoint), whose steps run the module path (the fused CPU step declines
 these blocks), serves without error; a Qwen3-MoE model under tensor parallelism; and Gemma 2's
 sliding window after preemption.
@@ -17,22 +18,54 @@ from tests.models import SERVED, make_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3", "olmoe"]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_fp32_greedy_matches_hf_chunked_and_after_prefix_hits(tmp_path, arch: str) -> None:
-    path = make_tiny_model(tmp_path, arch, seed=3, **SERVED)
-    want = hf_greedy(path, PROMPTS, 12)
-    with closed_clean(path, dtype="float32", max_num_batched_tokens=7, num_threads=1) as llm:
-        assert vx_generate(llm, PROMPTS, temperature=0.0) == want
-        assert vx_generate(llm, PROMPTS, temperature=0.0) == want  # partly from the cache
-        assert llm.call_utility("get_stats")["prefix_hits_total"] > 0
+def served(arch: str) -> dict:
+    """SERVED's checkpoint settings; OLMoE keeps head_dim = hidden / heads (HF's OLMoE sizes
+    its q norm by hidden_size)."""
+    return {**SERVED, "head_dim": 16} if arch == "olmoe" else SERVED
+
+
+#: The issue's parity size: 8 prompts (6 to 50 tokens, every one longer than the 8-key windows
+#: but the first), 64 greedy tokens each.
+PROMPTS8 = [*PROMPTS, [7, 3] * 25, list(range(60, 19, -1)), [9, 10, 11, 12] * 4, [5] * 30 + [6]]
+TOKENS = 64
+#: Each engine configuration the parity runs through: the prefill chunk, and what else it
+#: exercises (a prefix hit on a second pass, preemption under a small pool, TP = 2 over gloo).
+CASES = {
+    "chunk7-prefix-hit": {"max_num_batched_tokens": 7},
+    "chunk16-preempted": {"max_num_batched_tokens": 16, "num_blocks": 12, "max_num_seqs": 4},
+    "chunk33-tp2": {"max_num_batched_tokens": 33, "tensor_parallel_size": 2},
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(model dir, HF's fp32 greedy tokens for PROMPTS8) of one family's tiny random model."""
+    arch = request.param
+    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=3, **served(arch))
+    return path, hf_greedy(path, PROMPTS8, TOKENS)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_greedy_matches_hf_through_the_engine(family, case: str) -> None:
+    """fp32 greedy through EngineCore + Workers equals HF's own class, 64 tokens x 8 prompts,
+    batched, under each configuration of CASES."""
+    path, want = family
+    with closed_clean(path, dtype="float32", num_threads=1, **CASES[case]) as llm:
+        assert vx_generate(llm, PROMPTS8, temperature=0.0, max_tokens=TOKENS) == want
+        stats = llm.call_utility("get_stats")
+        if case == "chunk7-prefix-hit":  # again, partly from the prefix cache
+            assert vx_generate(llm, PROMPTS8, temperature=0.0, max_tokens=TOKENS) == want
+            assert llm.call_utility("get_stats")["prefix_hits_total"] > 0
+        if case == "chunk16-preempted":
+            assert stats["num_preempted_total"] > 0, stats
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_default_dtype_serves(tmp_path, arch: str) -> None:
-    path = make_tiny_model(tmp_path, arch, seed=4, **SERVED)
+    path = make_tiny_model(tmp_path, arch, seed=4, **served(arch))
     with closed_clean(path, max_num_batched_tokens=32, num_threads=1) as llm:
         out = vx_generate(llm, PROMPTS, temperature=0.0)
     assert [len(o) for o in out] == [12] * len(PROMPTS)

@@ -31,7 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def test_greedy_request_takes_the_fused_step(server: VxServer) -> None:
     """A served greedy request runs the default CPU path: its one-row decode steps take the
     fused greedy step (every layer, the final norm and the LM head's argmax in one C call),
-    which the Worker logs at its first such step (`ModelRunner.path_steps`)."""
+    which the Worker logs at its first such step (`StepSampler.path_steps`)."""
     from vx.gpu.cpu.library import load_cpu_kernels
 
     if load_cpu_kernels() is None:

@@ -56,6 +56,8 @@ VARIANTS = {
         "qwen3_moe",
         {"norm_topk_prob": False, "mlp_only_layers": [0], "num_hidden_layers": 3},
     ),
+    # q/k norms over the whole projection, clip_qkv, no renormalisation
+    "olmoe": ("olmoe", {}),
 }
 
 

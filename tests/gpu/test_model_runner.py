@@ -532,7 +532,7 @@ def test_runner_poison_leaves_the_fast_paths_for_its_own_steps_only(tiny_llama, 
     logits path, where that request fails alone (token -1) and its neighbour gets the tokens
     it gets unpoisoned."""
     from vx.fault_injection import ENV
-    from vx.gpu.model_runner import SAMPLE_FAILED
+    from vx.messages import SAMPLE_FAILED
 
     seed = 6662
     poison = SamplingParams.create(temperature=0.0, seed=seed, max_tokens=64)
@@ -543,20 +543,20 @@ def test_runner_poison_leaves_the_fast_paths_for_its_own_steps_only(tiny_llama, 
         else:
             monkeypatch.delenv(ENV, raising=False)
         runner = make_runner(tiny_llama, dtype="bfloat16")
-        assert runner._poison_seed == (seed if armed else None)
+        assert runner.sampling.poison_seed == (seed if armed else None)
         sim = Sim(runner)
         phases = []
         sim.add("alone", PROMPT[:7])  # one row: the fused greedy step where it is built
         out = {"alone": sim.run(["alone"], 16, 6)["alone"]}
-        phases.append(dict(runner.path_steps))
+        phases.append(dict(runner.sampling.path_steps))
         sim.add("p", PROMPT[:5], params=poison)
         sim.add("ok", PROMPT[:9])
         sim.add("ok2", PROMPT[20:31])  # three rows: two take neither C path on some CPUs
         out |= sim.run(["p", "ok", "ok2"], 16, 5)
-        phases.append(dict(runner.path_steps))
+        phases.append(dict(runner.sampling.path_steps))
         sim.add("after", PROMPT[3:10])
         out["after"] = sim.run(["after"], 16, 6)["after"]
-        phases.append(dict(runner.path_steps))
+        phases.append(dict(runner.sampling.path_steps))
         runs[armed] = out, phases
     (plain, plain_phases), (armed_out, armed_phases) = runs[False], runs[True]
     fast = plain_phases[0]["fused"] + plain_phases[0]["argmax"]

@@ -7,7 +7,8 @@ request into one batch (decodes first, as `vx.gpu.attention.paged` requires) wit
 (no per-token Python); build the `AttentionMetadata` once; run the model (on CPU, through the
 fused C step `load_model` chose, `fused_step`, where it built); compute logits only
 at the last scheduled token of each request whose chunk reaches the end of its known tokens
-(the others are mid-prefill and get an empty token list); sample; append the sampled tokens to
+(the others are mid-prefill and get an empty token list); sample
+(`vx.gpu.sample.step_sampler`); append the sampled tokens to
 the persistent rows (so the next step, even one scheduled before this output arrived, finds
 them there); and answer with the tokens (and logprobs when asked).
 
@@ -32,10 +33,9 @@ import torch
 
 from vx.config import BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from vx.errors import KVCacheTooSmallError
-from vx.fault_injection import ENV as POISON_ENV, PoisonError, poison_seed
 from vx.gpu import parallel_state
 from vx.gpu.attention.paged import AttentionMetadata, build_attention_metadata
-from vx.gpu.input_batch import InputBatch, RowTokens
+from vx.gpu.input_batch import InputBatch
 from vx.gpu.kv_cache import (
     KVCache,
     allocate_kv_caches,
@@ -43,11 +43,12 @@ from vx.gpu.kv_cache import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
-from vx.gpu.sample.greedy import fused_greedy_step, greedy_tokens
+from vx.gpu.sample.greedy import fused_greedy_step
+from vx.gpu.sample.step_sampler import StepSampler
 from vx.gpu.spec_decode.draft_model import DraftModelProposer
 from vx.gpu.spec_decode.ngram import NgramProposer
 from vx.gpu.spec_decode.slots import DraftSlots
-from vx.gpu.spec_decode.verifier import SAMPLE_FAILED, accept_drafts, roll_back
+from vx.gpu.spec_decode.verifier import accept_drafts, roll_back
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -57,15 +58,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "StepInputs"]
-
-#: The token a request gets in `ModelRunnerOutput.sampled_token_ids` when its sampling raised;
-#: the EngineCore finishes it with finish_reason "error".
-#: Prompt-logprob rows go through the LM head in slices of this many (a [rows, vocab] fp32
-#: tensor for a whole 8K-token chunk would take gigabytes).
-PROMPT_LOGPROBS_SLICE = 512
-#: `ModelRunner.path_steps`' keys, and how the first step of each is logged.
-_PATH_LABELS = {"fused": "fused greedy step", "argmax": "C argmax", "logits": "logits path"}
-
 
 @dataclass(eq=False)
 class StepInputs:
@@ -109,7 +101,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
-        self.sampler = None
+        #: The step's sampling (`vx.gpu.sample.step_sampler`), built by `load_model`.
+        self.sampling: StepSampler | None = None
         #: The grammar state of the constrained requests (`vx.gpu.sample.matchers`).
         self.matchers: GrammarMatchers | None = None
         #: Captured decode graphs (vx.gpu.cuda_graphs); None: every step runs eagerly.
@@ -135,22 +128,12 @@ class ModelRunner:
             self.proposer = NgramProposer(
                 sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max
             )
-        #: Test-only (VX_TEST_POISON): requests with this seed make the sampler raise; a step
-        #: with one of them in its batch leaves the fused step and the C argmax (`_poisoned`).
-        self._poison_seed = poison_seed("worker")
-        #: Sampling steps by the path that gave their tokens: "fused" (`fused_greedy_step`: the
-        #: layers, the final norm and the LM head's argmax in one C call), "argmax" (the model's
-        #: forward, then the LM head's C argmax), "logits" (the logits and the sampler). The
-        #: first step of each path is logged at INFO (`_count_path`), so that a test can tell
-        #: from a served tree's log that its steps took the default path.
-        self.path_steps: dict[str, int] = dict.fromkeys(_PATH_LABELS, 0)
 
     # ───────────────────────── start-up ─────────────────────────
 
     def load_model(self) -> None:
         from vx.gpu.cpu.fused_step import FusedDecode
         from vx.gpu.layers.linear_method import set_batch_invariant
-        from vx.gpu.sample.sampler import Sampler
 
         m = self.config.model
         torch.manual_seed(m.seed)
@@ -184,11 +167,11 @@ class ModelRunner:
             math.ceil(self.max_model_len / BLOCK_SIZE),
             speculative=self.config.speculative.enabled,
         )
-        self.sampler = Sampler()
         from vx.gpu.sample.matchers import GrammarMatchers
 
         if self.grid.is_last_stage:  # the stage that samples
             self.matchers = GrammarMatchers(m.path, self.model.vocab_size)
+        self.sampling = StepSampler(self.model, self.input_batch, self.device, self.matchers)
         sp = self.config.speculative
         if sp.method == "draft_model":
             assert sp.model is not None  # `EngineConfig.validate`
@@ -370,6 +353,8 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(so)
         model = self._model
+        sampling = self.sampling
+        assert sampling is not None
         forward = model if self.cuda_graphs is None else self.cuda_graphs.forward
         if self.fused_step is not None:  # CPU only (`load_model`): never beside CUDA graphs
             forward = self.fused_step.forward
@@ -383,7 +368,7 @@ class ModelRunner:
             drafts = np.arange(int(counts.sum())) - np.repeat(first, counts)
             last = np.repeat(last - counts + 1, counts) + drafts
             sample_idx = np.repeat(sample_idx, counts)
-        wants_prompt_logprobs = self._wants_prompt_logprobs(inputs)
+        wants_prompt_logprobs = sampling.wants_prompt_logprobs(inputs.rows)
         # Only the sampled rows' hidden states are used, unless prompt logprobs need them
         # all: the last layer then runs past its attention on those rows alone.
         last_rows = torch.from_numpy(last).to(self.device)
@@ -395,7 +380,7 @@ class ModelRunner:
             self.fused_step is not None
             and not wants_prompt_logprobs
             and drafts is None
-            and not self._poisoned(inputs.rows)
+            and not sampling.poisoned(inputs.rows)
         ):
             fused = fused_greedy_step(self.fused_step, model, batch, inputs, self.kv_caches)
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
@@ -425,10 +410,10 @@ class ModelRunner:
             constrained = matchers is not None and matchers.num_active > 0
             spec = so.scheduled_spec_decode_tokens if drafts is not None else None
             if fused is None and not (constrained and spec):  # drafts: masks by position
-                sampled = self._greedy_ids(hidden_last, rows, drafts)
+                sampled = sampling.greedy_ids(hidden_last, rows, drafts)
             elif fused is None:
                 sampled = None
-            self._count_path(
+            sampling.count_path(
                 "logits" if sampled is None else "argmax" if fused is None else "fused", rows.size
             )
             if constrained:
@@ -437,12 +422,12 @@ class ModelRunner:
                 logits = model.compute_logits(hidden_last)
                 if constrained:  # before anything reads the logits (logprobs included)
                     matchers.mask_logits(logits, sample_req_ids, spec)
-                sampled, logprobs_out = self._sample(logits, rows, sample_idx, num_reqs, drafts)
+                sampled, logprobs_out = sampling.sample(logits, rows, sample_idx, num_reqs, drafts)
                 if constrained and drafts is not None:  # a grammar's end, per draft position
                     sampled = matchers.end_masked_rows(sample_req_ids, sampled)
             elif constrained:
-                sampled = self._sample_constrained(hidden_last, sampled, rows, sample_idx,
-                                                   sample_req_ids, num_reqs)  # fmt: skip
+                sampled = sampling.sample_constrained(hidden_last, sampled, rows, sample_idx,
+                                                      sample_req_ids, num_reqs)  # fmt: skip
             if constrained and drafts is None:
                 sampled = matchers.end_where_stopped(sample_req_ids, sampled)
                 matchers.accept(sample_req_ids, sampled.tolist())
@@ -465,7 +450,12 @@ class ModelRunner:
         if inputs.num_drafts is not None:
             roll_back(inputs.num_drafts, sampled_lists, computed)
         batch.num_computed_tokens[inputs.rows] = computed
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden) if wants_prompt_logprobs else None
+        prompt_logprobs = None
+        if wants_prompt_logprobs:
+            prompt_logprobs = sampling.prompt_logprobs(
+                inputs.req_ids, inputs.rows, inputs.num_computed, inputs.query_lens,
+                inputs.query_start, hidden,
+            )  # fmt: skip
         return ModelRunnerOutput(
             step_id=so.step_id,
             req_ids=inputs.req_ids,
@@ -630,208 +620,6 @@ class ModelRunner:
             sample_idx=np.flatnonzero(ends == known),
             num_drafts=num_drafts,
         )
-
-    def _sample_constrained(
-        self,
-        hidden: torch.Tensor,
-        sampled: np.ndarray,
-        rows: np.ndarray,
-        sample_idx: np.ndarray,
-        req_ids: list[str],
-        num_reqs: int,
-    ) -> np.ndarray:
-        """A greedy step took its tokens from the LM head's argmax (fused step or C argmax):
-        keep a constrained row's token where its grammar allows it, else re-take it from the
-        row's masked logits, so every row keeps that fast path (`argmax_only` admits greedy
-        constrained rows)."""
-        matchers = self.matchers
-        assert matchers is not None
-        # Where the grammar allows the head's argmax, it is the masked argmax too: most steps
-        # of a greedy constrained row form no logits at all.
-        pos = [
-            k for k, r in enumerate(req_ids)
-            if matchers.is_constrained(r) and not matchers.allows(r, int(sampled[k]))
-        ]  # fmt: skip
-        if not pos:
-            return sampled
-        index = torch.tensor(pos, dtype=torch.long, device=hidden.device)
-        logits = matchers.masked_logits(
-            self._model, hidden.index_select(0, index), [req_ids[k] for k in pos]
-        )
-        tokens, _ = self._sample(logits, rows[pos], sample_idx[pos], num_reqs)
-        sampled = np.array(sampled, dtype=np.int64, copy=True)
-        sampled[pos] = tokens
-        return sampled
-
-    def _greedy_ids(
-        self, hidden: torch.Tensor, rows: np.ndarray, drafts: np.ndarray | None = None
-    ) -> np.ndarray | None:
-        """The tokens from the LM head's C argmax where every row is greedy (`vx.gpu.sample.greedy`);
-        None where the logits path must run (not CPU, a poisoned row (`_poisoned`), or a row
-        that samples, asks for logprobs, biases or penalises)."""
-        if self.device.type != "cpu" or self._poisoned(rows):
-            return None
-        assert self.input_batch is not None
-        return greedy_tokens(self._model, self.input_batch, hidden, rows, drafts)
-
-    def _poisoned(self, rows: np.ndarray) -> bool:
-        """Test-only (VX_TEST_POISON): whether one of the batch rows `rows` carries the poisoned
-        seed. Such a step leaves the fused step and the C argmax, so that the poisoned request
-        reaches the sampler, where it raises (and fails alone); every other step keeps them.
-        False at once where the variable is unset."""
-        if self._poison_seed is None:
-            return False
-        assert self.input_batch is not None
-        params = self.input_batch.sampling_params
-        return any(params[r].seed == self._poison_seed for r in rows.tolist())
-
-    def _count_path(self, path: str, rows: int) -> None:
-        """Count a sampling step under `path` (`path_steps`); log the first of each path."""
-        n = self.path_steps[path] = self.path_steps[path] + 1
-        if n == 1:
-            logger.info("tokens by the %s: first step, of %d row(s)", _PATH_LABELS[path], rows)
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        sample_idx: np.ndarray,
-        num_reqs: int,
-        drafts: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
-        """Sample the batch; if that raises, sample each row alone so that a request whose
-        parameters break the sampler fails alone (token SAMPLE_FAILED) instead of killing the
-        worker and every other request with it. A drafting request has a row per scored
-        position (`sample_idx` repeats it; `drafts[j]`: the drafts before row j), and its
-        Logprobs one row per position, in order."""
-        try:
-            return self._sample_rows(logits, rows, sample_idx, num_reqs, drafts)
-        except Exception:
-            if len(sample_idx) == 0:
-                raise
-            logger.exception("batched sampling failed; sampling each request alone")
-        sampled = np.full(len(sample_idx), SAMPLE_FAILED, dtype=np.int64)
-        merged: list[Logprobs | None] | None = None
-        for j in range(len(sample_idx)):
-            one = slice(j, j + 1)
-            try:
-                tok, lps = self._sample_rows(
-                    logits[one], rows[one], sample_idx[one], num_reqs,
-                    None if drafts is None else drafts[one],
-                )  # fmt: skip
-            except Exception as e:
-                logger.error("request %s failed in sampling: %r", self._req_id_of(rows[j]), e)
-                continue
-            sampled[j] = tok[0]
-            if lps is not None:
-                i = int(sample_idx[j])
-                merged = merged if merged is not None else [None] * num_reqs
-                merged[i] = _join_logprobs(merged[i], lps[i])
-        return sampled, merged
-
-    def _req_id_of(self, row: int) -> str:
-        batch = self.input_batch
-        assert batch is not None
-        return next((r for r, i in batch.req_id_to_index.items() if i == row), "?")
-
-    def _sample_rows(
-        self,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        sample_idx: np.ndarray,
-        num_reqs: int,
-        drafts: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, list[Logprobs | None] | None]:
-        from vx.gpu.sample.sampler import SamplingMetadata
-
-        batch = self.input_batch
-        assert batch is not None and self.sampler is not None
-        row_list = rows.tolist()
-        params = [batch.sampling_params[r] for r in row_list]
-        if self._poison_seed is not None and any(p.seed == self._poison_seed for p in params):
-            raise PoisonError(f"{POISON_ENV}: injected failure in the sampler")
-        md = SamplingMetadata.build(
-            params,
-            prompt_token_ids=RowTokens(batch, rows, outputs=False),
-            output_token_ids=RowTokens(batch, rows, outputs=True, drafts=drafts),
-            eos_token_ids=[batch.eos_token_ids[r] for r in row_list],
-            vocab_size=self._model.vocab_size,
-            device=self.device,
-        )
-        if md.is_argmax_only and logits.device.type == "cpu":
-            # NOTE: numpy's argmax over [64, 49152] fp32 on one thread is well ahead of
-            # torch's (measured, torch 2.13 CPU); both return the first maximum.
-            return np.argmax(logits.numpy(), axis=-1), None
-        out = self.sampler(logits, md)
-        sampled = out.sampled_token_ids.cpu().numpy()
-        if out.logprobs is None:
-            return sampled, None
-        ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
-        result: list[Logprobs | None] = [None] * num_reqs
-        for j, (i, p) in enumerate(zip(sample_idx.tolist(), params, strict=True)):
-            if p.logprobs is not None:
-                k = 1 + p.logprobs
-                result[i] = _join_logprobs(
-                    result[i], Logprobs(token_ids=[ids[j][:k]], logprobs=[lps[j][:k]], ranks=[ranks[j]])
-                )
-        return sampled, result
-
-    def _wants_prompt_logprobs(self, inputs: StepInputs) -> bool:
-        batch = self.input_batch
-        assert batch is not None
-        wants = batch.wants_prompt_logprobs
-        return any(wants[r] for r in inputs.rows.tolist())
-
-    def _prompt_logprobs(
-        self, inputs: StepInputs, hidden: torch.Tensor
-    ) -> dict[str, Logprobs] | None:
-        """Logprobs of the prompt tokens this step's chunks predict (vLLM's prompt_logprobs).
-
-        A chunk covering positions [s, e) yields rows for prompt tokens s+1 .. min(e, P-1):
-        row p is the logprob of prompt token p+1 given tokens <= p, so the rows of all chunks
-        together cover prompt tokens 1 .. P-1 (token 0 has none). Positions served from the
-        prefix cache are not recomputed and so get no row. Called only for steps with a
-        request that wants them (`_wants_prompt_logprobs`).
-        """
-        batch = self.input_batch
-        assert batch is not None
-        wants = batch.wants_prompt_logprobs
-        from vx.gpu.sample.sampler import compute_logprobs_rows
-
-        result: dict[str, Logprobs] = {}
-        for i, row in enumerate(inputs.rows.tolist()):
-            if not wants[row]:
-                continue
-            s = int(inputs.num_computed[i])
-            e = min(s + int(inputs.query_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
-            if e <= s:
-                continue
-            k = batch.sampling_params[row].prompt_logprobs or 0
-            start = int(inputs.query_start[i])
-            ids_rows: list[list[int]] = []
-            lp_rows: list[list[float]] = []
-            rank_rows: list[int] = []
-            for a in range(s, e, PROMPT_LOGPROBS_SLICE):
-                b = min(a + PROMPT_LOGPROBS_SLICE, e)
-                logits = self._model.compute_logits(hidden[start + a - s : start + b - s])
-                targets = torch.from_numpy(batch.token_ids[row, a + 1 : b + 1].astype(np.int64))
-                ids, lps, ranks = compute_logprobs_rows(logits, targets.to(self.device), k)
-                ids_rows += ids.tolist()
-                lp_rows += lps.tolist()
-                rank_rows += ranks.tolist()
-            result[inputs.req_ids[i]] = Logprobs(
-                token_ids=ids_rows, logprobs=lp_rows, ranks=rank_rows
-            )
-        return result or None
-
-
-def _join_logprobs(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
-    """`a`'s positions then `b`'s (a drafting request's scored positions, in order)."""
-    if a is None or b is None:
-        return b if a is None else a
-    return Logprobs(
-        token_ids=a.token_ids + b.token_ids, logprobs=a.logprobs + b.logprobs, ranks=a.ranks + b.ranks
-    )
 
 
 def _check_invariant_blocks(model) -> None:

@@ -47,10 +47,13 @@ class MoEArgs(ModelArgs):
         num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         if arch.startswith("Mixtral"):
             inter, renorm, fp32, sparse = cfg.intermediate_size, True, True, None
-        else:  # Qwen3-MoE: decoder_sparse_step and mlp_only_layers pick the sparse layers
-            step, dense = cfg.decoder_sparse_step, set(cfg.mlp_only_layers or ())
+        else:  # Qwen3-MoE: decoder_sparse_step and mlp_only_layers pick the sparse layers;
+            # OLMoE: every layer sparse, its experts `intermediate_size` wide
+            step = getattr(cfg, "decoder_sparse_step", 1)
+            dense = set(getattr(cfg, "mlp_only_layers", None) or ())
             sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(base.num_layers))
-            inter, renorm, fp32 = cfg.moe_intermediate_size, bool(cfg.norm_topk_prob), False
+            inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+            renorm, fp32 = bool(cfg.norm_topk_prob), False
         return cls(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelArgs)},
             num_experts=num_experts,

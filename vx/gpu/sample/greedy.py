@@ -1,6 +1,6 @@
 """Greedy tokens straight from the LM head's C argmax, without the [rows, vocab] logits.
 
-Runs in: each Worker process on CPU (`ModelRunner._greedy_ids`; `fused_greedy_step` before
+Runs in: each Worker process on CPU (`StepSampler.greedy_ids`; `fused_greedy_step` before
 the model's forward, for decode steps it can take whole).
 
 Why: where every sampled row is one argmax (see `argmax_only`) and the model's LM head takes

@@ -135,7 +135,7 @@ def argmax_only(
     `masked_ok`, rows still short of min_tokens count too: theirs is the argmax of the logits
     with `min_tokens_masked` ids at -inf (the caller handles those). A greedy row with a
     grammar counts too: the model runner masks its logits before this argmax, or re-takes its
-    token from them after the LM head's own argmax (`ModelRunner._sample_constrained`)."""
+    token from them after the LM head's own argmax (`StepSampler.sample_constrained`)."""
     for p, out in zip(params, output_token_ids, strict=True):
         if (
             p.temperature >= GREEDY_EPSILON

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vx.messages import Logprobs
+from vx.messages import SAMPLE_FAILED, Logprobs
 
 if TYPE_CHECKING:
     from vx.gpu.input_batch import InputBatch
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SAMPLE_FAILED", "accept_drafts", "num_accepted", "roll_back"]
 
-#: The token a request whose sampling failed reports (the EngineCore fails it alone).
-SAMPLE_FAILED = -1
 
 
 def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
