@@ -173,9 +173,10 @@ JSON_PROMPTS = [
 
 
 def test_constrained_requests_draft_within_their_grammar() -> None:
-    """A json_schema request drafts (n-gram): each scored position is masked by the state its
-    grammar reaches after the drafts before it, and the matcher keeps only the emitted tokens,
-    so with `--batch-invariant` the output is valid and the same as without drafts."""
+    """A json_schema request drafts (n-gram, then the draft model): each scored position is
+    masked by the state its grammar reaches after the drafts before it, and the matcher keeps
+    only the emitted tokens, so with `--batch-invariant` the output is valid and the same as
+    without drafts; the draft model's own drafts are masked so too."""
     import json
 
     from vx import StructuredOutputsParams
@@ -203,3 +204,16 @@ def test_constrained_requests_draft_within_their_grammar() -> None:
         assert set(json.loads(text)) == {"days"}
     logger.info("constrained: %d of %d drafts accepted", stats["spec_num_accepted_tokens_total"],
                 stats["spec_num_draft_tokens_total"])  # fmt: skip
+    # The default model drafting for itself: its drafts are masked by the grammar too, so
+    # every greedy draft is the target's own masked argmax, and holds, even where the model
+    # left alone would write prose (the last prompt).
+    spec = {"method": "draft_model", "model": ModelConfig().model, "num_speculative_tokens": 3}
+    with LLM(num_threads=2, batch_invariant=True, speculative_config=spec) as llm:
+        greedy = [(c.token_ids, c.text, c.finish_reason)
+                  for r in llm.generate([*JSON_PROMPTS, "Once upon a time, by the sea,"],
+                                        params[0], use_tqdm=False)
+                  for c in r.outputs]  # fmt: skip
+        stats = llm.call_utility("get_stats")
+    assert greedy[: len(JSON_PROMPTS)] == want[: len(JSON_PROMPTS)]
+    assert stats["spec_num_draft_tokens_total"] > 20, stats
+    assert stats["spec_num_accepted_tokens_total"] == stats["spec_num_draft_tokens_total"], stats

@@ -183,6 +183,7 @@ class ModelRunner:
                 device=self.device,
                 batch_invariant=self.config.batch_invariant,
                 tokens_as_decodes=self.tokens_as_decodes,
+                matchers=self.matchers,
             )
 
     def _load_weights(self, path: str) -> torch.nn.Module:
