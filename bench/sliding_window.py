@@ -10,7 +10,7 @@ Models: tiny random checkpoints (tests.models.make_tiny_model, bf16, head_dim 64
 and 4 KV heads, hidden 256) of three layouts:
 - gemma2: 4 layers, sliding and global alternating, window 4096, attention soft-cap 50;
 - gemma3: 6 layers, 5 sliding then 1 global, window 512, Gemma 3's two rope bases;
-- mistral: 4 layers, every one windowed (512): the case whose blocks are freed.
+- mistral: 4 layers, every one windowed (512): one KV-cache group, freed alike.
 
 Each runs as `vx serve` (real processes, HTTP); per context length, one request of that many
 random prompt tokens streams `--decode` tokens (greedy, ignore_eos), `--repeats` times (a
@@ -19,9 +19,11 @@ tokens after the first over the time from the first to the last (the whole model
 layers' attention grows with the context); the blocks held are read from
 /metrics (`vx:kv_cache_usage_perc` x the pool) while the request decodes, alone on the server.
 "What the windows need", per layer kind, in blocks of 16 tokens: a global layer the whole
-context, a windowed one ceil((W - 1) / 16) + 1; the table gives both as blocks of all layers
-(vx holds one block table for every layer, so its count is whole-context unless every layer
-is windowed).
+context, a windowed one ceil((W - 1) / 16) + 1; the table gives both as blocks of all layers.
+Gemma's layers fall in KV-cache groups (`vx.gpu.kv_cache.kv_cache_groups`: a pool block is
+one layer's K/V in each of `group_size` tensors), so the pool is sized and read in its own
+blocks (the same memory as `nb` blocks of all layers) and the held count converted: pool
+blocks held x group_size / layers.
 
 Before the servers, one layer's decode attention alone (`WindowedAttention` on the C kernels,
 one request, this process, `--threads` threads): a windowed layer and a global one at each
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.e2e.server import VxServer
 from tests.models import make_tiny_model
+from vx.gpu.kv_cache import kv_cache_groups
 
 BS = 16
 COMMON = {"dtype": "bfloat16", "hidden_size": 256, "intermediate_size": 512,
@@ -159,7 +162,9 @@ def main() -> None:
             types = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
             n_win = sum(t == "sliding_attention" for t in types)
             n_all = len(types)
-            nb = 2 * (max(ctxs) + a.decode) // BS + 64
+            groups = kv_cache_groups([window if t == "sliding_attention" else None for t in types])
+            nb_all = 2 * (max(ctxs) + a.decode) // BS + 64  # in blocks of every layer
+            nb = nb_all * n_all // groups.group_size  # the pool's own blocks, same memory
             with VxServer(path, "--num-gpu-blocks-override", str(nb), "--max-model-len",
                           str(max(ctxs) + a.decode + 16), "--max-num-seqs", "4",
                           "--num-threads", str(a.threads)) as srv:  # fmt: skip
@@ -169,7 +174,7 @@ def main() -> None:
                             for i in range(a.repeats)]  # fmt: skip
                     tps = statistics.median(r[0] for r in runs)
                     usage = max(r[1] for r in runs)
-                    held = usage * nb
+                    held = usage * nb * groups.group_size / n_all
                     end = ctx + a.decode
                     win_need = -(-(window - 1) // BS) + 1
                     need = (n_win * min(win_need, -(-end // BS)) + (n_all - n_win) * -(-end // BS))

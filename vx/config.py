@@ -43,7 +43,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: GPU: fraction of device memory vx may use (weights + activations + KV).
     gpu_memory_utilization: float = 0.92
     enable_prefix_caching: bool = True
-    #: Tests: force an exact pool size, bypassing the memory-based sizing.
+    #: Tests: force an exact pool size, bypassing the memory-based sizing. In the pool's own
+    #: blocks: one layer's K/V in each of a group's layers where the model has several
+    #: KV-cache groups (`vx.gpu.kv_cache`), else every layer's.
     num_blocks_override: int | None = None
 
 

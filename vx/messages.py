@@ -249,7 +249,9 @@ class NewRequestData(_StepMsg, frozen=True):
 
     `output_token_ids` is non-empty only for a request resumed after preemption: its KV is
     recomputed from `prompt_token_ids + output_token_ids`, and the sampler's penalty and seed
-    state need to know which tokens were outputs.
+    state need to know which tokens were outputs. With G KV-cache groups (`WorkerReady.
+    kv_group_windows`), `block_ids` (and each of `CachedRequestData.new_block_ids`) is every
+    group's ids in turn, as many each; -1 is a block freed out of a window (never read).
     """
 
     req_id: str
@@ -344,6 +346,10 @@ class WorkerReady(_Msg):
     #: The window (keys) every layer of the model attends within, the widest where they differ,
     #: or None when some layer is global: the KV manager frees the blocks that slide out of it.
     sliding_window: int | None = None
+    #: The KV-cache groups' windows (keys; 0: global), global groups first, when the layers
+    #: attend in different ways (`vx.gpu.kv_cache.kv_cache_groups`); empty: one group. Block
+    #: ids then travel group by group (`NewRequestData.block_ids`).
+    kv_group_windows: list[int] = []
 
 
 class WorkerDead(_Msg):

@@ -192,7 +192,8 @@ class BlockPool:
         removed: list[int] | None = None if self._events is None else []
         for block in blocks:
             if block.block_hash is not None:
-                if removed is not None:
+                # a hybrid manager's other groups key by a longer hash, never announced
+                if removed is not None and len(block.block_hash) == 32:
                     removed.append(external_hash(block.block_hash))
                 del cache_map[block.block_hash]
                 block.block_hash = None
@@ -236,18 +237,20 @@ class BlockPool:
         num_full_blocks: int,
         token_ids: Sequence[int] = (),
         lora_id: int | None = None,
+        record_events: bool = True,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request under their hashes.
 
         A block that came from a prefix hit already holds its hash. When another block already
         holds the same hash, this one stays unhashed: block tables are append-only, so the
         request keeps its own copy, and the map keeps one block per hash. `token_ids` (the
-        request's tokens) and `lora_id` are read only for the KV events.
+        request's tokens) and `lora_id` are read only for the KV events (none without
+        `record_events`: a hybrid manager's groups past the first).
         """
         if not self.enable_caching:
             return
         cache_map = self.cached_block_hash_to_block
-        stored: list[int] | None = None if self._events is None else []
+        stored: list[int] | None = None if self._events is None or not record_events else []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is None and block is not NULL_BLOCK:

@@ -65,13 +65,16 @@ class EngineCore:
         workers: WorkerGroup,
         num_blocks: int,
         sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
         self._input = input_ring
         self._output = output_ring
         self._workers = workers
-        self.scheduler = Scheduler(config, num_blocks, sliding_window=sliding_window)
+        self.scheduler = Scheduler(
+            config, num_blocks, sliding_window=sliding_window, group_windows=group_windows
+        )
         self._in_codec = codec.engine_input_codec()
         self._out_codec = codec.engine_event_codec()
         pp = config.parallel.pipeline_parallel_size
@@ -418,7 +421,7 @@ def run_engine_core(
         ready = workers.wait_ready(STARTUP_TIMEOUT_S)
         engine = EngineCore(
             config, engine_index, input_ring, output_ring, workers, ready.num_blocks,
-            ready.sliding_window,
+            ready.sliding_window, [w or None for w in ready.kv_group_windows],
         )  # fmt: skip
         # The block pool's objects (one per KV block) live as long as the engine: out of the
         # collector's reach, a full collection during a step no longer walks them all.

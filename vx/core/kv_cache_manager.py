@@ -1,7 +1,8 @@
 """The KV cache manager: which blocks each request holds, prefix-cache lookups and caching.
 
 Runs in: EngineCore. One KV-cache group and one block size; the BlockPool below it owns the
-blocks themselves.
+blocks themselves. A model with layers of different kinds (global beside windowed) gets
+`vx.core.hybrid_kv_cache_manager.HybridKVCacheManager`, a table per group over the same pool.
 
 Sliding windows (vLLM's SlidingWindowManager, for the one case one group can take): when
 every layer of the model attends within a window of W keys (`sliding_window`), a query at
@@ -9,8 +10,8 @@ position p reads only keys (p - W, p], so once a request has computed n tokens i
 before n - W + 1 are never read again. `allocate_slots` then frees the blocks wholly before
 that point back to the pool and puts `NULL_BLOCK` in their places, so positions keep their
 blocks' indices (the Worker's table keeps the old ids there; its attention never reads them).
-A model with global layers beside windowed ones (Gemma 2/3) needs every block for its global
-layers: nothing is freed for it (vLLM keeps a separate KV group per kind of layer; vx has one).
+A model with global layers beside windowed ones (Gemma 2/3) has a KV-cache group per kind of
+layer (`HybridKVCacheManager`), whose windowed groups free by the same rule.
 Prefix caching stays correct: a freed block keeps its hash and its contents until the pool
 reuses it, which drops the hash, so a hit never finds a block holding other tokens.
 """
@@ -201,6 +202,15 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks[start:dead]))
         blocks[start:dead] = [NULL_BLOCK] * (dead - start)
         blocks.num_freed = dead
+
+    def max_tokens_alone(self, max_chunk_tokens: int) -> int:
+        """The longest context one request alone can hold (every position a block)."""
+        return self.num_blocks * self.block_size
+
+    def group_tables(self, request_id: str) -> list[BlockTable]:
+        """The block tables of `request_id`, one per KV-cache group (here one; [] if none)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return [] if blocks is None else [blocks]
 
     def num_held_blocks(self, request_id: str) -> int:
         """The pool blocks `request_id` holds now (freed window blocks not counted)."""

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from vx.config import EngineConfig
 from vx.core.block_hash import update_block_hashes
+from vx.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from vx.core.kv_cache_manager import KVCacheManager
 from vx.core.request import Request, RequestStatus
 from vx.log import request_extra
@@ -84,6 +85,7 @@ class Scheduler:
         *,
         max_model_len: int | None = None,
         sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
     ) -> None:
         sched = config.scheduler
         self.config = config
@@ -116,7 +118,24 @@ class Scheduler:
         self.num_accepted_tokens_total = 0
         self.num_accepted_by_position = [0] * k
         self.enable_caching = config.cache.enable_prefix_caching
-        capacity = num_blocks * self.block_size
+        # KV events name the pool's memory: "GPU" on cuda (vLLM's word), "CPU" on the CPU device.
+        medium = ("GPU" if config.device == "cuda" else "CPU") if config.kv_events.enabled else None
+        #: `sliding_window`: every layer's window (the Worker's report), or None; the KV
+        #: manager frees the blocks that slide out of it (one pool, one budget still).
+        #: `group_windows` (two or more KV-cache groups, the Worker's report): a table per
+        #: group, each windowed group freeing what left its window; one pool, one budget.
+        self.kv_cache_manager: KVCacheManager
+        if group_windows and len(group_windows) > 1:
+            self.kv_cache_manager = HybridKVCacheManager(
+                num_blocks, group_windows, self.block_size, self.enable_caching,
+                kv_events_medium=medium,
+            )  # fmt: skip
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks, self.block_size, self.enable_caching, kv_events_medium=medium,
+                sliding_window=sliding_window,
+            )  # fmt: skip
+        capacity = self.kv_cache_manager.max_tokens_alone(self.max_num_batched_tokens)
         limit = max_model_len or config.model.max_model_len or capacity
         if limit > capacity:
             # A request alone must always fit, or it would preempt itself forever.
@@ -126,14 +145,6 @@ class Scheduler:
             limit = capacity
         #: The context limit actually enforced (report this one in EngineReady).
         self.max_model_len = limit
-        # KV events name the pool's memory: "GPU" on cuda (vLLM's word), "CPU" on the CPU device.
-        medium = ("GPU" if config.device == "cuda" else "CPU") if config.kv_events.enabled else None
-        #: `sliding_window`: every layer's window (the Worker's report), or None; the KV
-        #: manager frees the blocks that slide out of it (one pool, one budget still).
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, self.enable_caching, kv_events_medium=medium,
-            sliding_window=sliding_window,
-        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -582,11 +593,12 @@ class Scheduler:
         pool = kv.block_pool
         problems = list(pool.check_invariants())
         owners: collections.Counter[int] = collections.Counter()
-        for request_id, blocks in kv.req_to_blocks.items():
+        for request_id in kv.req_to_blocks:
             if request_id not in self.requests:
                 problems.append(f"blocks held by unknown request {request_id!r}")
-            for block in blocks:
-                owners[block.block_id] += 1
+            for blocks in kv.group_tables(request_id):
+                for block in blocks:
+                    owners[block.block_id] += 1
         for block in pool.blocks:
             if block.ref_cnt != owners[block.block_id]:
                 problems.append(

@@ -36,7 +36,9 @@ class InputBatch:
     - ``token_ids[i, :num_tokens[i]]`` are the known tokens (prompt then outputs), the outputs
       being ``token_ids[i, num_prompt_tokens[i]:num_tokens[i]]``; the KV of the first
       ``num_computed_tokens[i]`` of them is in the cache (as the EngineCore last said);
-    - ``block_table[i, :num_blocks[i]]`` are the request's block ids, in order;
+    - ``block_table[i, :num_blocks[i]]`` are the request's block ids, in order; with G
+      KV-cache groups, ``block_tables[g]`` is group g's table (``block_tables[0]`` is
+      `block_table`), every group covering the same `num_blocks[i]` positions;
     - removal moves the last row into the hole (O(row) copy), so rows stay dense and a step's
       batch order is stable across steps except for the moved row.
     """
@@ -46,6 +48,7 @@ class InputBatch:
         max_num_reqs: int,
         max_model_len: int,
         max_num_blocks_per_req: int,
+        num_groups: int = 1,
         *,
         speculative: bool = False,
     ) -> None:
@@ -60,7 +63,11 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+            for _ in range(num_groups)
+        ]
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
@@ -180,7 +187,8 @@ class InputBatch:
         n = int(self.num_tokens[src])
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = int(self.num_blocks[src])
-        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for table in self.block_tables:
+            table[dst, :nb] = table[src, :nb]
         for arr in (
             self.num_tokens,
             self.num_prompt_tokens,
@@ -196,7 +204,23 @@ class InputBatch:
         self.wants_prompt_logprobs[dst] = self.wants_prompt_logprobs[src]
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Append new ids (with G groups: each group's in turn, as many each; a -1, a block
+        freed out of a window and never read, is kept as block 0)."""
         start = int(self.num_blocks[row])
+        tables = self.block_tables
+        if len(tables) > 1:
+            n = len(block_ids) // len(tables)
+            ids = np.maximum(np.asarray(block_ids, dtype=np.int32), 0).reshape(len(tables), n)
+            end = start + n
+            if end > self.max_num_blocks_per_req:
+                raise ValueError(
+                    f"request {self.req_ids[row] if row < self.num_reqs else '?'}: {end} "
+                    f"blocks exceed {self.max_num_blocks_per_req} per request"
+                )
+            for table, group_ids in zip(tables, ids, strict=True):
+                table[row, start:end] = group_ids
+            self.num_blocks[row] = end
+            return
         end = start + len(block_ids)
         if end > self.max_num_blocks_per_req:
             raise ValueError(

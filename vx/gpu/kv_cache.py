@@ -13,12 +13,25 @@ so no permute copy is needed after the gather. The Triton kernels and the C kern
 
 Sizing: bytes per block = 2 (K and V) x layers x kv_heads x head_dim x block_size x dtype size,
 counting this tensor-parallel rank's kv heads only.
+
+KV-cache groups (`kv_cache_groups`, vLLM's `KVCacheGroupSpec` with its equal-size groups): a
+model whose layers attend in different ways (Gemma 2/3: global layers beside sliding-window
+ones) has its layers grouped by kind, each kind cut into groups of `group_size` layers, the
+fewest layers any kind has (a kind's last group may be short). The engine keeps one block
+table per group over one pool (`vx.core.hybrid_kv_cache_manager`). Memory: `group_size` K/V
+tensor pairs ("slots") of the pool's size; the layer at position j of its group uses slot j,
+so a block id is one layer's K/V in each slot, and every group's blocks cost the same
+(`group_size` layers): the pool's blocks, the scheduler's one budget and the memory held
+agree, and a block a windowed group frees is a block any group can take. A model of one kind
+of layer has one group (`group_size` = its layers): the layout above, unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,12 +41,89 @@ from vx.gpu.cpu.pages import advise_huge
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVCache", "allocate_kv_caches", "block_bytes", "num_cpu_blocks", "num_gpu_blocks"]
+__all__ = [
+    "GroupKVCache",
+    "KVCache",
+    "KVCacheGroups",
+    "allocate_kv_caches",
+    "block_bytes",
+    "kv_cache_groups",
+    "layer_caches",
+    "num_cpu_blocks",
+    "num_gpu_blocks",
+]
 
 #: One layer's (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]. On CPU the
 #: memory is block-major ([num_blocks, num_kv_heads, ...] transposed; ``VX_KV_LAYOUT=head``:
 #: head-major, for A/B timing); every kernel takes the strides, rows of head_dim contiguous.
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class GroupKVCache(tuple):
+    """One layer's (K, V) in a model of several KV-cache groups, and `group`: the group
+    whose block table addresses it (the attention reads that group's metadata,
+    `vx.gpu.attention.metadata.AttentionMetadata.for_cache`)."""
+
+    group: int
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, group: int) -> GroupKVCache:
+        self = super().__new__(cls, (k, v))
+        self.group = group
+        return self
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How a model's layers share the KV pool (see the module docstring).
+
+    Invariants: `windows[g]` is group g's window (None: global), global groups first; layer i
+    is in group `layer_group[i]` at slot `layer_slot[i]` < `group_size`; no two layers of one
+    group share a slot.
+    """
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_cache_groups(windows: Sequence[int | None]) -> KVCacheGroups:
+    """Group layers by their window (None: global): one group when every layer attends
+    alike, else per kind groups of the fewest layers any kind has, global kinds first."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(windows):
+        kinds.setdefault(w, []).append(i)
+    if len(kinds) <= 1:
+        n = len(windows)
+        return KVCacheGroups((windows[0] if n else None,), (0,) * n, tuple(range(n)), n)
+    size = min(len(layers) for layers in kinds.values())
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    group_windows: list[int | None] = []
+    layer_group, layer_slot = [0] * len(windows), [0] * len(windows)
+    for w in order:
+        layers = kinds[w]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start : start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(w)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+
+def layer_caches(
+    slots: list[KVCache], groups: KVCacheGroups, start: int, end: int
+) -> list[KVCache]:
+    """Layers [start, end)'s caches over the slots (`GroupKVCache`s where the model has
+    several groups; the slots themselves where it has one)."""
+    if groups.num_groups == 1:
+        return slots
+    return [
+        GroupKVCache(*slots[groups.layer_slot[i]], groups.layer_group[i])
+        for i in range(start, end)
+    ]
 
 
 def block_bytes(

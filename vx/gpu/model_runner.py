@@ -38,8 +38,11 @@ from vx.gpu.attention.paged import AttentionMetadata, build_attention_metadata
 from vx.gpu.input_batch import InputBatch
 from vx.gpu.kv_cache import (
     KVCache,
+    KVCacheGroups,
     allocate_kv_caches,
     block_bytes,
+    kv_cache_groups,
+    layer_caches,
     num_cpu_blocks,
     num_gpu_blocks,
 )
@@ -97,7 +100,11 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model: torch.nn.Module | None = None
+        #: one (K, V) per layer of this stage (`GroupKVCache`s over shared slots where the
+        #: model has several KV-cache groups, `vx.gpu.kv_cache.kv_cache_groups`)
         self.kv_caches: list[KVCache] = []
+        #: the layers' KV-cache groups (`load_model`); one group unless layers differ
+        self.kv_groups: KVCacheGroups | None = None
         self.num_blocks = 0
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
@@ -161,10 +168,15 @@ class ModelRunner:
             # stay where full attention is exact.
             logger.warning("max_model_len capped at the sliding window (%d)", window)
             self.max_model_len = window
+        windows = getattr(self.model, "attention_windows", None) or (None,)
+        if self.config.speculative.method == "draft_model":
+            windows = (None,)  # a draft model reads the target's blocks: one group, all kept
+        self.kv_groups = kv_cache_groups(windows)
         self.input_batch = InputBatch(
             self.config.scheduler.max_num_seqs,
             self.max_model_len,
             math.ceil(self.max_model_len / BLOCK_SIZE),
+            self.kv_groups.num_groups,
             speculative=self.config.speculative.enabled,
         )
         from vx.gpu.sample.matchers import GrammarMatchers
@@ -224,9 +236,17 @@ class ModelRunner:
             )  # fmt: skip
         return model
 
+    def _num_kv_slots(self) -> int:
+        """K/V tensor pairs this stage allocates: a layer each, or with several KV-cache
+        groups the group size (`vx.gpu.kv_cache`)."""
+        groups = self.kv_groups
+        if groups is None or groups.num_groups == 1:
+            return self._model.num_layers
+        return groups.group_size
+
     def _block_bytes(self) -> int:
         m = self._model
-        per_block = block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        per_block = block_bytes(self._num_kv_slots(), m.num_kv_heads, m.head_dim, self.dtype)
         if isinstance(self.proposer, DraftModelProposer):  # its KV over the same block ids
             per_block += self.proposer.block_bytes()
         return per_block
@@ -307,10 +327,14 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self._model
-        self.kv_caches = allocate_kv_caches(
-            m.num_layers, num_blocks, m.num_kv_heads, m.head_dim, dtype=self.dtype,
+        slots = allocate_kv_caches(
+            self._num_kv_slots(), num_blocks, m.num_kv_heads, m.head_dim, dtype=self.dtype,
             device=self.device,
         )  # fmt: skip
+        assert self.kv_groups is not None
+        inner = getattr(m, "model", m)
+        start = getattr(inner, "start_layer", 0)
+        self.kv_caches = layer_caches(slots, self.kv_groups, start, start + m.num_layers)
         self.num_blocks = num_blocks
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.initialize_kv_cache(num_blocks, self.config.scheduler.max_num_seqs)
@@ -581,33 +605,42 @@ class ModelRunner:
         block_idx = positions // BLOCK_SIZE
         if np.any(block_idx >= batch.num_blocks[tok_rows]):
             raise ValueError("a scheduled token has no KV block")
-        slot_mapping = batch.block_table[tok_rows, block_idx].astype(np.int64) * BLOCK_SIZE + (
-            positions % BLOCK_SIZE
-        )
+        offsets = positions % BLOCK_SIZE
         width = -(-int(ends.max()) // BLOCK_SIZE)
-        if self.tokens_as_decodes or drafting:
-            # each token of the first d requests a decode row of its own (all of them with
-            # `tokens_as_decodes`, `load_model`), then the prefill chunks
-            d = num_reqs if self.tokens_as_decodes else len(decodes) + len(drafting)
-            t = int(cu[d - 1]) if d else 0
+        # each token of the first d requests a decode row of its own (all of them with
+        # `tokens_as_decodes`, `load_model`), then the prefill chunks
+        d = num_reqs if self.tokens_as_decodes else len(decodes) + len(drafting)
+        as_rows = self.tokens_as_decodes or bool(drafting)
+        t = int(cu[d - 1]) if d and as_rows else 0
+        # per KV-cache group its table's rows and slots (one group: `block_table` alone); a
+        # layer reads its group's metadata (`AttentionMetadata.for_cache`)
+        tables = []
+        for table in batch.block_tables:
+            slot_mapping = table[tok_rows, block_idx].astype(np.int64) * BLOCK_SIZE + offsets
+            if as_rows:
+                rows_table = np.concatenate([table[tok_rows[:t], :width], table[rows[d:], :width]])
+            else:
+                rows_table = table[rows, :width]
+            tables.append((rows_table, slot_mapping))
+        if as_rows:
             md = build_attention_metadata(
                 query_lens=np.concatenate([np.ones(t, dtype=np.int64), query_lens[d:]]),
                 num_computed=np.concatenate([positions[:t], num_computed[d:]]),
-                block_table=np.concatenate(
-                    [batch.block_table[tok_rows[:t], :width], batch.block_table[rows[d:], :width]]
-                ),
-                slot_mapping=slot_mapping,
+                block_table=tables[0][0],
+                slot_mapping=tables[0][1],
                 num_decodes=t,
                 device=self.device,
+                group_tables=tables[1:],
             )
         else:
             md = build_attention_metadata(
                 query_lens=query_lens,
                 num_computed=num_computed,
-                block_table=batch.block_table[rows, :width],
-                slot_mapping=slot_mapping,
+                block_table=tables[0][0],
+                slot_mapping=tables[0][1],
                 num_decodes=len(decodes),
                 device=self.device,
+                group_tables=tables[1:],
             )
         return StepInputs(
             req_ids=req_ids,

@@ -228,6 +228,8 @@ def run_worker(
             # More blocks than every sequence at full length (twice, for prefix reuse) would
             # only cost memory and EngineCore start-up time.
             per_seq = -(-(config.model.max_model_len or 2048) // config.cache.block_size)
+            assert runner.kv_groups is not None  # a block table per KV-cache group
+            per_seq *= runner.kv_groups.num_groups
             num_blocks = min(num_blocks, 2 * config.scheduler.max_num_seqs * per_seq)
         kv_bytes = num_blocks * block_bytes
         num_blocks = _min_across_ranks(num_blocks, grid.world_size)
@@ -237,6 +239,8 @@ def run_worker(
             "worker %d ready on %s in %.1f s: %d KV blocks", rank, device,
             time.perf_counter() - t0, num_blocks,
         )
+        groups = runner.kv_groups
+        assert groups is not None
         windows = getattr(runner.model, "attention_windows", None) or (None,)
         draft = getattr(runner.proposer, "model", None)  # a draft model reads the same blocks
         if draft is not None:
@@ -246,6 +250,7 @@ def run_worker(
                 rank=rank, pid=os.getpid(), num_blocks=num_blocks, kv_cache_bytes=kv_bytes,
                 device=device,
                 sliding_window=None if None in windows else max(windows),
+                kv_group_windows=[w or 0 for w in groups.windows] if groups.num_groups > 1 else [],
             )
         )
         stage_profile = _StageProfile(grid) if config.profile_steps and grid.pp_size > 1 else None

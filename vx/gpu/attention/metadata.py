@@ -80,3 +80,12 @@ class AttentionMetadata:
     tile_block_m: int = 16
     #: Per-step scratch (the decode gather buffers), shared by all layers of the step.
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Several KV-cache groups (`vx.gpu.kv_cache.kv_cache_groups`): every group's metadata
+    #: (this one is group 0's), each over its own block table and slots; None: one group.
+    groups: list[AttentionMetadata] | None = None
+
+    def for_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> AttentionMetadata:
+        """The metadata of the group whose table addresses `kv_cache` (a layer's; a
+        `GroupKVCache` names its group)."""
+        groups = self.groups
+        return self if groups is None else groups[kv_cache.group]  # type: ignore[attr-defined]

@@ -33,6 +33,9 @@ in `vx.gpu.attention.triton`.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -73,12 +76,15 @@ def build_attention_metadata(
     block_size: int = BLOCK_SIZE,
     tile_block_m: int = 16,
     for_triton: bool | None = None,
+    group_tables: Sequence[tuple[np.ndarray, np.ndarray]] = (),
 ) -> AttentionMetadata:
     """Build the metadata from per-request numpy arrays (vectorised; loops only over prefills).
 
     `block_table` is [R, >= blocks needed] (rows already gathered for these requests).
     `for_triton` (default: on CUDA) adds the Triton tile map; on CUDA the CPU-path fields
-    are skipped.
+    are skipped. `group_tables`: the other KV-cache groups' (block table, slot mapping), same
+    shapes; the result's `groups` then lists every group's metadata (this one first), which
+    share everything but what the tables decide.
     """
     device = torch.device(device)
     query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -91,10 +97,13 @@ def build_attention_metadata(
     np.cumsum(query_lens, out=cu[1:])
     max_seq_len = int(seq_lens.max()) if num_reqs else 0
     num_blocks_used = -(-max_seq_len // block_size)
-    # the C kernels read these rows as given: a narrower table would be read past its rows
-    if block_table.shape[1] < num_blocks_used:
-        raise ValueError(f"block_table has {block_table.shape[1]} columns, {num_blocks_used} needed")
-    bt = np.ascontiguousarray(block_table[:, :num_blocks_used], dtype=np.int32)
+    tables = [(block_table, slot_mapping), *group_tables]
+    bts = []
+    for table, _ in tables:
+        # the C kernels read these rows as given: a narrower table would be read past its rows
+        if table.shape[1] < num_blocks_used:
+            raise ValueError(f"block_table has {table.shape[1]} columns, {num_blocks_used} needed")
+        bts.append(np.ascontiguousarray(table[:, :num_blocks_used], dtype=np.int32))
 
     md = AttentionMetadata(
         num_tokens=int(cu[-1]),
@@ -103,7 +112,7 @@ def build_attention_metadata(
         slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
         query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_table=torch.from_numpy(bt).to(device),
+        block_table=torch.from_numpy(bts[0]).to(device),
         max_query_len=int(query_lens.max()) if num_reqs else 0,
         max_seq_len=max_seq_len,
         tile_block_m=tile_block_m,
@@ -118,42 +127,64 @@ def build_attention_metadata(
         tile_idx = np.arange(tile_req.shape[0]) - np.repeat(first_tile, tiles_per_req)
         md.tile_req = torch.from_numpy(tile_req).to(device)
         md.tile_q_start = torch.from_numpy((tile_idx * tile_block_m).astype(np.int32)).to(device)
+    mds = [md]
+    for (_, sm), bt in zip(group_tables, bts[1:], strict=True):
+        mds.append(
+            dataclasses.replace(
+                md,
+                slot_mapping=torch.from_numpy(np.asarray(sm, dtype=np.int64)).to(device),
+                block_table=torch.from_numpy(bt).to(device),
+                prefills=[],
+            )
+        )
+    if len(mds) > 1:
+        md.groups = mds
     if device.type == "cuda":
         return md
 
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
         nblk = int(-(-dec_lens.max() // block_size))
-        ids = bt[:num_decodes, :nblk].astype(np.int64)
         # Blocks past a row's length may hold anything (0 from the padding): they are masked.
         col = np.arange(nblk)[None, :]
-        ids = np.where(col * block_size < dec_lens[:, None], ids, 0)
-        md.decode_num_blocks = nblk
-        if cpu_decode_kernel_available():
-            md.decode_kernel = True
-            md.decode_block_table = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32))
-            md.decode_seq_lens = torch.from_numpy(dec_lens.astype(np.int32))
+        live = col * block_size < dec_lens[:, None]
+        kernel = cpu_decode_kernel_available()
+        if kernel:
+            dec_seq_lens = torch.from_numpy(dec_lens.astype(np.int32))
         else:
-            md.decode_block_ids = torch.from_numpy(ids.reshape(-1))
             pos = torch.arange(nblk * block_size)
             mask = pos[None, :] < torch.from_numpy(dec_lens)[:, None]
-            md.decode_mask = mask[None, :, None, :]
+            dec_mask = mask[None, :, None, :]
+        for m, bt in zip(mds, bts, strict=True):
+            ids = np.where(live, bt[:num_decodes, :nblk].astype(np.int64), 0)
+            m.decode_num_blocks = nblk
+            if kernel:
+                m.decode_kernel = True
+                m.decode_block_table = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32))
+                m.decode_seq_lens = dec_seq_lens
+            else:
+                m.decode_block_ids = torch.from_numpy(ids.reshape(-1))
+                m.decode_mask = dec_mask
     for i in range(num_decodes, num_reqs):
         start, end, nc = int(cu[i]), int(cu[i + 1]), int(num_computed[i])
         if nc == 0:
-            md.prefills.append(PrefillChunk(start, end, 0, None, None))
+            for m in mds:
+                m.prefills.append(PrefillChunk(start, end, 0, None, None))
             continue
         ctx = nc + (end - start)
         nblk = -(-ctx // block_size)
         q_pos = torch.arange(nc, ctx)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-        ids = torch.from_numpy(bt[i, :nblk].astype(np.int64))
-        md.prefills.append(PrefillChunk(start, end, nc, ids, mask))
+        for m, bt in zip(mds, bts, strict=True):
+            ids = torch.from_numpy(bt[i, :nblk].astype(np.int64))
+            m.prefills.append(PrefillChunk(start, end, nc, ids, mask))
     if md.prefills and prefill_kernel_available():
-        md.prefill_starts = torch.from_numpy(cu[num_decodes:num_reqs].astype(np.int32))
-        md.prefill_lens = torch.from_numpy(query_lens[num_decodes:].astype(np.int32))
-        md.prefill_computed = torch.from_numpy(num_computed[num_decodes:].astype(np.int32))
-        md.prefill_block_table = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:]))
+        starts = torch.from_numpy(cu[num_decodes:num_reqs].astype(np.int32))
+        lens = torch.from_numpy(query_lens[num_decodes:].astype(np.int32))
+        computed = torch.from_numpy(num_computed[num_decodes:].astype(np.int32))
+        for m, bt in zip(mds, bts, strict=True):
+            m.prefill_starts, m.prefill_lens, m.prefill_computed = starts, lens, computed
+            m.prefill_block_table = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:]))
     return md
 
 
@@ -205,6 +236,8 @@ def paged_attention(
     `k`, `v` are [T, Hkv, D] for the same tokens; Hq must be a multiple of Hkv.
     """
     k_cache, v_cache = kv_cache
+    if attn_metadata.groups is not None:
+        attn_metadata = attn_metadata.for_cache(kv_cache)
     if q.is_cuda:
         from vx.gpu.attention import triton as triton_attention
 

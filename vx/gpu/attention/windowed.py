@@ -17,7 +17,9 @@ q, k, v, the layer's KV cache, the step's metadata, the scale): it writes the ne
 
 Window semantics are HF's (`masking_utils.sliding_window_overlay`): query position p sees key
 positions (p - window, p], `window` keys including itself. Neither path reads a key before a
-query's window, so the blocks holding only such keys may have been freed and reused.
+query's window, so the blocks holding only such keys may have been freed and reused (their
+table entries then name block 0, or a block another request now holds). A model with global
+and windowed layers reads each layer's own group's table (`AttentionMetadata.for_cache`).
 
 Invariants: the fused CPU step never sees a windowed or soft-capped layer: a model whose
 layers need this gives them this `attn_fn`, which the fused CPU step declines
@@ -58,6 +60,8 @@ class WindowedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
         k_cache, v_cache = kv_cache
+        if md.groups is not None:
+            md = md.for_cache(kv_cache)
         window, cap = self.window or 0, self.softcap or 0.0
         if q.is_cuda:
             from vx.gpu.attention import triton as triton_attention

@@ -18,8 +18,9 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
 
 The fused CPU step declines these blocks (they are not the Llama ones). A model here is not
 CUDA-graph capturable where a layer takes the windowed attention (it reads lengths back).
-No block is freed as windows slide: the global layers read whole contexts, and vx keeps one
-KV group (`vx.core.kv_cache_manager` frees blocks only when every layer is windowed).
+The KV cache keeps a group per kind of layer (`vx.gpu.kv_cache.kv_cache_groups`): the windowed
+layers' blocks are freed as their windows slide, the global layers' kept
+(`vx.core.hybrid_kv_cache_manager`).
 """
 
 from __future__ import annotations
