@@ -18,12 +18,17 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_serve_flag_turns_drafts_on_and_async_scheduling_off() -> None:
+def test_serve_flag_turns_drafts_on_and_keeps_async_scheduling() -> None:
     config = cli.engine_config_from_args(
         _args("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     )
     assert config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    assert config.speculative.enabled and not config.scheduler.async_scheduling
+    assert config.speculative.enabled and config.scheduler.async_scheduling
+    config.validate()
+    sync = cli.engine_config_from_args(
+        _args("--speculative-config", '{"method": "ngram"}', "--no-async-scheduling")
+    )
+    assert sync.speculative.enabled and not sync.scheduler.async_scheduling
     off = cli.engine_config_from_args(_args())
     assert not off.speculative.enabled and off.scheduler.async_scheduling
 
@@ -62,11 +67,9 @@ def test_validation_names_the_problem(spec: dict, message: str) -> None:
         config.validate()
 
 
-def test_async_scheduling_and_cuda_are_refused() -> None:
+def test_cuda_is_refused() -> None:
     spec = SpeculativeConfig(method="ngram")
-    with pytest.raises(ValueError, match="async scheduling off"):
-        EngineConfig(speculative=spec).validate()
-    config = EngineConfig(scheduler=SchedulerConfig(async_scheduling=False), speculative=spec)
+    config = EngineConfig(speculative=spec)
     config.validate()
     with pytest.raises(ValueError, match="CPU only"):
         msgspec.structs.replace(config, device="cuda").validate()

@@ -73,7 +73,7 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                         '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
-                        'DIR, "num_speculative_tokens": 4}\' (turns async scheduling off)')
+                        'DIR, "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV-cache events for routers over ZMQ, vLLM\'s keys: '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
@@ -181,9 +181,6 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
     small_step_tokens = _small_step_tokens(args, offline)
     speculative = parse_speculative_config(getattr(args, "speculative_config", None))
     async_scheduling = args.async_scheduling
-    if speculative.enabled and async_scheduling:
-        logger.info("speculative decoding: async scheduling off (drafts follow each step)")
-        async_scheduling = False
     config = EngineConfig(
         model=ModelConfig(
             model=args.model,

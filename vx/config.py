@@ -120,8 +120,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     `ngram`: prompt lookup over a request's own tokens (`vx.gpu.spec_decode.ngram`): the
     longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens seen before
-    proposes the `num_speculative_tokens` tokens that followed it. Runs with async scheduling
-    off (a step's drafts come from its own sampled tokens).
+    proposes the `num_speculative_tokens` tokens that followed it. With async scheduling
+    the EngineCore schedules draft slots and the Workers fill them (`vx.gpu.spec_decode.slots`).
 
     `draft_model`: a small model (`model`, resolved to a local directory by the launcher) with
     the target's vocabulary drafts `num_speculative_tokens` greedy tokens per step
@@ -246,8 +246,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError("num_speculative_tokens must be in [1, 16]")
             if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
                 raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-            if s.async_scheduling:
-                raise ValueError("speculative decoding runs with async scheduling off")
             if self.device != "cpu":
                 raise ValueError("speculative decoding is implemented for CPU only")
 

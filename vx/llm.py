@@ -105,8 +105,6 @@ class LLM:
             offline=True,
         )
         speculative = parse_speculative_config(speculative_config)
-        if speculative.enabled:
-            async_scheduling = False  # drafts follow each step's own sampled tokens
         config = EngineConfig(
             model=ModelConfig(
                 model=model,

@@ -296,7 +296,9 @@ class SchedulerOutput(_StepMsg, frozen=True):
     finished_req_ids: list[str]
     preempted_req_ids: list[str] = []
     #: Speculative decoding: each drafting request's draft tokens, scored this step after its
-    #: last known token (its `num_scheduled_tokens` is 1 + len(drafts)).
+    #: last known token (its `num_scheduled_tokens` is 1 + len(drafts)). With async
+    #: scheduling they are slots (-1): the Workers fill them with the drafts they proposed
+    #: after the step before, and score fewer where they have fewer.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     #: `--profile-steps`: when the EngineCore sent it (epoch s; 0 otherwise), so that a Worker
     #: can time its delivery.
@@ -334,6 +336,9 @@ class ModelRunnerOutput(_StepMsg, frozen=True):
     #: `--profile-steps`: when the driver sent it (epoch s; 0 otherwise), so that the
     #: EngineCore can time its delivery.
     sent_at: float = 0.0
+    #: Async scheduling with drafts: how many of each drafting request's draft slots the
+    #: Worker filled with drafts of its own and scored (None: every slot held a draft).
+    spec_num_scored: dict[str, int] | None = None
 
 
 class WorkerReady(_Msg):

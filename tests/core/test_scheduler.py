@@ -446,8 +446,9 @@ def test_drafts_are_scored_and_rejected_positions_rolled_back() -> None:
 
 
 def test_blocks_of_rejected_drafts_are_freed_and_hashes_cover_accepted_tokens() -> None:
-    """A block that held rejected drafts only goes back to the pool at once; the prefix cache
-    hashes the accepted tokens, never a draft."""
+    """A block that held rejected drafts only goes back to the pool when the request is next
+    scheduled (the step sends the computed count the Worker trims its block table to); the
+    prefix cache hashes the accepted tokens, never a draft."""
     s = _spec_scheduler(max_num_batched_tokens=64)
     kv = s.kv_cache_manager
     s.add_request(make_add_request("a", list(range(14)), max_tokens=20, ignore_eos=True))
@@ -459,11 +460,13 @@ def test_blocks_of_rejected_drafts_are_freed_and_hashes_cover_accepted_tokens() 
     assert kv.block_pool.get_num_free_blocks() == free - 1
     s.update_from_output(out, result(out, {"a": [42]}, spec_token_ids={"a": [8, 9]}))
     a = s.requests["a"]
-    assert a.num_computed_tokens == 15 and kv.get_block_ids("a") == [0]  # block 1 is free
-    assert kv.block_pool.get_num_free_blocks() == free
+    assert a.num_computed_tokens == 15 and kv.get_block_ids("a") == [0, 1]
     check(s)
-    out = s.schedule()  # 15-17: a second block again; only the two tokens 42 and 8 hold
+    out = s.schedule()  # 15-17: block 1 freed first, then a second block again
+    assert out.scheduled_cached_reqs.num_computed_tokens == [15]
     (second,) = out.scheduled_cached_reqs.new_block_ids[0]
+    assert kv.block_pool.get_num_free_blocks() == free - 1
+    # only the two tokens 42 and 8 hold
     s.update_from_output(out, result(out, {"a": [8, 5]}))
     assert a.num_computed_tokens == 17 and kv.get_block_ids("a") == [0, second]
     # block 0 is cached over [0..13, 7, 42] (accepted), not [0..13, 7, 8] (drafted)
@@ -472,6 +475,42 @@ def test_blocks_of_rejected_drafts_are_freed_and_hashes_cover_accepted_tokens() 
     out = s.schedule()
     hits = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
     assert hits == {"b": 0, "c": 16}
+    check(s)
+
+
+def test_async_drafts_are_slots_and_the_output_takes_back_the_rejected_ones() -> None:
+    """Async scheduling: a drafting request's next step is scheduled before its drafts come
+    back, as k slots (-1) that count as accepted (computed and placed) until the step's
+    output, which takes back what the Worker did not score or accept."""
+    s = _spec_scheduler(max_num_batched_tokens=64, async_scheduling=True)
+    s.add_request(make_add_request("a", list(range(10)), max_tokens=20, ignore_eos=True))
+    a = s.requests["a"]
+    out0 = s.schedule()  # the prompt
+    out1 = s.schedule()  # its first token's step, before any drafts are known
+    assert out1.num_scheduled_tokens == {"a": 1} and out1.scheduled_spec_decode_tokens == {}
+    s.update_from_output(out0, result(out0, {"a": [7]}, spec_token_ids={"a": [8, 9]}))
+    out2 = s.schedule()
+    assert out2.num_scheduled_tokens == {"a": 4}
+    assert out2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    assert a.num_computed_tokens == 15 and a.num_output_placeholders == 5
+    s.update_from_output(out1, result(out1, {"a": [8]}, spec_token_ids={"a": [9, 5]}))
+    out3 = s.schedule()  # as if out2's three drafts all hold
+    assert out3.scheduled_cached_reqs.num_computed_tokens == [15]
+    assert out3.num_scheduled_tokens == {"a": 4} and a.num_computed_tokens == 19
+    # out2: the Worker had two drafts for the three slots, and one held: 9, then its own 5
+    s.update_from_output(
+        out2, result(out2, {"a": [9, 5]}, spec_token_ids={"a": [1]}, spec_num_scored={"a": 2})
+    )
+    assert a.all_token_ids[10:] == [7, 8, 9, 5]
+    assert a.num_computed_tokens == 17 and a.num_output_placeholders == 4
+    stats = s.make_stats()
+    assert stats.spec_num_draft_tokens_total == 2 and stats.spec_num_accepted_tokens_total == 1
+    check(s)
+    out4 = s.schedule()  # sends 17, the count out3 reaches if its three drafts hold
+    assert out4.scheduled_cached_reqs.num_computed_tokens == [17]
+    s.update_from_output(out3, result(out3, {"a": [1, 2, 3, 4]}))
+    assert a.num_tokens == 18 and a.num_computed_tokens == 21
+    assert a.num_output_placeholders == 4  # out4's token and three slots
     check(s)
 
 

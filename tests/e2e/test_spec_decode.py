@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram drafts, and the default model drafting for itself) through the
-real engine on the default model (bf16).
+real engine on the default model (bf16), with async scheduling (the default) unless said.
 
 With `--batch-invariant` a row's logits do not depend on the rows beside it, so speculation
 must give the very tokens and logprobs of the run without it: greedy and seeded, batched, at a
@@ -58,7 +58,12 @@ def invariant_reference() -> list[Any]:
 
 def test_invariant_outputs_are_the_same_with_drafts(invariant_reference: list[Any]) -> None:
     want = invariant_reference
-    for kwargs in ({}, {"max_num_batched_tokens": 16}, {"num_blocks": 16, "max_num_seqs": 3}):
+    # async scheduling (the default: draft slots) and without it (drafts sent)
+    for kwargs in (
+        {},
+        {"max_num_batched_tokens": 16, "async_scheduling": False},
+        {"num_blocks": 16, "max_num_seqs": 3},
+    ):
         with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC, **kwargs) as llm:
             assert _run(llm) == want, kwargs
             assert _run(llm) == want, kwargs  # prefix hits
@@ -168,9 +173,10 @@ JSON_PROMPTS = [
 
 
 def test_constrained_requests_draft_within_their_grammar() -> None:
-    """A json_schema request drafts (n-gram): each scored position is masked by the state its
-    grammar reaches after the drafts before it, and the matcher keeps only the emitted tokens,
-    so with `--batch-invariant` the output is valid and the same as without drafts."""
+    """A json_schema request drafts (n-gram, then the draft model): each scored position is
+    masked by the state its grammar reaches after the drafts before it, and the matcher keeps
+    only the emitted tokens, so with `--batch-invariant` the output is valid and the same as
+    without drafts; the draft model's own drafts are masked so too."""
     import json
 
     from vx import StructuredOutputsParams
@@ -198,3 +204,16 @@ def test_constrained_requests_draft_within_their_grammar() -> None:
         assert set(json.loads(text)) == {"days"}
     logger.info("constrained: %d of %d drafts accepted", stats["spec_num_accepted_tokens_total"],
                 stats["spec_num_draft_tokens_total"])  # fmt: skip
+    # The default model drafting for itself: its drafts are masked by the grammar too, so
+    # every greedy draft is the target's own masked argmax, and holds, even where the model
+    # left alone would write prose (the last prompt).
+    spec = {"method": "draft_model", "model": ModelConfig().model, "num_speculative_tokens": 3}
+    with LLM(num_threads=2, batch_invariant=True, speculative_config=spec) as llm:
+        greedy = [(c.token_ids, c.text, c.finish_reason)
+                  for r in llm.generate([*JSON_PROMPTS, "Once upon a time, by the sea,"],
+                                        params[0], use_tqdm=False)
+                  for c in r.outputs]  # fmt: skip
+        stats = llm.call_utility("get_stats")
+    assert greedy[: len(JSON_PROMPTS)] == want[: len(JSON_PROMPTS)]
+    assert stats["spec_num_draft_tokens_total"] > 20, stats
+    assert stats["spec_num_accepted_tokens_total"] == stats["spec_num_draft_tokens_total"], stats

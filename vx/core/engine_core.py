@@ -394,8 +394,13 @@ class EngineCore:
 
 
 def _carries_prefill(scheduler_output: messages.SchedulerOutput) -> bool:
-    """More tokens than requests: some request is in a prefill (or prefix-recompute) chunk."""
-    return scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
+    """More tokens than requests, drafts aside: some request is in a prefill (or
+    prefix-recompute) chunk."""
+    num_tokens = scheduler_output.total_num_scheduled_tokens
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if spec:
+        num_tokens -= sum(map(len, spec.values()))
+    return num_tokens > len(scheduler_output.num_scheduled_tokens)
 
 
 def run_engine_core(

@@ -42,6 +42,8 @@ __all__ = ["Scheduler"]
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+#: A draft slot (async scheduling): the Worker puts its own draft there, or scores none.
+_DRAFT_SLOT = -1
 _NONES = itertools.repeat(None)
 _FINISHED = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
@@ -69,7 +71,11 @@ class Scheduler:
     - the preemption victim is always the tail of `running`; it goes to the front of `waiting`,
       and nothing is admitted in a step that preempted;
     - with `batch_invariant`, no step's tokens of a request cross its prompt's end, and past it
-      a request takes one token a step (`_invariant_cap`).
+      a request takes one token a step (`_invariant_cap`);
+    - speculative decoding: a running request scheduled again holds exactly the blocks of its
+      computed tokens before its new ones (`free_past`), the Worker's block table too; with
+      async scheduling a step in flight counts all its drafts as computed and placed until
+      its output, which takes back the rejected ones (`_count_accepted`).
     """
 
     def __init__(
@@ -104,6 +110,10 @@ class Scheduler:
         #: Speculative decoding: drafts scored and accepted, in total and by draft position.
         self.speculative = config.speculative.enabled
         k = config.speculative.num_speculative_tokens if self.speculative else 0
+        #: The draft slots a drafting request gets a step under async scheduling, where the
+        #: Worker fills them with the drafts it proposed after the step in flight (this process
+        #: has not seen them yet) and scores fewer if it has fewer.
+        self.num_spec_tokens = k
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self.num_accepted_by_position = [0] * k
@@ -251,6 +261,8 @@ class Scheduler:
                 # tokens it may still emit (each accepted draft is one, plus its own).
                 if num_computed + num_new == num_known:
                     room = min(budget - num_new, request.max_num_tokens - num_known - 1)
+                    if is_async:  # slots: the Worker holds the drafts (`_DRAFT_SLOT`)
+                        drafts = [_DRAFT_SLOT] * self.num_spec_tokens
                     drafts = drafts[: max(room, 0)]
                     num_new += len(drafts)
                 else:
@@ -260,6 +272,11 @@ class Scheduler:
             if num_new <= 0 or num_known >= request.max_num_tokens:
                 i += 1
                 continue
+            if self.speculative:
+                # Blocks past its computed tokens held rejected drafts only; the Worker drops
+                # them by the same rule from the computed count this step sends
+                # (`InputBatch.update`), before appending the new ones.
+                self.kv_cache_manager.free_past(request, num_computed)
             new_block_ids = allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = running.pop()
@@ -284,8 +301,10 @@ class Scheduler:
                 num_prefill_tokens += min(num_new, request.num_prompt_tokens - num_computed)
             num_computed += num_new
             request.num_computed_tokens = num_computed
-            if is_async and num_computed == num_known:
-                request.num_output_placeholders += 1
+            if is_async and num_computed == num_known + len(drafts):
+                # A placeholder for its own token and one for each draft: every draft counts
+                # as accepted until the step's output says how many were.
+                request.num_output_placeholders += 1 + len(drafts)
             budget -= num_new
             i += 1
 
@@ -409,6 +428,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         new_drafts = model_runner_output.spec_token_ids
+        num_scored = model_runner_output.spec_num_scored
         outputs: list[EngineCoreOutput] = []
         emit = outputs.append
         make_output = EngineCoreOutput
@@ -439,13 +459,16 @@ class Scheduler:
                             )
                         )
                     continue
-                if is_async:
-                    n = request.num_output_placeholders - len(token_ids)
-                    request.num_output_placeholders = n if n > 0 else 0
+                num_placed = len(token_ids)
                 if scheduled_drafts:
                     drafts = scheduled_drafts.get(request_id)
                     if drafts:  # its accepted drafts, then its own token
-                        self._count_accepted(request, len(drafts), len(token_ids) - 1)
+                        num_placed = len(drafts) + 1
+                        scored = len(drafts) if num_scored is None else num_scored.get(request_id, 0)
+                        self._count_accepted(request, len(drafts), scored, len(token_ids) - 1)
+                if is_async:
+                    n = request.num_output_placeholders - num_placed
+                    request.num_output_placeholders = n if n > 0 else 0
                 finish_reason = stop_reason = None
                 if len(token_ids) == 1:
                     # Hot path: one token (plain decode), no trimming possible.
@@ -488,17 +511,18 @@ class Scheduler:
             outputs += self._fail_requests(failed)
         return outputs
 
-    def _count_accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A drafting request's step came back with `num_accepted` of its `num_drafts` drafts:
-        the positions of the rejected ones were computed for nothing, so its computed count
-        goes back by them, and the blocks past it, which held rejected drafts only, go back to
-        the pool (the Worker drops them from its block table by the same rule,
-        `vx.gpu.spec_decode.verifier.accept_drafts`)."""
-        if not 0 <= num_accepted <= num_drafts:
-            raise RuntimeError(f"{num_accepted} accepted of {num_drafts} drafts")
-        request.num_computed_tokens -= num_drafts - num_accepted
-        if num_accepted < num_drafts:
-            self.kv_cache_manager.free_past(request, request.num_computed_tokens)
+    def _count_accepted(
+        self, request: Request, num_slots: int, num_drafts: int, num_accepted: int
+    ) -> None:
+        """A drafting request's step, scheduled with `num_slots` drafts, came back with
+        `num_accepted` of the `num_drafts` it scored (fewer than its slots where the Worker
+        had fewer drafts, async scheduling): the positions past the accepted ones were
+        computed for nothing, or not at all, so its computed count goes back by them. The
+        blocks past it held rejected drafts only: they go back to the pool when it is next
+        scheduled (`schedule`), where the Worker drops them too."""
+        if not 0 <= num_accepted <= num_drafts <= num_slots:
+            raise RuntimeError(f"{num_accepted} accepted of {num_drafts} drafts, {num_slots} slots")
+        request.num_computed_tokens -= num_slots - num_accepted
         self.num_draft_tokens_total += num_drafts
         self.num_accepted_tokens_total += num_accepted
         by_position = self.num_accepted_by_position

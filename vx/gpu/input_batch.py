@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from vx.config import BLOCK_SIZE
 from vx.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from vx.sampling_params import SamplingParams
 
@@ -43,9 +44,17 @@ class InputBatch:
     """
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, num_groups: int = 1
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        num_groups: int = 1,
+        *,
+        speculative: bool = False,
     ) -> None:
         self.max_num_reqs = max_num_reqs
+        #: speculative decoding: steps score drafts, and `update` drops rejected ones' blocks
+        self.speculative = speculative
         self.max_model_len = max_model_len
         self.max_num_blocks_per_req = max_num_blocks_per_req
         # +1 column: the token sampled at the very last position is kept although it is never
@@ -119,13 +128,27 @@ class InputBatch:
         return row
 
     def update(self, cached: CachedRequestData) -> None:
-        """Append new block ids and set the computed counts of requests already here."""
+        """Append new block ids and set the computed counts of requests already here.
+
+        Speculative decoding (`speculative`): first each request's block table goes back to
+        the blocks of its computed tokens (those past them held rejected drafts only, and the
+        scheduler freed them by the same rule, `Scheduler.schedule`). The scheduler's computed
+        count may run ahead of this batch's by the drafts rejected in the step before, whose
+        output it had not seen (async scheduling): the lower count holds."""
+        spec = self.speculative
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             row = self.req_id_to_index.get(req_id)
             if row is None:
                 raise KeyError(f"cached request {req_id!r} is not in the batch")
+            if spec:
+                keep = -(-num_computed // BLOCK_SIZE)
+                if self.num_blocks[row] > keep:
+                    self.num_blocks[row] = keep
+                own = int(self.num_computed_tokens[row])
+                if own < num_computed:
+                    num_computed = own
             if block_ids:
                 self._append_blocks(row, block_ids)
             self.num_computed_tokens[row] = num_computed

@@ -50,6 +50,7 @@ from vx.gpu.sample.greedy import fused_greedy_step
 from vx.gpu.sample.step_sampler import StepSampler
 from vx.gpu.spec_decode.draft_model import DraftModelProposer
 from vx.gpu.spec_decode.ngram import NgramProposer
+from vx.gpu.spec_decode.slots import DraftSlots
 from vx.gpu.spec_decode.verifier import accept_drafts, roll_back
 from vx.messages import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -125,6 +126,11 @@ class ModelRunner:
         #: draft model.
         self.proposer: NgramProposer | DraftModelProposer | None = None
         sp = config.speculative
+        #: async scheduling with drafts: the scheduler sends draft slots, and every rank fills
+        #: them with its own proposals (`vx.gpu.spec_decode.slots`)
+        self.draft_slots = (
+            DraftSlots() if sp.enabled and config.scheduler.async_scheduling else None
+        )
         if sp.method == "ngram":
             self.proposer = NgramProposer(
                 sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max
@@ -171,6 +177,7 @@ class ModelRunner:
             self.max_model_len,
             math.ceil(self.max_model_len / BLOCK_SIZE),
             self.kv_groups.num_groups,
+            speculative=self.config.speculative.enabled,
         )
         from vx.gpu.sample.matchers import GrammarMatchers
 
@@ -188,6 +195,7 @@ class ModelRunner:
                 device=self.device,
                 batch_invariant=self.config.batch_invariant,
                 tokens_as_decodes=self.tokens_as_decodes,
+                matchers=self.matchers,
             )
 
     def _load_weights(self, path: str) -> torch.nn.Module:
@@ -358,6 +366,11 @@ class ModelRunner:
         if self.proposer is not None:  # preempted ones are judged afresh when they resume
             for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
                 self.proposer.retire(req_id)
+                if self.draft_slots is not None:
+                    self.draft_slots.drop(req_id)
+        num_scored = None
+        if self.draft_slots is not None and so.scheduled_spec_decode_tokens:
+            so, num_scored = self.draft_slots.fill(so)
         matchers = self.matchers
         if matchers is not None and (matchers.num_active or so.scheduled_new_reqs):
             matchers.apply(so)
@@ -460,7 +473,7 @@ class ModelRunner:
         # less a drafting request's rejected drafts.
         computed = inputs.num_computed + inputs.query_lens
         if inputs.num_drafts is not None:
-            roll_back(batch, inputs.rows, inputs.num_drafts, sampled_lists, computed)
+            roll_back(inputs.num_drafts, sampled_lists, computed)
         batch.num_computed_tokens[inputs.rows] = computed
         prompt_logprobs = None
         if wants_prompt_logprobs:
@@ -476,6 +489,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             execute_time_s=time.perf_counter() - t0,
             spec_token_ids=self._propose(inputs, sampled_lists),
+            spec_num_scored=num_scored,
         )
 
     def _stage_forward(
@@ -522,12 +536,15 @@ class ModelRunner:
         proposer = self.proposer
         if proposer is None:
             return None
-        if self.rank != 0 and not isinstance(proposer, DraftModelProposer):
+        slots = self.draft_slots
+        if self.rank != 0 and slots is None and not isinstance(proposer, DraftModelProposer):
             return {}
         assert self.input_batch is not None
         drafts = proposer.propose_batch(
             self.input_batch, inputs.req_ids, inputs.rows, sampled, inputs.num_computed
         )
+        if slots is not None:  # every rank keeps them: the next step's slots take them
+            slots.keep(inputs.req_ids, sampled, drafts)
         return drafts if self.rank == 0 else {}
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:

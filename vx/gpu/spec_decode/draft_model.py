@@ -21,7 +21,9 @@ draft equal to the target gives the target's logits there, and each greedy draft
 
 Drafts are the draft model's argmax (EOS masked while short of min_tokens, as the target's): q
 is one-hot, and the verifier's acceptance is exact rejection sampling
-(`vx.gpu.spec_decode.verifier`).
+(`vx.gpu.spec_decode.verifier`). A request with a grammar drafts within it: draft j is the
+argmax over the tokens its grammar allows after drafts[:j] (`GrammarMatchers.mask_logits`,
+which walks the drafts and rolls back), so its drafts are ones the target may accept.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from vx.gpu.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from vx.gpu.input_batch import InputBatch
+    from vx.gpu.sample.matchers import GrammarMatchers
 
 __all__ = ["DraftModelProposer"]
 
@@ -60,8 +63,11 @@ class DraftModelProposer(Proposer):
         device: torch.device,
         batch_invariant: bool,
         tokens_as_decodes: bool,
+        matchers: GrammarMatchers | None = None,
     ) -> None:
         super().__init__()
+        #: the target's grammar state (after each step's emitted tokens, when drafts are made)
+        self.matchers = matchers
         if not 1 <= k <= BLOCK_SIZE:
             raise ValueError(f"num_speculative_tokens must be in [1, {BLOCK_SIZE}], got {k}")
         if model.vocab_size != vocab_size:
@@ -136,7 +142,7 @@ class DraftModelProposer(Proposer):
                 break
             pos = end[d] + j - 1  # the position of draft j (0-based: j - 1), fed now
             drafts[d, j] = self._decode_pass(
-                batch, rows[d], drafts[d, j - 1], pos, tables[d], j
+                batch, rows[d], drafts[d, j - 1], pos, tables[d], j, drafts[d, :j]
             )
         return {
             req_ids[i]: drafts[i, : int(num[i])].tolist() for i in np.flatnonzero(drafting)
@@ -207,8 +213,10 @@ class DraftModelProposer(Proposer):
         positions: np.ndarray,
         tables: np.ndarray,
         j: int,
+        before: np.ndarray,
     ) -> np.ndarray:
-        """Feed each row's draft `j - 1` at `positions` (a decode row each); draft j."""
+        """Feed each row's draft `j - 1` at `positions` (a decode row each); draft j
+        (`before[i]`: row i's drafts so far)."""
         ones = np.ones(len(rows), dtype=np.int64)
         md = self._metadata(ones, positions, tables, tables, positions, len(rows))
         fused, head = self.fused, getattr(self.model, "lm_head", None)
@@ -219,11 +227,22 @@ class DraftModelProposer(Proposer):
             done = fused.greedy_decode(head, ids_t, pos_t, self.kv_caches, md)
             if done is not None:
                 hidden, ids = done
-                if ids is not None and not self._short_of_min_tokens(batch, rows, j):
+                if (
+                    ids is not None
+                    and not self._short_of_min_tokens(batch, rows, j)
+                    and not self._constrained(batch, rows)
+                ):
                     return np.asarray(ids, dtype=np.int64)
-                return self._argmax(batch, rows, hidden, j)
+                return self._argmax(batch, rows, hidden, j, before)
         hidden = self._forward(input_ids, positions, md, None)
-        return self._argmax(batch, rows, hidden, j)
+        return self._argmax(batch, rows, hidden, j, before)
+
+    def _constrained(self, batch: InputBatch, rows: np.ndarray) -> list[int]:
+        """The indices of `rows` whose request follows a grammar."""
+        m = self.matchers
+        if m is None or not m.num_active:
+            return []
+        return [i for i, r in enumerate(rows.tolist()) if m.is_constrained(batch.req_ids[r])]
 
     @staticmethod
     def _short_of_min_tokens(batch: InputBatch, rows: np.ndarray, num_drafts: int) -> bool:
@@ -270,19 +289,28 @@ class DraftModelProposer(Proposer):
         return hidden
 
     def _argmax(
-        self, batch: InputBatch, rows: np.ndarray, hidden: torch.Tensor, num_drafts: int
+        self,
+        batch: InputBatch,
+        rows: np.ndarray,
+        hidden: torch.Tensor,
+        num_drafts: int,
+        drafts: np.ndarray | None = None,
     ) -> np.ndarray:
         """The draft model's greedy token for each row, `num_drafts` drafts past its known
-        tokens: the target's C argmax where it takes the rows, else the logits' argmax with
-        the ids min_tokens masks at -inf."""
+        tokens (`drafts[i]`, row i's): the target's C argmax where it takes the rows and none
+        has a grammar, else the logits' argmax with the ids min_tokens masks and those its
+        grammar forbids after the drafts at -inf."""
         if not rows.size:
             return np.zeros(0, dtype=np.int64)
+        constrained = self._constrained(batch, rows)
         before = np.full(len(rows), num_drafts, dtype=np.int64)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not constrained:
             ids = greedy_tokens(self.model, batch, hidden, rows, before)
             if ids is not None:
                 return np.asarray(ids, dtype=np.int64)
         logits = self.model.compute_logits(hidden).float()
+        if constrained:
+            self._mask_grammar(logits, batch, rows, constrained, drafts)
         for j, row in enumerate(rows.tolist()):
             p = batch.sampling_params[row]
             if p.min_tokens:
@@ -293,3 +321,22 @@ class DraftModelProposer(Proposer):
                 if masked:
                     logits[j, sorted(masked)] = float("-inf")
         return logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+
+    def _mask_grammar(
+        self,
+        logits: torch.Tensor,
+        batch: InputBatch,
+        rows: np.ndarray,
+        constrained: list[int],
+        drafts: np.ndarray | None,
+    ) -> None:
+        """Mask row i (of `constrained`) of `logits` by the state its grammar reaches after
+        `drafts[i]`: the matcher masks one row per draft position (the last is this one's)."""
+        m = self.matchers
+        assert m is not None
+        for i in constrained:
+            req_id = batch.req_ids[int(rows[i])]
+            d = [] if drafts is None else drafts[i].tolist()
+            block = logits[i : i + 1].repeat(len(d) + 1, 1)
+            m.mask_logits(block, [req_id] * (len(d) + 1), {req_id: d} if d else None)
+            logits[i] = block[-1]

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vx.config import BLOCK_SIZE
 from vx.messages import SAMPLE_FAILED, Logprobs
 
 if TYPE_CHECKING:
@@ -86,21 +85,16 @@ def accept_drafts(
 
 
 def roll_back(
-    batch: InputBatch,
-    rows: np.ndarray,
     num_drafts: np.ndarray,
     sampled_lists: list[list[int]],
     computed: np.ndarray,
 ) -> None:
     """A step with drafts: `computed[i]` (request i's computed count after the step, as
-    scheduled) goes back by its rejected drafts, and its blocks past them, which held rejected
-    drafts only, leave its block table: the scheduler frees them by the same rule
-    (`Scheduler._count_accepted`), and appends the blocks it holds next after the kept ones."""
+    scheduled) goes back by its rejected drafts. Its blocks past them, which held rejected
+    drafts only, stay in its block table until the request is next scheduled: the scheduler
+    frees them then, and the batch drops them by the same rule (`InputBatch.update`); a step
+    scheduled before this one's output (async scheduling) still counts them."""
     for i, toks in enumerate(sampled_lists):
         rejected = int(num_drafts[i]) + 1 - len(toks) if toks else 0
         if rejected > 0:
             computed[i] -= rejected
-            row = int(rows[i])
-            keep = -(-int(computed[i]) // BLOCK_SIZE)
-            if batch.num_blocks[row] > keep:
-                batch.num_blocks[row] = keep
