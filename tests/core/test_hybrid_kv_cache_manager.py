@@ -4,6 +4,7 @@ group, and the scheduler over it (chunks, shared prefixes, preemption, async).""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from vx.core.block_pool import NULL_BLOCK
@@ -339,6 +340,12 @@ def test_random_traffic_reads_only_live_blocks(seed: int) -> None:
         async_scheduling=not spec and seed % 2 == 0, max_num_seqs=rng.randint(2, 8),
         enable_prefix_caching=seed % 5 != 4,
     )  # fmt: skip
+    if spec:  # the scheduler frees rejected drafts' blocks only where speculation is on
+        from vx.config import SpeculativeConfig
+
+        config = msgspec.structs.replace(
+            config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+        )
     s = Scheduler(config, rng.randint(30, 80), group_windows=windows)
     shared = [rng.randint(1, 49) for _ in range(rng.randint(0, 60))]
     for i in range(rng.randint(3, 10)):
