@@ -184,6 +184,26 @@ def test_fused_rms_norm_matches_torch_path(rows: int, with_residual: bool, monke
 
 
 @needs_eltwise
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_head_rms_norm_in_place_equals_the_fused_norm(rows: int) -> None:
+    """Qwen3's q / k norms in place in the qkv GEMM's output (heads 128 apart, row stride past
+    them): each head's bits are the row norm's (`fused_add_rms_norm`) on that head, and the
+    columns after the heads are untouched."""
+    g = torch.Generator().manual_seed(6)
+    d, nh = 128, 4
+    norm = RMSNorm(d, 1e-6, dtype=torch.bfloat16, device=torch.device("cpu"))
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(d, generator=g))
+    qkv = (torch.randn(rows, (nh + 2) * d, generator=g) * 3).to(torch.bfloat16)
+    heads = qkv[:, : nh * d].view(rows, nh, d)
+    want = fused_add_rms_norm(heads.reshape(-1, d), None, norm.weight, norm.eps)
+    assert want is not None
+    rest = qkv[:, nh * d :].clone()
+    norm.norm_heads_(heads)
+    assert torch.equal(heads.reshape(-1, d), want[0])
+    assert torch.equal(qkv[:, nh * d :], rest)
+
+
+@needs_eltwise
 @pytest.mark.parametrize("rows", [1, 9, 200])
 def test_fused_silu_and_mul_matches_torch(rows: int, monkeypatch) -> None:
     g = torch.Generator().manual_seed(4)

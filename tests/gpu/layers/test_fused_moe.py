@@ -157,6 +157,25 @@ def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeyp
     _check_bf16(got, moe_reference(x, moe.w13, moe.w2, weights, ids))
 
 
+@pytest.mark.parametrize("weights_in_fp32", [False, True])
+@pytest.mark.parametrize("tokens", [1, 6, 300])
+def test_cpu_experts_c_glue_is_the_torch_glue(tokens: int, weights_in_fp32: bool) -> None:
+    """bf16: the C grouping and weighted sum (`vx/gpu/cpu/csrc/moe.c`) give the torch glue's
+    bits, with Mixtral's fp32 weights and Qwen3-MoE's bf16 ones; an out-of-range id is refused."""
+    moe = _cpu_moe(torch.bfloat16)
+    experts = moe.experts_fn
+    if load_cpu_kernels() is None:
+        pytest.skip("no kernel library here")
+    x, weights, ids = _routed(tokens, torch.bfloat16)
+    if weights_in_fp32:
+        weights = weights.float() * 1.001  # not bf16 values: the fp32 product is rounded once
+    got = experts(x, moe.w13, moe.w2, weights, ids)
+    want = experts._torch_glue(x, weights, ids)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out of range"):
+        experts(x, moe.w13, moe.w2, weights, torch.full_like(ids, E))
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_cpu_experts_weight_only_quantized(method: str, tokens: int) -> None:
