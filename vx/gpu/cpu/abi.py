@@ -55,6 +55,7 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_moe_group_bf16": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "vx_moe_combine_bf16": (None, [_P, _P, _P, _I32, _I64, _I64, _I64, _P]),
     "vx_head_rms_norm_bf16": (None, [_P, _I64, _I64, _I64, _I64, _P, _F32]),
+    "vx_moe_topk_bf16": (None, [_P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _P]),
     # gemv.c
     "vx_has_gemv": _QUERY,
     "vx_gemv_bf16_max_rows": _QUERY,

@@ -15,13 +15,21 @@ from __future__ import annotations
 
 import torch
 
+from vx.gpu.cpu.ops import eltwise_kernels
+
 __all__ = ["group_by_expert", "select_experts"]
 
 
 def select_experts(
     router_logits: torch.Tensor, top_k: int, *, renormalize: bool, weights_in_fp32: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights [T, k], expert ids [T, k] int64), HF's arithmetic."""
+    """[T, E] logits -> (weights [T, k], expert ids [T, k] int64), HF's arithmetic.
+
+    CPU bf16 logits take one C call (`vx_moe_topk_bf16`) for the five torch ops: the same
+    arithmetic up to the last bit of the fp32 softmax (its exp and sum are not torch's)."""
+    fused = _cpu_topk(router_logits, top_k, renormalize, weights_in_fp32)
+    if fused is not None:
+        return fused
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -38,3 +46,22 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host read
     return order, counts
+
+
+def _cpu_topk(
+    logits: torch.Tensor, k: int, renormalize: bool, weights_in_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`select_experts` in C for CPU bf16 logits [T, E] with unit column stride, else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or logits.dim() != 2:
+        return None
+    lib = eltwise_kernels()
+    if lib is None or logits.stride(1) != 1 or not 0 < k <= logits.shape[1]:
+        return None
+    t, e = logits.shape
+    weights = torch.empty(t, k, dtype=torch.float32 if weights_in_fp32 else torch.bfloat16)
+    ids = torch.empty(t, k, dtype=torch.int64)
+    lib.vx_moe_topk_bf16(
+        logits.data_ptr(), logits.stride(0), t, e, k, int(renormalize), int(weights_in_fp32),
+        weights.data_ptr(), ids.data_ptr(),
+    )  # fmt: skip
+    return weights, ids

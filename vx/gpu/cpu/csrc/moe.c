@@ -67,3 +67,41 @@ void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int6
     for (int64_t t = 0; t < T; t++)
         vx_add_rms_norm_bf16(x + t * x_st, D, NULL, NULL, w, x + t * x_st, nh, D, eps);
 }
+
+/* The router's top-k for bf16 logits [T, E] (row stride l_st): softmax in fp32, the k largest
+   probabilities in descending order (equal ones: the lower id first), optionally renormalised
+   to sum to 1 (their sum in slot order, then a division), stored as fp32 (w_f32) or rounded to
+   bf16 into w [T, k], their ids into ids [T, k]. `select_experts`'s arithmetic up to the last
+   bit of the fp32 exp and sum (torch's are vectorised). */
+void vx_moe_topk_bf16(const vx_bf16* logits, int64_t l_st, int64_t T, int64_t E, int64_t k,
+                      int32_t renorm, int32_t w_f32, void* w, int64_t* ids) {
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16* l = logits + t * l_st;
+        float p[E > 0 ? E : 1];
+        float mx = ld_bf16(l[0]);
+        for (int64_t e = 1; e < E; e++) mx = fmaxf(mx, ld_bf16(l[e]));
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; e++) { p[e] = expf(ld_bf16(l[e]) - mx); sum += p[e]; }
+        const float inv = 1.f / sum;
+        for (int64_t e = 0; e < E; e++) p[e] *= inv;
+        float top[k > 0 ? k : 1];
+        int64_t* id = ids + t * k;
+        float wsum = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            id[j] = best;
+            top[j] = p[best];
+            wsum += top[j];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            const float v = renorm ? top[j] / wsum : top[j];
+            if (w_f32) ((float*)w)[t * k + j] = v;
+            else ((vx_bf16*)w)[t * k + j] = st_bf16v(v);
+        }
+    }
+}
