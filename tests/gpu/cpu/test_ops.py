@@ -20,7 +20,7 @@ from vx.gpu.cpu.ops import (
     skinny_gemm,
 )
 from vx.gpu.layers.linear import RMSNorm, silu_and_mul
-from vx.gpu.layers.linear_method import SkinnyLinear, TorchLinear, chain
+from vx.gpu.layers.linear_method import PaddedSkinnyLinear, SkinnyLinear, TorchLinear, chain
 from vx.gpu.layers.quantization import quantize_int8
 
 
@@ -151,6 +151,30 @@ def test_skinny_gemm_is_the_same_whichever_thread_takes_a_block(rows: int, steal
     torch.testing.assert_close(outs[0].float(), want, atol=1e-2, rtol=2**-7)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 3, 32, 192, 193])
+def test_a_narrow_linear_takes_the_padded_skinny_gemm(rows: int) -> None:
+    """A router-wide bf16 linear (8 outputs, no bias) takes the skinny GEMM on its zero-padded
+    copy for the skinny GEMM's rows (oneDNN past them), with the unpadded weight's values: the
+    padded rows add nothing and the view has the layer's N columns."""
+    from vx.gpu.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(
+        256, [8], bias=False, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    w = _weight(8, 256, seed=9)
+    layer.weight.data.copy_(w)
+    layer.process_weights_after_loading()  # the weight may be oneDNN's copy after this
+    padded = layer.method.find(PaddedSkinnyLinear)
+    assert padded is not None and padded.padded.shape == (16, 256)
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    got = layer(x)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)
+    assert got.shape == (rows, 8)
+    assert padded.takes(x) == (rows <= bf16_max_rows())
+    assert _bf16_ulps(got, want).max() <= 1
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
