@@ -291,6 +291,9 @@ def select_linear_method(
     - AMX: the skinny GEMM for the fewest rows, vx's AMX GEMM over a VNNI copy for the middle
       rows and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
       epilogue (`VnniWeight(silu=True)`, asked by `silu_and_mul`) and no oneDNN copy;
+    - with the skinny GEMM, a narrow bias-free bf16 weight whose N is not a multiple of 16 (at
+      most `PADDED_SKINNY_MAX_N`: a MoE router) also a zero-padded copy for it
+      (`PaddedSkinnyLinear`);
     - elsewhere (CUDA, fp32): `F.linear`.
     """
     w = layer.weight
