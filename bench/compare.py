@@ -177,7 +177,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
     peers = [p for p in args.peers.split(",") if p]
     if "vllm" in peers:
         if (PEER_DIR / "vllmcpu/bin/python").exists():
-            env = {"VLLM_PORT": str(vllm_port)}
+            # the model vLLM serves is peers.sh's HF_MODEL: the one compared, not its default
+            env = {"VLLM_PORT": str(vllm_port), "HF_MODEL": os.path.abspath(args.model)}
             out.append(Server("vLLM", f"http://127.0.0.1:{vllm_port}", "",
                               ["bash", str(PEERS_SH), "vllm-start"],
                               ["bash", str(PEERS_SH), "vllm-stop"], env,

@@ -20,7 +20,7 @@ from vx.gpu.cpu.ops import (
     skinny_gemm,
 )
 from vx.gpu.layers.linear import RMSNorm, silu_and_mul
-from vx.gpu.layers.linear_method import SkinnyLinear, TorchLinear, chain
+from vx.gpu.layers.linear_method import PaddedSkinnyLinear, SkinnyLinear, TorchLinear, chain
 from vx.gpu.layers.quantization import quantize_int8
 
 
@@ -153,6 +153,30 @@ def test_skinny_gemm_is_the_same_whichever_thread_takes_a_block(rows: int, steal
         assert torch.equal(out, outs[0])
 
 
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 3, 32, 192, 193])
+def test_a_narrow_linear_takes_the_padded_skinny_gemm(rows: int) -> None:
+    """A router-wide bf16 linear (8 outputs, no bias) takes the skinny GEMM on its zero-padded
+    copy for the skinny GEMM's rows (oneDNN past them), with the unpadded weight's values: the
+    padded rows add nothing and the view has the layer's N columns."""
+    from vx.gpu.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(
+        256, [8], bias=False, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    w = _weight(8, 256, seed=9)
+    layer.weight.data.copy_(w)
+    layer.process_weights_after_loading()  # the weight may be oneDNN's copy after this
+    padded = layer.method.find(PaddedSkinnyLinear)
+    assert padded is not None and padded.padded.shape == (16, 256)
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    got = layer(x)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)
+    assert got.shape == (rows, 8)
+    assert padded.takes(x) == (rows <= bf16_max_rows())
+    assert _bf16_ulps(got, want).max() <= 1
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 steps (same-sign values)."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -181,6 +205,26 @@ def test_fused_rms_norm_matches_torch_path(rows: int, with_residual: bool, monke
         assert r is None
     assert _bf16_ulps(out, want[0]).max() <= 1
     assert (out == want[0]).float().mean() >= 0.99
+
+
+@needs_eltwise
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_head_rms_norm_in_place_equals_the_fused_norm(rows: int) -> None:
+    """Qwen3's q / k norms in place in the qkv GEMM's output (heads 128 apart, row stride past
+    them): each head's bits are the row norm's (`fused_add_rms_norm`) on that head, and the
+    columns after the heads are untouched."""
+    g = torch.Generator().manual_seed(6)
+    d, nh = 128, 4
+    norm = RMSNorm(d, 1e-6, dtype=torch.bfloat16, device=torch.device("cpu"))
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(d, generator=g))
+    qkv = (torch.randn(rows, (nh + 2) * d, generator=g) * 3).to(torch.bfloat16)
+    heads = qkv[:, : nh * d].view(rows, nh, d)
+    want = fused_add_rms_norm(heads.reshape(-1, d), None, norm.weight, norm.eps)
+    assert want is not None
+    rest = qkv[:, nh * d :].clone()
+    norm.norm_heads_(heads)
+    assert torch.equal(heads.reshape(-1, d), want[0])
+    assert torch.equal(qkv[:, nh * d :], rest)
 
 
 @needs_eltwise

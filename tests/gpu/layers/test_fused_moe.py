@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from vx.gpu.cpu import vnni as cpu_vnni, widen as cpu_widen
 from vx.gpu.cpu.library import load_cpu_kernels
 from vx.gpu.cpu.vnni import amx_vnni_wanted
+from vx.gpu.layers import moe_routing
 from vx.gpu.layers.fused_moe import FusedMoE, moe_reference, select_experts
 from vx.gpu.layers.quantization import dequantize_int4, quantize_int4, quantize_int8
 
@@ -47,6 +48,34 @@ def test_select_experts_without_renormalisation() -> None:
     probs = torch.softmax(logits.float(), -1)
     assert ids.tolist() == [[3, 2]] and weights.dtype == torch.bfloat16
     torch.testing.assert_close(weights.float(), probs[:, [3, 2]], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("weights_in_fp32", [False, True])
+def test_cpu_topk_is_the_torch_ops(renormalize: bool, weights_in_fp32: bool) -> None:
+    """The C router top-k (CPU bf16 logits) against the torch ops: the same ids (the logits
+    have no ties), weights within the last bits of the fp32 softmax."""
+    if load_cpu_kernels() is None:
+        pytest.skip("no kernel library here")
+    g = torch.Generator().manual_seed(5)
+    perms = torch.stack([torch.randperm(8, generator=g) for _ in range(300)])
+    scale = 0.1 + torch.rand(300, 1, generator=g) * 3
+    wide = torch.zeros(300, 8 + 3)
+    wide[:, :8] = perms * scale  # distinct in each row, in bf16 too
+    logits = wide.to(torch.bfloat16)[:, :8]
+    logits[7] = torch.arange(8)  # ascending: the top ids are the last
+    got = select_experts(logits, 3, renormalize=renormalize, weights_in_fp32=weights_in_fp32)
+    assert moe_routing._cpu_topk(logits, 3, renormalize, weights_in_fp32) is not None  # C
+    probs = torch.softmax(logits.float(), -1)
+    w, ids = torch.topk(probs, 3, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    assert torch.equal(got[1], ids) and got[1][7].tolist() == [7, 6, 5]
+    assert got[0].dtype == (torch.float32 if weights_in_fp32 else torch.bfloat16)
+    torch.testing.assert_close(got[0].float(), w, atol=0, rtol=2e-6 if weights_in_fp32 else 8e-3)
+    tied = select_experts(torch.zeros(1, 8, dtype=torch.bfloat16), 3, renormalize=False,
+                          weights_in_fp32=True)  # fmt: skip
+    assert tied[1].tolist() == [[0, 1, 2]]  # equal probabilities: the lower ids first
 
 
 def test_tensor_parallel_slices_sum_to_the_whole() -> None:
@@ -155,6 +184,25 @@ def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeyp
     x, weights, ids = _routed(tokens, torch.bfloat16)
     got = moe.experts_fn(x, moe.w13, moe.w2, weights, ids)
     _check_bf16(got, moe_reference(x, moe.w13, moe.w2, weights, ids))
+
+
+@pytest.mark.parametrize("weights_in_fp32", [False, True])
+@pytest.mark.parametrize("tokens", [1, 6, 300])
+def test_cpu_experts_c_glue_is_the_torch_glue(tokens: int, weights_in_fp32: bool) -> None:
+    """bf16: the C grouping and weighted sum (`vx/gpu/cpu/csrc/moe.c`) give the torch glue's
+    bits, with Mixtral's fp32 weights and Qwen3-MoE's bf16 ones; an out-of-range id is refused."""
+    moe = _cpu_moe(torch.bfloat16)
+    experts = moe.experts_fn
+    if load_cpu_kernels() is None:
+        pytest.skip("no kernel library here")
+    x, weights, ids = _routed(tokens, torch.bfloat16)
+    if weights_in_fp32:
+        weights = weights.float() * 1.001  # not bf16 values: the fp32 product is rounded once
+    got = experts(x, moe.w13, moe.w2, weights, ids)
+    want = experts._torch_glue(x, weights, ids)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out of range"):
+        experts(x, moe.w13, moe.w2, weights, torch.full_like(ids, E))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -219,3 +219,20 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     lib.vx_rotary_bf16(x.data_ptr(), x.stride(0), t, h, d, c.data_ptr(), s.data_ptr())  # type: ignore[union-attr]
     return True
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """RMSNorm over each head of CPU bf16 x [T, H, D] (heads D apart in each row) IN PLACE with
+    one weight [D], HF Llama's roundings (`fused_add_rms_norm`'s), one C call; False where it
+    does not apply (the caller runs the torch ops). Qwen3's q / k norms on the qkv GEMM's own
+    output: no copies of the heads, no concatenation after them."""
+    lib = eltwise_kernels()
+    if lib is None or x.dim() != 3 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return False
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or weight.dtype != torch.bfloat16:
+        return False
+    if not weight.is_contiguous() or weight.shape != (d,):
+        return False
+    lib.vx_head_rms_norm_bf16(x.data_ptr(), x.stride(0), t, h, d, weight.data_ptr(), eps)  # type: ignore[union-attr]
+    return True

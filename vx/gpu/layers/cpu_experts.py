@@ -15,11 +15,14 @@ rows times top-k over E, rarely past the AMX GEMM's 2,048).
 
 `CpuExperts` keeps `moe_reference`'s contract and its grouping: the (token, slot) pairs are
 sorted by expert and their rows gathered once, each expert the step touches runs its two
-linears on its contiguous run of rows (one host read of the counts per layer), and the
-weighted outputs are scattered back once and each token's k slots summed; experts no token
-picked cost nothing. NOTE: not `index_add_` per expert as the torch experts: on bf16 CPU
-tensors it took most of the layer's time (measured, 64 rows, SmolLM2 widths), and so did
-`sum` over the slots. The slots are added in slot order, the torch experts' adds in expert
+linears on its contiguous run of rows, and the weighted outputs are scattered back once and
+each token's k slots summed; experts no token picked cost nothing. In bf16 the grouping and
+the weighted sum are one C call each (`vx/gpu/cpu/csrc/moe.c`: the counts land in host memory,
+no torch op reads them back); they were ~15 torch ops a layer, a tenth of a 32-row decode step
+of a 1 B MoE (measured). fp32 (and a host without the kernel library) keeps those torch ops,
+`_torch_glue`, the same arithmetic. NOTE: not `index_add_` per expert as the torch experts: on
+bf16 CPU tensors it took most of the layer's time (measured, 64 rows, SmolLM2 widths), and so
+did `sum` over the slots. The slots are added in slot order, the torch experts' adds in expert
 order: the same bits for k = 2 (0 + a, then a + b), maybe not in the last bit for k > 2.
 
 Invariants: expert e's linears read `w13[e]` / `w2[e]`, views of the stacked parameters (no
@@ -28,11 +31,14 @@ copy of the plain weight); the copies a chain keeps are made once, in `CpuExpert
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from vx.gpu.cpu.ops import eltwise_kernels
 from vx.gpu.cpu.vnni import amx_vnni_rows
 from vx.gpu.layers.linear import silu_and_mul
 from vx.gpu.layers.linear_method import WeightForms, select_linear_method
+from vx.gpu.layers.moe_routing import group_by_expert
 
 __all__ = ["CpuExperts", "ExpertLinear"]
 
@@ -90,10 +96,37 @@ class CpuExperts:
         t, k = ids.shape
         if t == 0:
             return torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs t * k + slot, grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()  # the one host read
-        xs = x[order // k]  # each pair's token row, in expert order: one gather
+        lib = eltwise_kernels()
+        if (
+            lib is None
+            or x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or x.stride(-1) != 1
+            or weights.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return self._torch_glue(x, weights, ids)
+        n, h = t * k, x.shape[1]
+        ids = ids.contiguous().to(torch.int64)
+        counts = np.empty(len(self.gate_up), dtype=np.int64)
+        pos = torch.empty(n, dtype=torch.int64)
+        xs = torch.empty(n, h, dtype=torch.bfloat16)
+        rc = lib.vx_moe_group_bf16(
+            x.data_ptr(), x.stride(0), ids.data_ptr(), t, k, len(counts), h,
+            counts.ctypes.data, pos.data_ptr(), xs.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"expert ids out of range [0, {len(counts)})")
+        ys = self._run_experts(xs, counts.tolist())
+        weights = weights.contiguous()
+        out = torch.empty(t, h, dtype=torch.bfloat16)
+        lib.vx_moe_combine_bf16(
+            ys.data_ptr(), pos.data_ptr(), weights.data_ptr(),
+            int(weights.dtype == torch.float32), t, k, h, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def _run_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each touched expert's two linears on its contiguous run of the grouped rows."""
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
@@ -101,6 +134,15 @@ class CpuExperts:
                 rows = slice(start, start + n)
                 ys[rows] = self.down[e](self.gate_up[e].silu_and_mul(xs[rows]))
                 start += n
+        return ys
+
+    def _torch_glue(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The glue in torch ops (fp32, or no kernel library): the same grouping and sums."""
+        t, k = ids.shape
+        order, counts = group_by_expert(ids, len(self.gate_up))
+        ys = self._run_experts(x[order // k], counts)  # each pair's token row, one gather
         # weighted as the torch experts weigh (fp32 where the weights are), rounded to x's
         # dtype, then each token's k slots summed: one scatter, not one per expert
         flat_weights = weights.reshape(-1)[order, None]

@@ -8,9 +8,8 @@ rank holds a slice of every expert (I / tp rows of gate and of up, the matching 
 down) and the partial outputs are all-reduced, as a RowParallelLinear's are; expert
 parallelism (whole experts per rank) is not done.
 
-`select_experts` is the router after its logits: softmax in fp32, top-k, optional
-renormalisation of the k weights to sum to 1 (Mixtral always; Qwen3-MoE by `norm_topk_prob`),
-then the weights in fp32 (Mixtral) or cast to the logits' dtype (Qwen3-MoE), as each HF family.
+The router's top-k (`select_experts`) and the grouping of the routed rows by expert
+(`group_by_expert`) are `vx.gpu.layers.moe_routing`'s.
 
 `moe_reference` is the torch implementation, grouped per expert: the (token, slot) pairs are
 sorted by expert and each expert that the step touches runs one GEMM pair over its tokens, so
@@ -34,21 +33,9 @@ from torch import nn
 
 from vx.gpu.layers.cpu_experts import CpuExperts
 from vx.gpu.layers.linear import _all_reduce, _divide, silu_and_mul
+from vx.gpu.layers.moe_routing import group_by_expert, select_experts
 
 __all__ = ["FusedMoE", "moe_reference", "select_experts"]
-
-
-def select_experts(
-    router_logits: torch.Tensor, top_k: int, *, renormalize: bool, weights_in_fp32: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights [T, k], expert ids [T, k] int64), HF's arithmetic."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if not weights_in_fp32:
-        weights = weights.to(router_logits.dtype)
-    return weights, ids
 
 
 def moe_reference(
@@ -68,9 +55,7 @@ def moe_reference(
     if x.shape[0] == 0:
         return out
     k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the one host read
+    order, counts = group_by_expert(ids, w13.shape[0])  # (token, slot) pairs by expert
     flat_weights = weights.reshape(-1)
     start = 0
     for e, n in enumerate(counts):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul
+from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul, head_rms_norm
 from vx.gpu.cpu.vnni import amx_vnni_rows
 from vx.gpu.layers import triton_ops
 from vx.gpu.layers.linear_method import LinearMethod, TorchLinear, WeightForms
@@ -347,6 +347,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def norm_heads_(self, x: torch.Tensor) -> None:
+        """Normalise each head of x [T, H, D] over D (a weight of D), IN PLACE: one C call on
+        CPU bf16 heads D apart in each row (`head_rms_norm`), else `forward` and a copy back;
+        the same roundings either way. Qwen3's q / k norms in the qkv GEMM's own output."""
+        c_kernel = type(self).forward is RMSNorm.forward  # the C norm is this class's arithmetic
+        if c_kernel and x.device.type == "cpu" and head_rms_norm(x, self.weight, self.eps):
+            return
+        x.copy_(self(x.reshape(-1, x.shape[-1])).view(x.shape))  # type: ignore[union-attr]
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -43,6 +43,7 @@ __all__ = [
     "Fp32PanelLinear",
     "LinearMethod",
     "OneDnnLinear",
+    "PaddedSkinnyLinear",
     "QuantizedLinear",
     "SkinnyLinear",
     "TorchLinear",
@@ -187,6 +188,34 @@ class SkinnyLinear(LinearMethod):
         return skinny_gemm(x, self.plain, None, bias)
 
 
+class PaddedSkinnyLinear(LinearMethod):
+    """The skinny GEMM on a copy of a narrow bias-free weight padded with zero rows to a
+    multiple of 16 (a MoE router's E outputs: the AMX skinny GEMM takes N % 16 == 0 past 2
+    rows), its output the first `n` columns of the padded product (a view, row stride the
+    padded N). Instead of oneDNN for such a layer's 3-192 rows: its threads are not the C
+    kernels' and each handover between them cost more than the product (measured, a 1 B MoE's
+    router at 32 rows)."""
+
+    __slots__ = ("n", "padded")
+
+    def __init__(self, plain: torch.Tensor) -> None:
+        super().__init__()
+        n, k = plain.shape
+        self.padded = plain.new_zeros(-(-n // 16) * 16, k)
+        self.padded[:n] = plain
+        self.n = n
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return gemv_fits(x, self.padded)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return skinny_gemm(x, self.padded, None, None)[:, : self.n]
+
+
+#: Widest weight (outputs) that gets a `PaddedSkinnyLinear` where N % 16 != 0.
+PADDED_SKINNY_MAX_N = 64
+
+
 class OneDnnLinear(LinearMethod):
     """oneDNN's GEMM on the weight in its blocked layout (`packed`, an opaque mkldnn tensor);
     takes every x, in calls of the rows `vx.gpu.cpu.row_plan` spreads over every thread."""
@@ -262,6 +291,9 @@ def select_linear_method(
     - AMX: the skinny GEMM for the fewest rows, vx's AMX GEMM over a VNNI copy for the middle
       rows and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
       epilogue (`VnniWeight(silu=True)`, asked by `silu_and_mul`) and no oneDNN copy;
+    - with the skinny GEMM, a narrow bias-free bf16 weight whose N is not a multiple of 16 (at
+      most `PADDED_SKINNY_MAX_N`: a MoE router) also a zero-padded copy for it
+      (`PaddedSkinnyLinear`);
     - elsewhere (CUDA, fp32): `F.linear`.
     """
     w = layer.weight
@@ -301,9 +333,17 @@ def select_linear_method(
     # AVX-512 kernels without it.
     plain = w.data if w.device.type == "cpu" and w.dtype == torch.bfloat16 and skinny else None
     packed = prepack(w) if onednn and cpu_prepack_enabled(w) else None
+    padded = (
+        plain is not None
+        and quant is None
+        and layer.bias is None
+        and plain.shape[0] % 16
+        and plain.shape[0] <= PADDED_SKINNY_MAX_N
+    )
     return chain(
         *head,
         VnniLinear(vnni, plain) if vnni is not None else None,
+        PaddedSkinnyLinear(plain) if padded else None,
         SkinnyLinear(plain) if plain is not None else None,
         OneDnnLinear(packed) if packed is not None else TorchLinear(w),
     ), packed

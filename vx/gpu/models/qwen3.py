@@ -35,12 +35,13 @@ class Qwen3Attention(LlamaAttention):
     def project(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        # Each head is a row of the norm: [T * H, D], normalised over D.
-        q = self.q_norm(qkv[:, :q_end].reshape(-1, d)).view(t, -1, d)
-        k = self.k_norm(qkv[:, q_end:k_end].reshape(-1, d)).view(t, -1, d)
-        # q and k in one tensor so the rotary runs once over both (as in LlamaAttention).
-        qk = apply_rotary(torch.cat((q, k), dim=1), *rope)
+        k_end = self.q_size + self.kv_size
+        # Each head is normalised over D in place in the GEMM's output, q and k rotated in
+        # place together (as in LlamaAttention): no copies of the heads.
+        qk = qkv[:, :k_end].view(t, -1, d)
+        self.q_norm.norm_heads_(qk[:, : self.num_heads])
+        self.k_norm.norm_heads_(qk[:, self.num_heads :])
+        qk = apply_rotary(qk, *rope)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, d)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 

@@ -10,6 +10,7 @@
 #include "parallel.c"
 #include "decode_attention.c"
 #include "eltwise.c"
+#include "moe.c"
 #include "gemv.c"
 #include "gemm_vnni.c"
 #include "gemm_amx_vnni.c"
