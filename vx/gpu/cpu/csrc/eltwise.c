@@ -91,6 +91,112 @@ void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residua
             o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
     }
 }
+/* Gemma's RMSNorm (HF's Gemma2RMSNorm) with the residual add fused: r = bf16(x + residual)
+   (when residual), h = fp32(r), out = bf16((h * inv) * (1 + w)), both products in fp32 and
+   nothing rounded between them (Llama's rounds h * inv first). Arguments as
+   vx_add_rms_norm_bf16's; out may be x (each element is read before it is written). */
+void vx_gemma_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
+                            vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T,
+                            int64_t H, float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16* xr = x + t * x_st;
+        vx_bf16* rr = r_out + t * H;
+        float ss = 0.f;
+#if defined(__AVX512BF16__)
+        if (H % 16 == 0) {  /* 16 lanes, the loops' roundings; only the sum's order differs */
+            __m512 acc = _mm512_setzero_ps();
+            if (residual) {
+                const vx_bf16* res = residual + t * H;
+                for (int64_t i = 0; i < H; i += 16) {
+                    const __m512 v = vx_round16_bf16(
+                        _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
+                    vx_st16_bf16(rr + i, v);
+                    acc = _mm512_fmadd_ps(v, v, acc);
+                }
+                xr = rr;
+            } else {
+                for (int64_t i = 0; i < H; i += 16) {
+                    const __m512 v = vx_ld16_bf16(xr + i);
+                    acc = _mm512_fmadd_ps(v, v, acc);
+                }
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+            const __m512 one = _mm512_set1_ps(1.f);
+            vx_bf16* o = out + t * H;
+            for (int64_t i = 0; i < H; i += 16)
+                vx_st16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv),
+                                                  _mm512_add_ps(one, vx_ld16_bf16(w + i))));
+            continue;
+        }
+#endif
+        if (residual) {
+            const vx_bf16* res = residual + t * H;
+            for (int64_t i = 0; i < H; i++) {
+                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
+                rr[i] = v;
+                const float f = ld_bf16(v);
+                ss += f * f;
+            }
+            xr = rr;
+        } else {
+            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
+        }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        vx_bf16* o = out + t * H;
+        for (int64_t i = 0; i < H; i++) {
+            const float h = ld_bf16(xr[i]) * inv;
+            o[i] = st_bf16v(h * (1.f + ld_bf16(w[i])));
+        }
+    }
+}
+/* RMSNorm over each of nh heads (D values, D apart) of each of T rows (row stride x_st), in
+   place: Qwen3's and Gemma 3's q/k norms (`gemma`: vx_gemma_rms_norm_bf16's roundings, else
+   vx_add_rms_norm_bf16's), each head as the module path's [T * nh, D] rows. */
+void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                           const vx_bf16* w, float eps, int gemma) {
+    for (int64_t t = 0; t < T; t++) {
+        vx_bf16* r = x + t * x_st;
+        if (gemma)
+            vx_gemma_rms_norm_bf16(r, D, NULL, NULL, w, r, nh, D, eps);
+        else
+            vx_add_rms_norm_bf16(r, D, NULL, NULL, w, r, nh, D, eps);
+    }
+}
+/* gelu_tanh(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16: GeGLU
+   (HF's gelu_pytorch_tanh), torch's formula 0.5 g (1 + tanh(b (g + k g^3))) in fp32, tanh as
+   (1 - e) / (1 + e) with e = exp(-2|u|) and u's sign (vx_expf, or vx_tanh16: within a few
+   1e-7 of tanhf), then bf16(gelu) and bf16(product) as torch's two ops round. */
+static inline float vx_gelu_tanh(float g) {
+    const float u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const float e = vx_expf(-2.f * fabsf(u));
+    const float th = (1.f - e) / (1.f + e);
+    return 0.5f * g * (1.f + (u >= 0.f ? th : -th));
+}
+void vx_gelu_tanh_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T,
+                               int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (T * I >= 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const vx_bf16* g = gu + t * gu_st;
+        const vx_bf16* u = g + I;
+        vx_bf16* o = out + t * I;
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
+        const __m512 b = _mm512_set1_ps(0.7978845608028654f), k = _mm512_set1_ps(0.044715f);
+        for (; i + 16 <= I; i += 16) {  /* the scalar loop's operations, lane by lane */
+            const __m512 gv = vx_ld16_bf16(g + i);
+            const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+            const __m512 uu = _mm512_mul_ps(b, _mm512_add_ps(gv, _mm512_mul_ps(k, g3)));
+            const __m512 th = vx_tanh16(uu);
+            const __m512 ge = _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, th));
+            vx_st16_bf16(o + i, _mm512_mul_ps(vx_round16_bf16(ge), vx_ld16_bf16(u + i)));
+        }
+#endif
+        for (; i < I; i++)
+            o[i] = st_bf16v(ld_bf16(st_bf16v(vx_gelu_tanh(ld_bf16(g[i])))) * ld_bf16(u[i]));
+    }
+}
 /* silu(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16 with torch's
    roundings: bf16(silu) then bf16(product). */
 static inline float vx_silu_round(float g, float u) {
