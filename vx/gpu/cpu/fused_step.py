@@ -194,8 +194,9 @@ def _screen_head(screen: Any) -> int | None:
 
 
 def _family(model: Any) -> str | None:
-    """"llama" or "gemma" (the C step's two blocks) for a decoder stack of exactly those
-    classes, else None (a family whose stack adds anything runs its module path)."""
+    """The C step's block for a decoder stack of exactly these classes ("llama": the Llama,
+    Qwen3 and Phi-3 layers; "gemma": Gemma 2's and 3's), else None (a family whose stack adds
+    anything, experts, runs its module path)."""
     from vx.gpu.models.gemma import GemmaModel
     from vx.gpu.models.llama import LlamaModel
 
@@ -350,9 +351,8 @@ class FusedDecode:
             if extra is None:
                 logger.info("fused CPU step declined: %s", (type(layer), type(attn), type(mlp)))
                 return None
-            if attn.head_dim % 2 or (attn.scale, attn.rotary_dim) != (
-                attn0.scale, attn0.rotary_dim
-            ):
+            same = (attn.scale, attn.rotary_dim) == (attn0.scale, attn0.rotary_dim)
+            if attn.head_dim % 2 or not same:  # the step's scale and rotary are one for all
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             lins = [_linear_desc(m, avx2) for m in linears]
@@ -447,9 +447,9 @@ class FusedDecode:
         (cos, sin), (cos_l, sin_l) = ((c.reshape(t, -1) for c in r) for r in ropes)
         half = self._rot // 2
         tables = (cos, sin, cos_l, sin_l)
-        if hkv_c != hkv or d_c != d or any(
-            not c.is_contiguous() or c.shape[1] != half for c in tables
-        ):
+        if hkv_c != hkv or d_c != d:
+            return None
+        if any(not c.is_contiguous() or c.shape[1] != half for c in tables):
             return None
         new = torch.empty  # scratch for this step
         residual = new(t, self._hidden, dtype=torch.bfloat16)
