@@ -1,10 +1,17 @@
-"""The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
+"""The fused CPU step: all decoder layers of a dense model in one C call, for steps of up to
 the skinny GEMM's rows (192 with AMX; any number on the VNNI GEMM without it): decode rows, and
 prefill chunks where the C prefill attention takes them (bf16 on AVX512-BF16, head size a
 multiple of 32). On AVX2 CPUs without AVX-512
 it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
 (its bf16 weight) and the AVX2 decode attention: a one-row SmolLM2 step skips the modules'
 per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
+
+The blocks it runs, decided once at load (`_block_extras`, per layer): Llama's (Llama, Mistral,
+Qwen2), with Qwen3's per-head q/k RMSNorms or Phi-3's attention (its partial rotary turning
+the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before and after the
+attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
+step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
+go to the same C attention kernels the module path calls. MoE blocks are declined.
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it
@@ -227,7 +234,7 @@ def _block_extras(layer: Any, family: str, paged: Any) -> tuple[tuple, tuple, tu
     attn, mlp = layer.self_attn, layer.mlp
     fn = attn.attn_fn
     window, softcap = 0, 0.0
-    if isinstance(fn, WindowedAttention) and type(fn) is WindowedAttention:
+    if type(fn) is WindowedAttention:
         window, softcap = fn.window or 0, fn.softcap or 0.0
     elif fn is not paged:
         return None

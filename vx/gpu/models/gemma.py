@@ -16,7 +16,8 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
 - Gemma 3 adds q/k RMSNorms per head, and rotates its sliding layers with their own rope
   (`rope_parameters["sliding_attention"]`: base 10 000) and its global ones with theirs.
 
-The fused CPU step declines these blocks (they are not the Llama ones). A model here is not
+The fused CPU step runs these blocks in C (its Gemma form: the same norm, GeGLU and
+attention kernels as the module path, which takes them on CPU in bf16). A model here is not
 CUDA-graph capturable where a layer takes the windowed attention (it reads lengths back).
 No block is freed as windows slide: the global layers read whole contexts, and vx keeps one
 KV group (`vx.core.kv_cache_manager` frees blocks only when every layer is windowed).

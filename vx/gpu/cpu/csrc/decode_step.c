@@ -1,4 +1,4 @@
-/* The fused CPU step: every decoder layer of a Llama-family model in one call,
+/* The fused CPU step: every decoder layer of a dense model in one call,
    for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
    attention takes them).
 
@@ -12,6 +12,11 @@
    RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
    paged attention (decode rows: the decode kernel; prefill chunks: prefill_amx.c's
    kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+   The other dense families' blocks are this one with what their `vx_layer` / `vx_step` fields
+   say (fixed at load): q/k RMSNorms per head before the rotary (Qwen3, Gemma 3), a partial
+   rotary (R < D: Phi-4-mini), a sliding window and a logit soft-cap per layer (handed to the
+   attention kernels), and Gemma's block: (1 + w) norms, the attention's and the MLP's
+   outputs normed before their residual adds, GeGLU, and a second rope for the local layers.
 
    GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
    `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
