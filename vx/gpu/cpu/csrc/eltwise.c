@@ -35,132 +35,98 @@ static inline void vx_st16_bf16(vx_bf16* p, __m512 v) {
     _mm256_storeu_si256((__m256i*)p, (__m256i)b);
 }
 #endif
-/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
-   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
-   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
-void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
-                          vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
-                          float eps) {
-    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
-    for (int64_t t = 0; t < T; t++) {
-        const vx_bf16* xr = x + t * x_st;
-        vx_bf16* rr = r_out + t * H;
-        float ss = 0.f;
+/* One row of RMSNorm with the residual add fused, bf16 in and out: r = bf16(x + res) into rr
+   (when res), h = fp32(r), then with HF Llama's roundings out = bf16(w * bf16(h / rms(h))), or
+   with `gemma` HF Gemma's, out = bf16((h / rms(h)) * (1 + w)), both products in fp32 and nothing
+   rounded between them. o may be xr (each element is read before it is written). */
+static inline void vx_rms_row(const vx_bf16* xr, const vx_bf16* res, vx_bf16* rr,
+                              const vx_bf16* w, vx_bf16* o, int64_t H, float eps, int gemma) {
+    float ss = 0.f;
 #if defined(__AVX512BF16__)
-        /* 16 lanes, the same roundings as the loops below; only the sum's order differs */
-        if (H % 16 == 0) {
-            __m512 acc = _mm512_setzero_ps();
-            if (residual) {
-                const vx_bf16* res = residual + t * H;
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_round16_bf16(
-                        _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
-                    vx_st16_bf16(rr + i, v);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
-                xr = rr;
-            } else {
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_ld16_bf16(xr + i);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
-            }
-            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
-            vx_bf16* o = out + t * H;
-            for (int64_t i = 0; i < H; i += 16)
-                vx_st16_bf16(o + i, _mm512_mul_ps(vx_ld16_bf16(w + i),
-                                                  vx_round16_bf16(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv))));
-            continue;
-        }
-#endif
-        if (residual) {
-            const vx_bf16* res = residual + t * H;
-            for (int64_t i = 0; i < H; i++) {
-                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
-                rr[i] = v;
-                const float f = ld_bf16(v);
-                ss += f * f;
+    /* 16 lanes, the same roundings as the loops below; only the sum's order differs */
+    if (H % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        if (res) {
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = vx_round16_bf16(
+                    _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
+                vx_st16_bf16(rr + i, v);
+                acc = _mm512_fmadd_ps(v, v, acc);
             }
             xr = rr;
         } else {
-            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
-        }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        vx_bf16* o = out + t * H;
-        for (int64_t i = 0; i < H; i++)
-            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
-    }
-}
-/* Gemma's RMSNorm (HF's Gemma2RMSNorm) with the residual add fused: r = bf16(x + residual)
-   (when residual), h = fp32(r), out = bf16((h * inv) * (1 + w)), both products in fp32 and
-   nothing rounded between them (Llama's rounds h * inv first). Arguments as
-   vx_add_rms_norm_bf16's; out may be x (each element is read before it is written). */
-void vx_gemma_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
-                            vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T,
-                            int64_t H, float eps) {
-    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
-    for (int64_t t = 0; t < T; t++) {
-        const vx_bf16* xr = x + t * x_st;
-        vx_bf16* rr = r_out + t * H;
-        float ss = 0.f;
-#if defined(__AVX512BF16__)
-        if (H % 16 == 0) {  /* 16 lanes, the loops' roundings; only the sum's order differs */
-            __m512 acc = _mm512_setzero_ps();
-            if (residual) {
-                const vx_bf16* res = residual + t * H;
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_round16_bf16(
-                        _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
-                    vx_st16_bf16(rr + i, v);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
-                xr = rr;
-            } else {
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_ld16_bf16(xr + i);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = vx_ld16_bf16(xr + i);
+                acc = _mm512_fmadd_ps(v, v, acc);
             }
-            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+        if (gemma) {
             const __m512 one = _mm512_set1_ps(1.f);
-            vx_bf16* o = out + t * H;
             for (int64_t i = 0; i < H; i += 16)
                 vx_st16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv),
                                                   _mm512_add_ps(one, vx_ld16_bf16(w + i))));
-            continue;
-        }
-#endif
-        if (residual) {
-            const vx_bf16* res = residual + t * H;
-            for (int64_t i = 0; i < H; i++) {
-                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
-                rr[i] = v;
-                const float f = ld_bf16(v);
-                ss += f * f;
-            }
-            xr = rr;
         } else {
-            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
+            for (int64_t i = 0; i < H; i += 16)
+                vx_st16_bf16(o + i, _mm512_mul_ps(vx_ld16_bf16(w + i),
+                                                  vx_round16_bf16(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv))));
         }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        vx_bf16* o = out + t * H;
+        return;
+    }
+#endif
+    if (res) {
+        for (int64_t i = 0; i < H; i++) {
+            const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
+            rr[i] = v;
+            const float f = ld_bf16(v);
+            ss += f * f;
+        }
+        xr = rr;
+    } else {
+        for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
+    }
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    if (gemma) {
         for (int64_t i = 0; i < H; i++) {
             const float h = ld_bf16(xr[i]) * inv;
             o[i] = st_bf16v(h * (1.f + ld_bf16(w[i])));
         }
+    } else {
+        for (int64_t i = 0; i < H; i++)
+            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
     }
 }
+/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings
+   (`vx_rms_row`). x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out:
+   H). */
+void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
+                          vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
+                          float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++)
+        vx_rms_row(x + t * x_st, residual ? residual + t * H : NULL, r_out ? r_out + t * H : NULL,
+                   w, out + t * H, H, eps, 0);
+}
+/* Gemma's RMSNorm (HF's Gemma2RMSNorm: (1 + w) in fp32, `vx_rms_row`), arguments as
+   vx_add_rms_norm_bf16's; out may be x. */
+void vx_gemma_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
+                            vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T,
+                            int64_t H, float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++)
+        vx_rms_row(x + t * x_st, residual ? residual + t * H : NULL, r_out ? r_out + t * H : NULL,
+                   w, out + t * H, H, eps, 1);
+}
 /* RMSNorm over each of nh heads (D values, D apart) of each of T rows (row stride x_st), in
-   place: Qwen3's and Gemma 3's q/k norms (`gemma`: vx_gemma_rms_norm_bf16's roundings, else
-   vx_add_rms_norm_bf16's), each head as the module path's [T * nh, D] rows. */
+   place: Qwen3's and Gemma 3's q/k norms (`gemma`: Gemma's roundings, else Llama's), each head
+   as a row of the module path's [T * nh, D] norm (the same bits): one call for all the step's
+   heads, parallel over them where they are many (prompt steps). */
 void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
                            const vx_bf16* w, float eps, int gemma) {
-    for (int64_t t = 0; t < T; t++) {
-        vx_bf16* r = x + t * x_st;
-        if (gemma)
-            vx_gemma_rms_norm_bf16(r, D, NULL, NULL, w, r, nh, D, eps);
-        else
-            vx_add_rms_norm_bf16(r, D, NULL, NULL, w, r, nh, D, eps);
+    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
+    for (int64_t i = 0; i < T * nh; i++) {
+        vx_bf16* r = x + (i / nh) * x_st + (i % nh) * D;
+        vx_rms_row(r, NULL, NULL, w, r, D, eps, gemma);
     }
 }
 /* gelu_tanh(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16: GeGLU
