@@ -1,8 +1,8 @@
 """`vx.LLM` end to end on the families beyond Llama (issue 50): tiny random models served
 through EngineCore + Workers, fp32 greedy output equal to HF's own class token for token,
 with prefill chunked at 7 tokens and a second run served partly from the prefix cache; and the
-default dtype (bf16 checkpoint), whose steps run the module path (the fused CPU step declines
-these blocks), serves without error; a Qwen3-MoE model under tensor parallelism; and Gemma 2's
+default dtype (bf16 checkpoint), whose steps run the fused CPU step for the dense families
+(the module path for the MoE ones), serves without error; a Qwen3-MoE model under tensor parallelism; and Gemma 2's
 sliding window after preemption.
 """
 
