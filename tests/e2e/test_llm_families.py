@@ -2,11 +2,11 @@
 through EngineCore + Workers, fp32 greedy output equal to HF's own class token for token,
 64 tokens x 8 prompts, with prefill chunked at 7 (and a second run served partly from the
 prefix cache), at 16 under a pool small enough to preempt, and at 33 under TP = 2; and the
-default dtype (bf16 checkpoint), whose steps run the module path (the fused CPU step declines
-these blocks), serves without error; a Qwen3-MoE model under tensor parallelism; Gemma 2's
-sliding window after preemption; and Gemma 2/3's KV-cache groups freeing their windowed layers'
-blocks, so a pool too small for whole contexts serves without preemption (fp32 HF parity, and
-bf16 agreement over the C kernels).
+default dtype (bf16 checkpoint), whose steps run the fused CPU step for the dense families
+(the module path for the MoE ones), serves without error; a Qwen3-MoE model under tensor
+parallelism; Gemma 2's sliding window after preemption; and Gemma 2/3's KV-cache groups
+freeing their windowed layers' blocks, so a pool too small for whole contexts serves without
+preemption (fp32 HF parity, and bf16 agreement over the C kernels).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ fused step's `forward`, one through the model's own (the per-layer modules). Dec
 3-64 and 65-192 rows (AMX, one and two calls per GEMM) take the fused one, and so do prefill and
 mixed steps of up to 192 rows (with AMX VNNI copies, up to 2,048) where the C prefill attention
 takes the chunks (AMX, head size a multiple of 32); it must give the very same logits.
+The dense families' blocks (Qwen3's q/k norms, Phi-4-mini's partial rotary, Gemma 2's and 3's
+norms, GeGLU, windows, soft-caps and local rope) take it alike.
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ CASES = {
     # int4 takes the fused step on AVX2 only (vx_gemv_int4_avx2: K a multiple of 64)
     "llama-int4": ("llama", {"hidden_size": 128, "num_attention_heads": 2,
                              "num_key_value_heads": 1, "intermediate_size": 256}, "int4"),
+    # the other dense families' blocks (head_dim 32: the C prefill attention takes them)
+    "qwen3": ("qwen3", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 32}, None),
+    "phi3-partial": ("phi3", {"hidden_size": 128, "num_attention_heads": 2,
+                              "num_key_value_heads": 1, "partial_rotary_factor": 0.5}, None),
+    # a window of 8 keys on the first layer, soft-caps (tests.models' Gemma configs)
+    "gemma2": ("gemma2", {"hidden_size": 128, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 32,
+                          "query_pre_attn_scalar": 32}, None),
+    "gemma3": ("gemma3", {"hidden_size": 128, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 32,
+                          "query_pre_attn_scalar": 32}, None),
 }  # fmt: skip
 
 
@@ -42,6 +56,8 @@ def _load(tmp_path, case: str):
     path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
     model = load_model(path, dtype=torch.bfloat16, progress=False, quantization=quant)
     fused = FusedDecode.build(model.model)
+    if fused is None and quant is None and load_cpu_kernels().vx_has_decode_step():
+        raise AssertionError(f"the fused step declined {case}'s blocks")
     if fused is None:
         pytest.skip("no fused CPU decode step here (AVX-512 or AVX2 kernels)")
     return model, fused
@@ -143,7 +159,9 @@ def test_fused_decode_over_64_rows(tmp_path) -> None:
     assert _compare(model, fused, 70, steps=2) == 2
 
 
-@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias", "llama-int8"])
+@pytest.mark.parametrize(
+    "case", ["llama-d64", "qwen2-bias", "llama-int8", "gemma3", "phi3-partial"]
+)
 def test_split_decode_steps_equal_module_path(tmp_path, monkeypatch, case: str) -> None:
     """Decode steps as two independent sub-steps (`vx_llama_decode_split`), rows cut by their
     keys (prompts of 1-39 tokens): the same logits. Where the linears have no VNNI copies
@@ -205,7 +223,7 @@ def test_split_hands_rows_to_the_thread_done_first(tmp_path, monkeypatch, case: 
 
 
 @pytest.mark.parametrize("keep_last", [False, True])
-@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias", "qwen3", "gemma2", "gemma3"])
 def test_fused_mixed_steps_equal_module_path(tmp_path, case: str, keep_last: bool) -> None:
     """Decodes, a chunk after a cached prefix and a new prompt in one step. Asked for each
     request's last row only (`keep_last`, as the ModelRunner asks), the fused step runs the

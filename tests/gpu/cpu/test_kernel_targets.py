@@ -394,7 +394,11 @@ def test_avx2_window_kernels(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["llama-d16", "qwen2-bias", "llama-int8", "llama-int4"])
+@pytest.mark.parametrize(
+    "case",
+    ["llama-d16", "qwen2-bias", "llama-int8", "llama-int4", "qwen3", "phi3-partial", "gemma2",
+     "gemma3"],
+)  # fmt: skip
 def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str) -> None:
     """The fused step of the x86-64-v3 build (its AVX2 GEMM and attention, on any AVX2 CPU)
     against the module path on the same build: bit-identical logits at 1-24 rows (whichever of

@@ -19,7 +19,7 @@ from vx.gpu.cpu.ops import (
     skinny_argmax,
     skinny_gemm,
 )
-from vx.gpu.layers.linear import RMSNorm, silu_and_mul
+from vx.gpu.layers.linear import GemmaRMSNorm, RMSNorm, gelu_tanh_and_mul, silu_and_mul
 from vx.gpu.layers.linear_method import PaddedSkinnyLinear, SkinnyLinear, TorchLinear, chain
 from vx.gpu.layers.quantization import quantize_int8
 
@@ -244,6 +244,77 @@ def test_fused_silu_and_mul_matches_torch(rows: int, monkeypatch) -> None:
     want = silu_and_mul(gate_up)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2**-7)
     assert (got == want).float().mean() >= 0.99
+
+
+@needs_eltwise
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_torch_path(rows: int, with_residual: bool, monkeypatch) -> None:
+    """Gemma's C RMSNorm ((1 + w) in fp32) against GemmaRMSNorm's torch ops, as the Llama one
+    above; and on 64-wide rows, the q/k norms' heads (16 lanes at a time, then the scalar
+    tail: both forms)."""
+    g = torch.Generator().manual_seed(5)
+    for h in (576, 64, 40):
+        norm = GemmaRMSNorm(h, 1e-6, dtype=torch.bfloat16, device=torch.device("cpu"))
+        norm.weight.data.copy_(0.3 * torch.randn(h, generator=g))
+        x = (torch.randn(rows, h + 64, generator=g) * 3).to(torch.bfloat16)[:, :h]
+        residual = (torch.randn(rows, h, generator=g) * 3).to(torch.bfloat16)
+        res = residual if with_residual else None
+        fused = fused_add_rms_norm(x, res, norm.weight, norm.eps, gemma=True)
+        assert fused is not None
+        with monkeypatch.context() as m:
+            m.setattr("vx.gpu.layers.linear.fused_add_rms_norm", lambda *a, **k: None)
+            want = norm(x, residual) if with_residual else (norm(x), None)
+        out, r = fused
+        if with_residual:
+            assert torch.equal(r, want[1])
+        assert _bf16_ulps(out, want[0]).max() <= 1
+        assert (out == want[0]).float().mean() >= 0.99
+        assert torch.equal(norm(x, res)[0] if with_residual else norm(x), out)  # the module's
+
+
+@needs_eltwise
+@pytest.mark.parametrize("rows", [1, 9, 200])
+def test_fused_gelu_tanh_and_mul_matches_torch(rows: int, monkeypatch) -> None:
+    """GeGLU in C against torch's gelu(approximate="tanh") * up: within a bf16 step."""
+    from vx.gpu.cpu.ops import fused_gelu_tanh_and_mul
+
+    g = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(rows, 2 * 1536 + 32, generator=g) * 4).to(torch.bfloat16)[:, :3072]
+    lib = eltwise_kernels()
+    got = torch.empty(rows, 1536, dtype=torch.bfloat16)  # the kernel itself, on any CPU
+    lib.vx_gelu_tanh_and_mul_bf16(
+        gate_up.data_ptr(), gate_up.stride(0), got.data_ptr(), rows, 1536
+    )  # fmt: skip
+    fused = fused_gelu_tanh_and_mul(gate_up)
+    if fused is not None:
+        assert torch.equal(fused, got)
+    monkeypatch.setattr("vx.gpu.layers.linear.fused_gelu_tanh_and_mul", lambda *a: None)
+    want = gelu_tanh_and_mul(gate_up)
+    # Far below zero 1 + tanh cancels, in torch too, so there a one-ulp difference in tanh
+    # becomes a bf16 step of a tiny value (~3% of these values; each side is as far from the
+    # fp64 formula's bf16 as the other, ~11%, all in that region).
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2**-7)
+    assert (got == want).float().mean() >= 0.95
+
+
+@needs_eltwise
+def test_partial_rotary_turns_the_leading_dims_only() -> None:
+    """`vx_rotary_part_bf16` (Phi-4-mini's partial rotary in the fused step) on heads of 64
+    turning 32 dims: torch's expression on those, the rest untouched."""
+    g = torch.Generator().manual_seed(7)
+    rows, heads, d, r = 5, 3, 64, 32
+    x = (torch.randn(rows, heads, d, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.arange(rows).float()[:, None] * 7
+    freqs = pos * (10000.0 ** (-torch.arange(0, r, 2).float() / r))[None, :]
+    cos, sin = (f.to(torch.bfloat16).unsqueeze(1) for f in (freqs.cos(), freqs.sin()))
+    x1, x2 = x[..., :r].chunk(2, dim=-1)
+    want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]), dim=-1)
+    eltwise_kernels().vx_rotary_part_bf16(
+        x.data_ptr(), heads * d, rows, heads, d, r, cos.contiguous().data_ptr(),
+        sin.contiguous().data_ptr(),
+    )  # fmt: skip
+    assert torch.equal(x, want)
 
 
 @needs_eltwise

@@ -25,6 +25,11 @@ CASES = {
                              "tie_word_embeddings": True}),
     "qwen2-bias": ("qwen2", {"hidden_size": 128, "num_attention_heads": 4,
                              "num_key_value_heads": 2}),
+    # q/k norms; a partial rotary (the tail's cos/sin rows of rotary_dim / 2)
+    "qwen3": ("qwen3", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 32}),
+    "phi3-partial": ("phi3", {"hidden_size": 128, "num_attention_heads": 2,
+                              "num_key_value_heads": 1, "partial_rotary_factor": 0.5}),
 }  # fmt: skip
 
 

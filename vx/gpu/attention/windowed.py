@@ -21,9 +21,9 @@ query's window, so the blocks holding only such keys may have been freed and reu
 table entries then name block 0, or a block another request now holds). A model with global
 and windowed layers reads each layer's own group's table (`AttentionMetadata.for_cache`).
 
-Invariants: the fused CPU step never sees a windowed or soft-capped layer: a model whose
-layers need this gives them this `attn_fn`, which the fused CPU step declines
-(`FusedDecode.build` accepts only `paged_attention`). The models that use it stay out of CUDA
+Invariants: the fused CPU step reads a layer's `window` and `softcap` from this `attn_fn` at
+load and hands them to the same C kernels (`FusedDecode.build`), so a layer attends alike
+on either path. The models that use it stay out of CUDA
 graphs (the Triton path was checked under the interpreter only, not captured on a GPU).
 """
 

@@ -51,10 +51,13 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_silu_and_mul_bf16": (None, [_P, _I64, _P, _I64, _I64]),
     "vx_silu_simd": _QUERY,
     "vx_rotary_bf16": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    "vx_rotary_part_bf16": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P]),
+    "vx_gemma_rms_norm_bf16": (None, [_P, _I64, _P, _P, _P, _P, _I64, _I64, _F32]),
+    "vx_head_rms_norm_bf16": (None, [_P, _I64, _I64, _I64, _I64, _P, _F32, _I32]),
+    "vx_gelu_tanh_and_mul_bf16": (None, [_P, _I64, _P, _I64, _I64]),
     # moe.c
     "vx_moe_group_bf16": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P]),
     "vx_moe_combine_bf16": (None, [_P, _P, _P, _I32, _I64, _I64, _I64, _P]),
-    "vx_head_rms_norm_bf16": (None, [_P, _I64, _I64, _I64, _I64, _P, _F32]),
     "vx_moe_topk_bf16": (None, [_P, _I64, _I64, _I64, _I64, _I32, _I32, _P, _P]),
     # gemv.c
     "vx_has_gemv": _QUERY,

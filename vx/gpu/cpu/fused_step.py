@@ -1,10 +1,17 @@
-"""The fused CPU step: all decoder layers of a Llama-family model in one C call, for steps of up to
+"""The fused CPU step: all decoder layers of a dense model in one C call, for steps of up to
 the skinny GEMM's rows (192 with AMX; any number on the VNNI GEMM without it): decode rows, and
 prefill chunks where the C prefill attention takes them (bf16 on AVX512-BF16, head size a
 multiple of 32). On AVX2 CPUs without AVX-512
 it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight` uses for them
 (its bf16 weight) and the AVX2 decode attention: a one-row SmolLM2 step skips the modules'
 per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
+
+The blocks it runs, decided once at load (`_block_extras`, per layer): Llama's (Llama, Mistral,
+Qwen2), with Qwen3's per-head q/k RMSNorms or Phi-3's attention (its partial rotary turning
+the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before and after the
+attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
+step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
+go to the same C attention kernels the module path calls. MoE blocks are declined.
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it
@@ -92,6 +99,17 @@ class _Layer(ctypes.Structure):
         ("in_norm", _P), ("post_norm", _P),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _P), ("v_cache", _P),
+        ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
+        ("window", _I32), ("local_rope", _I32), ("softcap", _F32), ("group", _I32),
+    ]  # fmt: skip
+
+
+class _KVGroup(ctypes.Structure):
+    """One KV-cache group's slots and block tables (C `vx_kv_group`)."""
+
+    _fields_ = [
+        ("slots", _P), ("bt", _P), ("bt_s", _I64), ("p_bt", _P), ("p_bt_s", _I64),
+        ("max_len", _I64),
     ]  # fmt: skip
 
 
@@ -124,6 +142,8 @@ class _Step(ctypes.Structure):
         ("p_bt", _P), ("p_bt_s", _I64),
         ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
         ("act", _P), ("keep", _P), ("nkeep", _I64),
+        ("R", _I64), ("gemma", _I32), ("pad", _I32), ("cos_l", _P), ("sin_l", _P),
+        ("groups", _P),
     ]  # fmt: skip
 
 
@@ -190,6 +210,72 @@ def _screen_head(screen: Any) -> int | None:
     return ctypes.addressof(desc)
 
 
+def _family(model: Any) -> str | None:
+    """The C step's block for a decoder stack of exactly these classes ("llama": the Llama,
+    Qwen3 and Phi-3 layers; "gemma": Gemma 2's and 3's), else None (a family whose stack adds
+    anything, experts, runs its module path)."""
+    from vx.gpu.models.gemma import GemmaModel
+    from vx.gpu.models.llama import LlamaModel
+
+    return {LlamaModel: "llama", GemmaModel: "gemma"}.get(type(model))
+
+
+def norm_modules(layer: Any) -> list[Any]:
+    """The norm modules of a decoder layer (its q/k norms included)."""
+    attn = layer.self_attn
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")  # fmt: skip
+    mods = [getattr(layer, n) for n in names if hasattr(layer, n)]
+    return mods + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
+
+
+def _block_extras(layer: Any, family: str, paged: Any) -> tuple[tuple, tuple, tuple] | None:
+    """What the C step needs of one decoder layer beyond its linears: (the two norms' weights
+    it always reads, (q_norm, k_norm, attn_out_norm, mlp_out_norm) or Nones, (window,
+    local_rope, softcap)), or None where the layer is not a block the C step implements
+    exactly: the classes below, whose every op it mirrors (`vx/gpu/cpu/csrc/decode_step.c`)."""
+    from vx.gpu.attention.windowed import WindowedAttention
+    from vx.gpu.layers.linear import GemmaRMSNorm, RMSNorm
+    from vx.gpu.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
+    from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from vx.gpu.models.phi3 import Phi3Attention
+    from vx.gpu.models.qwen3 import Qwen3Attention
+
+    attn, mlp = layer.self_attn, layer.mlp
+    fn = attn.attn_fn
+    window, softcap = 0, 0.0
+    if type(fn) is WindowedAttention:
+        window, softcap = fn.window or 0, fn.softcap or 0.0
+    elif fn is not paged:
+        return None
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    if family == "llama":
+        if (type(layer), type(mlp)) != (LlamaDecoderLayer, LlamaMLP):
+            return None
+        if type(attn) is Qwen3Attention:
+            if (type(q_norm), type(k_norm)) != (RMSNorm, RMSNorm):
+                return None
+        elif type(attn) not in (LlamaAttention, Phi3Attention):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        qk = (q_norm, k_norm) if type(attn) is Qwen3Attention else (None, None)
+        extra = (*(None if n is None else n.weight for n in qk), None, None)
+        return (*norms, *(n for n in extra if n is not None)), extra, (window, 0, softcap)
+    if (type(layer), type(attn), type(mlp)) != (GemmaDecoderLayer, GemmaAttention, GemmaMLP):
+        return None
+    if any(type(n) is not GemmaRMSNorm for n in norm_modules(layer)):
+        return None
+    norms = (layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight)
+    extra = (
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+        layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight,
+    )  # fmt: skip
+    return (*norms, *(n for n in extra if n is not None)), extra, (
+        window, attn.rope_index, softcap,
+    )  # fmt: skip
+
+
 class FusedDecode:
     """One model's C layer descriptions, and the step functions that use them.
 
@@ -208,6 +294,9 @@ class FusedDecode:
     ) -> None:
         self._model, self._lib = model, lib
         self.batch_invariant = False  # `build`'s
+        self._gemma = False  # `build`'s: Gemma's block (vx_step.gemma)
+        self._rot = model.layers[0].self_attn.rotary_dim  # `build`'s: dims the rotary turns
+        self._scale = model.layers[0].self_attn.scale  # the attention's scale
         self._layers = (_Layer * len(layers))(*layers)
         self._quant_rows = quant_rows
         self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
@@ -268,20 +357,19 @@ class FusedDecode:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
-        from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-
-        # The C step implements the Llama block exactly: a family whose blocks add anything
-        # (q/k norms, experts, soft-capping, windows) runs its module path, never this one.
-        if type(model) is not LlamaModel:
+        family = _family(model)
+        if family is None:
             return None
         descs, quant_rows, avx2_rows = [], None, 1 << 30
+        attn0 = model.layers[0].self_attn
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            blocks = (type(layer), type(attn), type(mlp))
-            if blocks != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
-                logger.info("fused CPU step declined: %s is not the Llama block", blocks)
+            extra = _block_extras(layer, family, paged_attention)
+            if extra is None:
+                logger.info("fused CPU step declined: %s", (type(layer), type(attn), type(mlp)))
                 return None
-            if attn.attn_fn is not paged_attention or attn.head_dim % 2:
+            same = (attn.scale, attn.rotary_dim) == (attn0.scale, attn0.rotary_dim)
+            if attn.head_dim % 2 or not same:  # the step's scale and rotary are one for all
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             lins = [_linear_desc(m, avx2) for m in linears]
@@ -294,14 +382,22 @@ class FusedDecode:
                 if quant_rows is not None and rows != quant_rows:
                     return None
                 quant_rows = rows
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+            norms, extra_norms, numbers = extra
+            if any(n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
                 return None
-            descs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *lins, None, None))
+            if any(n.eps != layer.input_layernorm.eps for n in norm_modules(layer)):
+                return None
+            descs.append(_Layer(
+                *(n.data_ptr() for n in norms[:2]), *lins, None, None,
+                *(None if n is None else n.data_ptr() for n in extra_norms), *numbers, 0,
+            ))  # fmt: skip
         if not descs:
             return None
         step = cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
         step.batch_invariant = batch_invariant
+        step._gemma = family == "gemma"
+        step._rot = attn0.rotary_dim
+        step._scale = attn0.scale
         return step
 
     def max_rows(self) -> int:
@@ -357,14 +453,21 @@ class FusedDecode:
                 for c in kv
             ):
                 return None
-            for desc, (kc, vc) in zip(self._layers, kv_caches, strict=True):
-                desc.k_cache, desc.v_cache = kc.data_ptr(), vc.data_ptr()
+            for desc, kv in zip(self._layers, kv_caches, strict=True):
+                desc.k_cache, desc.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+                desc.group = getattr(kv, "group", 0)  # a `GroupKVCache` names its group
             self._kv_key = key
         hkv_c, nb, bs, d_c = k0.shape
         bt, lens = (md.decode_block_table, md.decode_seq_lens) if nd else (None, None)
         pbt = md.prefill_block_table if md.prefills else None
-        cos, sin = (c.reshape(t, -1) for c in rope)
-        if hkv_c != hkv or d_c != d or not (cos.is_contiguous() and sin.is_contiguous()):
+        # Gemma's `embed` gives (global rope, local rope); the others one (cos, sin)
+        ropes = rope if self._gemma else (rope, rope)
+        (cos, sin), (cos_l, sin_l) = ((c.reshape(t, -1) for c in r) for r in ropes)
+        half = self._rot // 2
+        tables = (cos, sin, cos_l, sin_l)
+        if hkv_c != hkv or d_c != d:
+            return None
+        if any(not c.is_contiguous() or c.shape[1] != half for c in tables):
             return None
         new = torch.empty  # scratch for this step
         residual = new(t, self._hidden, dtype=torch.bfloat16)
@@ -372,7 +475,7 @@ class FusedDecode:
             self._hidden, (hq + 2 * hkv) * d, hq * d, 2 * self._inter, self._inter)]  # fmt: skip
         step = _Step(
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
-            self._eps, d**-0.5,
+            self._eps, self._scale,
             md.decode_num_blocks * bs, self._quant_rows,
             int(self._has_fast and fast_decode_attention()),
             # as `linear` (AVX2: `WideWeight.apply`) routes
@@ -386,9 +489,23 @@ class FusedDecode:
             pbt.stride(0) if pbt is not None else 0,
             x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
             _ptr(keep), 0 if keep is None else keep.numel(),
+            self._rot, int(self._gemma), 0, cos_l.data_ptr(), sin_l.data_ptr(),
         )  # fmt: skip
+        groups = None
+        if md.groups is not None:  # each layer reads its KV-cache group's slots and tables
+            groups = (_KVGroup * len(md.groups))(*(
+                _KVGroup(
+                    g.slot_mapping.data_ptr(), _ptr(g.decode_block_table if nd else None),
+                    g.decode_block_table.stride(0) if nd else 0,
+                    _ptr(g.prefill_block_table if g.prefills else None),
+                    g.prefill_block_table.stride(0) if g.prefills else 0,
+                    g.decode_num_blocks * bs,
+                )
+                for g in md.groups
+            ))  # fmt: skip
+            step.groups = ctypes.addressof(groups)
         parts = self.split_parts
-        if md.prefills or t < parts * self.split_min_rows or keep is not None:
+        if md.prefills or t < parts * self.split_min_rows or keep is not None or groups is not None:
             parts = 0
         rc = -2
         if parts:
@@ -440,6 +557,8 @@ class FusedDecode:
         on AVX-512 builds `head`, or for one row `screen`, a `ScreenedHead` whose exact rows
         go through `vx_gemv_bf16`; on AVX2 builds one row by `screen`, its exact rows through
         `vx_gemv_bf16_avx2`)."""
+        if self._gemma:  # its embedding is scaled, its final norm Gemma's: not the tail's
+            return False
         if self.split_parts and t >= self.split_parts * self.split_min_rows:
             return head is not None
         if self._avx2_rows:  # one row, by the screen whose exact rows take the AVX2 GEMM
@@ -479,7 +598,7 @@ class FusedDecode:
             model.embed_tokens.tp_size != 1
             or head_k != h
             or embed.shape[1] != h
-            or rotary.cos.shape[1] != d // 2
+            or rotary.cos.shape[1] != self._rot // 2
             or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in tables)
             or input_ids.dtype != torch.int64
             or positions.dtype != torch.int64
@@ -502,7 +621,8 @@ class FusedDecode:
         )  # fmt: skip
         new = torch.empty
         x = new(t, h, dtype=torch.bfloat16)
-        rope = (new(t, 1, d // 2, dtype=torch.bfloat16), new(t, 1, d // 2, dtype=torch.bfloat16))
+        half = self._rot // 2
+        rope = (new(t, 1, half, dtype=torch.bfloat16), new(t, 1, half, dtype=torch.bfloat16))
         done = self.run(x, rope, kv_caches, md, tail, screen=screen)
         if done is None:
             return None

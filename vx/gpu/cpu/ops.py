@@ -20,6 +20,7 @@ __all__ = [
     "GEMV_MAX_ROWS_INT8",
     "bf16_max_rows",
     "fused_add_rms_norm",
+    "fused_gelu_tanh_and_mul",
     "fused_rotary",
     "fused_silu_and_mul",
     "gemv_fits",
@@ -169,11 +170,16 @@ def _cpu_bf16_rows(x: torch.Tensor) -> bool:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """RMSNorm (with the residual add) in one C call for CPU bf16 rows, HF's roundings; None
-    where it does not apply (the caller runs the torch ops). One call instead of ~9 torch ops
-    per norm, whose dispatch was a sizeable share of a batch-1 step on SmolLM2."""
+    """RMSNorm (with the residual add) in one C call for CPU bf16 rows, HF's roundings (Llama's,
+    or with `gemma` Gemma's: `(1 + w)` multiplied in fp32); None where it does not apply (the
+    caller runs the torch ops). One call instead of ~9 torch ops per norm, whose dispatch was
+    a sizeable share of a batch-1 step on SmolLM2."""
     lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(x) or weight.dtype != torch.bfloat16:
         return None
@@ -182,7 +188,8 @@ def fused_add_rms_norm(
     t, h = x.shape
     out = torch.empty(t, h, dtype=torch.bfloat16)
     r_out = None if residual is None else torch.empty(t, h, dtype=torch.bfloat16)
-    lib.vx_add_rms_norm_bf16(  # type: ignore[union-attr]
+    fn = lib.vx_gemma_rms_norm_bf16 if gemma else lib.vx_add_rms_norm_bf16  # type: ignore[union-attr]
+    fn(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         None if r_out is None else r_out.data_ptr(), weight.data_ptr(), out.data_ptr(), t, h, eps,
     )  # fmt: skip
@@ -201,6 +208,21 @@ def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.bfloat16)
     lib.vx_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
+    return out
+
+
+def fused_gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up (GeGLU) in one C call for CPU bf16 rows (torch's formula and its two
+    bf16 roundings), else None. As `fused_silu_and_mul`, only for up to `_SCALAR_SILU_ROWS` rows
+    where the C loop is scalar."""
+    lib = eltwise_kernels()
+    if lib is None or not _cpu_bf16_rows(gate_up):
+        return None
+    if gate_up.shape[0] > _SCALAR_SILU_ROWS and not lib.vx_silu_simd():
+        return None
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.bfloat16)
+    lib.vx_gelu_tanh_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
     return out
 
 
@@ -234,5 +256,5 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
         return False
     if not weight.is_contiguous() or weight.shape != (d,):
         return False
-    lib.vx_head_rms_norm_bf16(x.data_ptr(), x.stride(0), t, h, d, weight.data_ptr(), eps)  # type: ignore[union-attr]
+    lib.vx_head_rms_norm_bf16(x.data_ptr(), x.stride(0), t, h, d, weight.data_ptr(), eps, 0)  # type: ignore[union-attr]
     return True

@@ -29,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vx.gpu.cpu.ops import fused_add_rms_norm, fused_silu_and_mul, head_rms_norm
+from vx.gpu.cpu.ops import (
+    fused_add_rms_norm,
+    fused_gelu_tanh_and_mul,
+    fused_silu_and_mul,
+    head_rms_norm,
+)
 from vx.gpu.cpu.vnni import amx_vnni_rows
 from vx.gpu.layers import triton_ops
 from vx.gpu.layers.linear_method import LinearMethod, TorchLinear, WeightForms
@@ -366,6 +371,10 @@ class GemmaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+        if fused is not None:
+            out, r = fused
+            return out if r is None else (out, r)
         if residual is not None:
             x = x + residual
             residual = x
@@ -377,6 +386,9 @@ class GemmaRMSNorm(RMSNorm):
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate; up) -> gelu_tanh(gate) * up, [T, I] (GeGLU, HF's gelu_pytorch_tanh)."""
+    fused = fused_gelu_tanh_and_mul(gate_up)
+    if fused is not None:
+        return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -16,7 +16,8 @@ What differs from Llama (HF's Gemma2*/Gemma3Text* classes are the reference):
 - Gemma 3 adds q/k RMSNorms per head, and rotates its sliding layers with their own rope
   (`rope_parameters["sliding_attention"]`: base 10 000) and its global ones with theirs.
 
-The fused CPU step declines these blocks (they are not the Llama ones). A model here is not
+The fused CPU step runs these blocks in C (its Gemma form: the same norm, GeGLU and
+attention kernels as the module path, which takes them on CPU in bf16). A model here is not
 CUDA-graph capturable where a layer takes the windowed attention (it reads lengths back).
 The KV cache keeps a group per kind of layer (`vx.gpu.kv_cache.kv_cache_groups`): the windowed
 layers' blocks are freed as their windows slide, the global layers' kept

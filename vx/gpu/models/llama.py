@@ -402,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         if a.sliding_window and a.sliding_window < a.max_position:
             if all(t == "sliding_attention" for t in types):
                 # every layer windowed (Mistral, Phi-3): the windowed attention, the C kernels
-                # on CPU (not the fused step, which takes `paged_attention` only)
+                # on CPU (in the fused step too)
                 from vx.gpu.attention.windowed import WindowedAttention
 
                 self.attn_fn = WindowedAttention(a.sliding_window, None)

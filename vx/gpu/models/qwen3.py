@@ -6,8 +6,8 @@ Qwen3 has no q/k/v bias (`attention_bias` is false in every released config); it
 to the Llama block is `q_norm`/`k_norm`, RMSNorms over `head_dim` applied per head to q and
 k after the projection and before the rotary, as HF's `Qwen3Attention`. Only `project`
 differs from `LlamaAttention`: the fused qkv GEMM, the paged attention and the o_proj are the
-Llama ones. The fused CPU step (`vx.gpu.cpu.fused_step`) implements the Llama block only, so
-it declines this model and steps run the module path.
+Llama ones. The fused CPU step (`vx.gpu.cpu.fused_step`) runs this block too (the q/k norms
+in its C code, with the module path's kernel).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-/* The fused CPU step: every decoder layer of a Llama-family model in one call,
+/* The fused CPU step: every decoder layer of a dense model in one call,
    for steps of up to the skinny GEMM's rows (decode rows, and prefill chunks where the C prefill
    attention takes them).
 
@@ -12,6 +12,11 @@
    RMSNorm (+ residual) -> QKV GEMM -> rotary on q and k in place -> K/V store at their slots ->
    paged attention (decode rows: the decode kernel; prefill chunks: prefill_amx.c's
    kernel) -> O GEMM -> RMSNorm + residual -> gate-up GEMM -> SiLU-mul -> down GEMM.
+   The other dense families' blocks are this one with what their `vx_layer` / `vx_step` fields
+   say (fixed at load): q/k RMSNorms per head before the rotary (Qwen3, Gemma 3), a partial
+   rotary (R < D: Phi-4-mini), a sliding window and a logit soft-cap per layer (handed to the
+   attention kernels), and Gemma's block: (1 + w) norms, the attention's and the MLP's
+   outputs normed before their residual adds, GeGLU, and a second rope for the local layers.
 
    GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
    `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
@@ -27,12 +32,13 @@
    `vx_layer` per decoder layer (fixed at load, plus its K/V cache), a `vx_step` per call (batch
    size, per-step metadata and scratch buffers). */
 #include "vx_kernels.h"
-/* Rotate-half rotary in place on nh heads (each D contiguous values) of each row:
-   x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product and the sum rounded to bf16 (torch's eager
-   ops); cos/sin [T, D / 2]. Also the module path's rotary on CPU (`vx.gpu.cpu.ops`). */
-void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
-                    const vx_bf16* cos, const vx_bf16* sin) {
-    const int64_t h2 = D / 2;
+/* Rotate-half rotary in place on the first R values of nh heads (each D contiguous values,
+   D apart) of each row: x1' = x1 c - x2 s, x2' = x2 c + x1 s over halves of R / 2, each
+   product and the sum rounded to bf16 (torch's eager ops); cos/sin [T, R / 2]. R < D is
+   Phi-4-mini's partial rotary (the rest of each head passes through). */
+void vx_rotary_part_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D, int64_t R,
+                         const vx_bf16* cos, const vx_bf16* sin) {
+    const int64_t h2 = R / 2;
     _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
     for (int64_t t = 0; t < T; t++) {
         const vx_bf16 *c = cos + t * h2, *s = sin + t * h2;
@@ -55,6 +61,12 @@ void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
             }
         }
     }
+}
+/* vx_rotary_part_bf16 over whole heads (R = D): also the module path's rotary on CPU
+   (`vx.gpu.cpu.ops`). */
+void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                    const vx_bf16* cos, const vx_bf16* sin) {
+    vx_rotary_part_bf16(x, x_st, T, nh, D, D, cos, sin);
 }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__) && defined(VX_HAS_AMX)
@@ -86,7 +98,28 @@ typedef struct vx_layer {
     vx_linear qkv, o, gate_up, down;
     vx_bf16* k_cache;       /* [Hkv, NB, BS, D], strides c_sh, c_sb, D (vx_step's) */
     vx_bf16* v_cache;
+    /* The families' differences from the Llama block, fixed at load (NULL / 0: Llama's) */
+    const vx_bf16* q_norm;  /* [D]: RMSNorm over each q head after the projection, before the
+                               rotary (Qwen3, Gemma 3), or NULL */
+    const vx_bf16* k_norm;  /* [D]: the same over each k head, with q_norm */
+    const vx_bf16* attn_out_norm;  /* Gemma: the norm of the attention's output before its
+                                      residual add (post_norm is then the MLP's input norm) */
+    const vx_bf16* mlp_out_norm;   /* Gemma: the norm of the MLP's output, with attn_out_norm */
+    int32_t window;         /* sliding window (keys), 0: the whole context */
+    int32_t local_rope;     /* 1: turn with the step's cos_l / sin_l (Gemma 3's sliding layers) */
+    float softcap;          /* attention logit soft-cap, 0: none */
+    int32_t group;          /* its KV-cache group: the index into vx_step.groups (where set) */
 } vx_layer;
+/* One KV-cache group's addressing (vx.gpu.kv_cache.kv_cache_groups): its slots and block
+   tables, which a layer of the group reads in place of the step's own. */
+typedef struct vx_kv_group {
+    const int64_t* slots;   /* [T] */
+    const int32_t* bt;      /* [nd, bt_s] */
+    int64_t bt_s;
+    const int32_t* p_bt;    /* [np, p_bt_s] */
+    int64_t p_bt_s;
+    int64_t max_len;
+} vx_kv_group;
 typedef struct vx_step {
     int64_t T, H, Hq, Hkv, D, I, NB, BS;
     int64_t c_sh, c_sb;     /* the caches' head and block strides (elements), K and V alike */
@@ -117,6 +150,15 @@ typedef struct vx_step {
                                its attention, as the module path's `keep`: x and residual
                                then hold those rows first, in order */
     int64_t nkeep;
+    int64_t R;              /* the leading dims of each q/k head the rotary turns (<= D; Phi-4-
+                               mini's partial rotary); cos/sin are [T, R / 2] */
+    int32_t gemma;          /* Gemma's block: (1 + w) norms (vx_gemma_rms_norm_bf16, also the q/k
+                               norms), GeGLU instead of SiLU-mul */
+    int32_t pad;
+    const vx_bf16* cos_l;   /* [T, R / 2]: the local rope (layers with local_rope), or NULL */
+    const vx_bf16* sin_l;
+    const vx_kv_group* groups;  /* NULL: every layer reads slots, bt and p_bt above; else layer
+                                   L reads groups[L->group]'s (Gemma 2/3's KV-cache groups) */
 } vx_step;
 
 /* Whether the AMX VNNI copies take T rows: the rows the linears route to them, or every row
@@ -160,32 +202,55 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
     const int64_t qkv_n = (Hq + 2 * Hkv) * D, e = sizeof(vx_bf16);
     const int64_t c_sh = s->c_sh, c_sb = s->c_sb;
     int rc;
+    /* the block's norm: Gemma's (1 + w) in fp32, or Llama's */
+    void (*norm)(const vx_bf16*, int64_t, const vx_bf16*, vx_bf16*, const vx_bf16*, vx_bf16*,
+                 int64_t, int64_t, float) =
+        s->gemma ? vx_gemma_rms_norm_bf16 : vx_add_rms_norm_bf16;
     for (int l = l0; l < l1; l++) {
         const vx_layer* L = layers + l;
         if (l == 0) {  /* the embeddings are the first residual */
-            vx_add_rms_norm_bf16(s->x, H, NULL, NULL, L->in_norm, s->h, T, H, s->eps);
+            norm(s->x, H, NULL, NULL, L->in_norm, s->h, T, H, s->eps);
             memcpy(s->residual, s->x, (size_t)(T * H) * e);
         } else {
-            vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
+            norm(s->x, H, s->residual, s->residual, L->in_norm, s->h, T, H, s->eps);
         }
+        const vx_bf16* cs = L->local_rope ? s->cos_l : s->cos;
+        const vx_bf16* sn = L->local_rope ? s->sin_l : s->sin;
         rc = -2;
 #if defined(__AVX512F__)
-        if (L->qkv.vn && VX_STEP_AMX && VX_AV_TAKES(T, s->skinny_rows))
-            /* the rotary in the GEMM's epilogue: the same bits, no pass over q and k */
+        /* the rotary in the GEMM's epilogue (whole heads, no q/k norm before it): the same
+           bits, no pass over q and k */
+        if (L->qkv.vn && VX_STEP_AMX && VX_AV_TAKES(T, s->skinny_rows) && !L->q_norm
+            && s->R == D)
             rc = vx_gemm_amx_vnni_rope(s->h, H, (int)T, L->qkv.vn, L->qkv.bias, s->qkv, qkv_n,
-                                       qkv_n, H, s->cos, s->sin, (Hq + Hkv) * D, (int)D);
+                                       qkv_n, H, cs, sn, (Hq + Hkv) * D, (int)D);
 #endif
         if (rc == -2) {
             rc = vx_linear_apply(&L->qkv, s->h, T, s->quant_rows, s->skinny_rows, s->qkv);
             if (rc) return rc;
-            vx_rotary_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->cos, s->sin);
+            if (L->q_norm) {  /* per head, as the module path's [T * H, D] rows */
+                vx_head_rms_norm_bf16(s->qkv, qkv_n, T, Hq, D, L->q_norm, s->eps, s->gemma);
+                vx_head_rms_norm_bf16(s->qkv + Hq * D, qkv_n, T, Hkv, D, L->k_norm, s->eps,
+                                      s->gemma);
+            }
+            vx_rotary_part_bf16(s->qkv, qkv_n, T, Hq + Hkv, D, s->R, cs, sn);
         } else if (rc) {
             return rc;
+        }
+        /* the layer's KV-cache group's slots and tables (one group: the step's) */
+        const int64_t* slots = s->slots;
+        const int32_t *bt = s->bt, *p_bt = s->p_bt;
+        int64_t bt_s = s->bt_s, p_bt_s = s->p_bt_s;
+        int32_t max_len = s->max_len;
+        if (s->groups) {
+            const vx_kv_group* G = s->groups + L->group;
+            slots = G->slots; bt = G->bt; bt_s = G->bt_s; p_bt = G->p_bt; p_bt_s = G->p_bt_s;
+            max_len = (int32_t)G->max_len;
         }
         vx_write_kv((const char*)(s->qkv + Hq * D), qkv_n * e, D * e,
                     (const char*)(s->qkv + (Hq + Hkv) * D), qkv_n * e, D * e,
                     (char*)L->k_cache, (char*)L->v_cache, c_sh * e, c_sb * e, D * e, D * e,
-                    s->slots, (int)T, (int)Hkv, (int)s->BS, s->NB * s->BS);
+                    slots, (int)T, (int)Hkv, (int)s->BS, s->NB * s->BS);
         rc = 0;
         if (s->nd) {
             rc = -2;
@@ -193,26 +258,26 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
             if (s->fast)
                 rc = vx_decode_attention_bf16_fast(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
+                    c_sb, D, bt, bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, max_len, L->window, L->softcap);
 #elif !defined(__AVX512F__)
             if (s->fast)
                 rc = vx_decode_attention_bf16_avx2(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
+                    c_sb, D, bt, bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, max_len, L->window, L->softcap);
 #endif
             if (rc == -2)
                 rc = vx_decode_attention_bf16(
                     s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh,
-                    c_sb, D, s->bt, s->bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
-                    (int)D, (int)s->BS, s->scale, s->max_len, 0, 0.f);
+                    c_sb, D, bt, bt_s, s->lens, (int)s->nd, (int)Hq, (int)Hkv,
+                    (int)D, (int)s->BS, s->scale, max_len, L->window, L->softcap);
         }
         if (!rc && s->np)  /* the caller checked the kernel takes them (D % 32 == 0) */
             rc = vx_prefill_attention_bf16(
                 s->qkv, qkv_n, D, s->attn, Hq * D, D, L->k_cache, L->v_cache, c_sh, c_sb,
-                D, s->p_bt, s->p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
-                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale, 0, 0.f);
+                D, p_bt, p_bt_s, s->p_starts, s->p_lens, s->p_computed, (int)s->np,
+                (int)Hq, (int)Hkv, (int)D, (int)s->BS, s->scale, L->window, L->softcap);
         if (rc) return rc;
         int64_t Tl = T;  /* the rows past the attention */
         if (s->keep && l == n_layers - 1) {
@@ -231,7 +296,14 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
         }
         rc = vx_linear_apply(&L->o, s->attn, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
-        vx_add_rms_norm_bf16(s->x, H, s->residual, s->residual, L->post_norm, s->h, Tl, H, s->eps);
+        if (L->attn_out_norm)  /* Gemma: the attention's output normed before its residual add */
+            norm(s->x, H, NULL, NULL, L->attn_out_norm, s->x, Tl, H, s->eps);
+        norm(s->x, H, s->residual, s->residual, L->post_norm, s->h, Tl, H, s->eps);
+        if (s->gemma) {  /* GeGLU */
+            rc = vx_linear_apply(&L->gate_up, s->h, Tl, s->quant_rows, s->skinny_rows, s->gu);
+            if (rc) return rc;
+            vx_gelu_tanh_and_mul_bf16(s->gu, 2 * s->I, s->act, Tl, s->I);
+        } else
 #if defined(__AVX512F__)
         if (L->gate_up.vs && VX_STEP_AMX && Tl >= vx_amx_vnni_rows(0)) {
             /* the GEMM with the SiLU-mul in its epilogue: the same bits, no [T, 2 I] pass */
@@ -247,6 +319,8 @@ static int vx_llama_layers(const vx_layer* layers, int l0, int l1, int n_layers,
         }
         rc = vx_linear_apply(&L->down, s->act, Tl, s->quant_rows, s->skinny_rows, s->x);
         if (rc) return rc;
+        if (L->mlp_out_norm)
+            norm(s->x, H, NULL, NULL, L->mlp_out_norm, s->x, Tl, H, s->eps);
     }
     return 0;
 }

@@ -35,60 +35,132 @@ static inline void vx_st16_bf16(vx_bf16* p, __m512 v) {
     _mm256_storeu_si256((__m256i*)p, (__m256i)b);
 }
 #endif
-/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings:
-   r = bf16(x + residual) (when residual), h = fp32(r), out = bf16(w * bf16(h / rms(h))).
-   x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out: H). */
+/* One row of RMSNorm with the residual add fused, bf16 in and out: r = bf16(x + res) into rr
+   (when res), h = fp32(r), then with HF Llama's roundings out = bf16(w * bf16(h / rms(h))), or
+   with `gemma` HF Gemma's, out = bf16((h / rms(h)) * (1 + w)), both products in fp32 and nothing
+   rounded between them. o may be xr (each element is read before it is written). */
+static inline void vx_rms_row(const vx_bf16* xr, const vx_bf16* res, vx_bf16* rr,
+                              const vx_bf16* w, vx_bf16* o, int64_t H, float eps, int gemma) {
+    float ss = 0.f;
+#if defined(__AVX512BF16__)
+    /* 16 lanes, the same roundings as the loops below; only the sum's order differs */
+    if (H % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        if (res) {
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = vx_round16_bf16(
+                    _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
+                vx_st16_bf16(rr + i, v);
+                acc = _mm512_fmadd_ps(v, v, acc);
+            }
+            xr = rr;
+        } else {
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = vx_ld16_bf16(xr + i);
+                acc = _mm512_fmadd_ps(v, v, acc);
+            }
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
+        if (gemma) {
+            const __m512 one = _mm512_set1_ps(1.f);
+            for (int64_t i = 0; i < H; i += 16)
+                vx_st16_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv),
+                                                  _mm512_add_ps(one, vx_ld16_bf16(w + i))));
+        } else {
+            for (int64_t i = 0; i < H; i += 16)
+                vx_st16_bf16(o + i, _mm512_mul_ps(vx_ld16_bf16(w + i),
+                                                  vx_round16_bf16(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv))));
+        }
+        return;
+    }
+#endif
+    if (res) {
+        for (int64_t i = 0; i < H; i++) {
+            const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
+            rr[i] = v;
+            const float f = ld_bf16(v);
+            ss += f * f;
+        }
+        xr = rr;
+    } else {
+        for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
+    }
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    if (gemma) {
+        for (int64_t i = 0; i < H; i++) {
+            const float h = ld_bf16(xr[i]) * inv;
+            o[i] = st_bf16v(h * (1.f + ld_bf16(w[i])));
+        }
+    } else {
+        for (int64_t i = 0; i < H; i++)
+            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
+    }
+}
+/* RMSNorm with the residual add fused, bf16 in and out, with HF Llama's roundings
+   (`vx_rms_row`). x, residual, r_out, out: [T, H] with row strides x_st (residual, r_out, out:
+   H). */
 void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
                           vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H,
                           float eps) {
     _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++)
+        vx_rms_row(x + t * x_st, residual ? residual + t * H : NULL, r_out ? r_out + t * H : NULL,
+                   w, out + t * H, H, eps, 0);
+}
+/* Gemma's RMSNorm (HF's Gemma2RMSNorm: (1 + w) in fp32, `vx_rms_row`), arguments as
+   vx_add_rms_norm_bf16's; out may be x. */
+void vx_gemma_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual,
+                            vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T,
+                            int64_t H, float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * H >= 65536)")
+    for (int64_t t = 0; t < T; t++)
+        vx_rms_row(x + t * x_st, residual ? residual + t * H : NULL, r_out ? r_out + t * H : NULL,
+                   w, out + t * H, H, eps, 1);
+}
+/* RMSNorm over each of nh heads (D values, D apart) of each of T rows (row stride x_st), in
+   place: Qwen3's and Gemma 3's q/k norms (`gemma`: Gemma's roundings, else Llama's), each head
+   as a row of the module path's [T * nh, D] norm (the same bits): one call for all the step's
+   heads, parallel over them where they are many (prompt steps). */
+void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
+                           const vx_bf16* w, float eps, int gemma) {
+    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
+    for (int64_t i = 0; i < T * nh; i++) {
+        vx_bf16* r = x + (i / nh) * x_st + (i % nh) * D;
+        vx_rms_row(r, NULL, NULL, w, r, D, eps, gemma);
+    }
+}
+/* gelu_tanh(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16: GeGLU
+   (HF's gelu_pytorch_tanh), torch's formula 0.5 g (1 + tanh(b (g + k g^3))) in fp32, tanh as
+   (1 - e) / (1 + e) with e = exp(-2|u|) and u's sign (vx_expf, or vx_tanh16: within a few
+   1e-7 of tanhf), then bf16(gelu) and bf16(product) as torch's two ops round. */
+static inline float vx_gelu_tanh(float g) {
+    const float u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const float e = vx_expf(-2.f * fabsf(u));
+    const float th = (1.f - e) / (1.f + e);
+    return 0.5f * g * (1.f + (u >= 0.f ? th : -th));
+}
+void vx_gelu_tanh_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T,
+                               int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (T * I >= 65536)")
     for (int64_t t = 0; t < T; t++) {
-        const vx_bf16* xr = x + t * x_st;
-        vx_bf16* rr = r_out + t * H;
-        float ss = 0.f;
+        const vx_bf16* g = gu + t * gu_st;
+        const vx_bf16* u = g + I;
+        vx_bf16* o = out + t * I;
+        int64_t i = 0;
 #if defined(__AVX512BF16__)
-        /* 16 lanes, the same roundings as the loops below; only the sum's order differs */
-        if (H % 16 == 0) {
-            __m512 acc = _mm512_setzero_ps();
-            if (residual) {
-                const vx_bf16* res = residual + t * H;
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_round16_bf16(
-                        _mm512_add_ps(vx_ld16_bf16(xr + i), vx_ld16_bf16(res + i)));
-                    vx_st16_bf16(rr + i, v);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
-                xr = rr;
-            } else {
-                for (int64_t i = 0; i < H; i += 16) {
-                    const __m512 v = vx_ld16_bf16(xr + i);
-                    acc = _mm512_fmadd_ps(v, v, acc);
-                }
-            }
-            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
-            vx_bf16* o = out + t * H;
-            for (int64_t i = 0; i < H; i += 16)
-                vx_st16_bf16(o + i, _mm512_mul_ps(vx_ld16_bf16(w + i),
-                                                  vx_round16_bf16(_mm512_mul_ps(vx_ld16_bf16(xr + i), inv))));
-            continue;
+        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
+        const __m512 b = _mm512_set1_ps(0.7978845608028654f), k = _mm512_set1_ps(0.044715f);
+        for (; i + 16 <= I; i += 16) {  /* the scalar loop's operations, lane by lane */
+            const __m512 gv = vx_ld16_bf16(g + i);
+            const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+            const __m512 uu = _mm512_mul_ps(b, _mm512_add_ps(gv, _mm512_mul_ps(k, g3)));
+            const __m512 th = vx_tanh16(uu);
+            const __m512 ge = _mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, th));
+            vx_st16_bf16(o + i, _mm512_mul_ps(vx_round16_bf16(ge), vx_ld16_bf16(u + i)));
         }
 #endif
-        if (residual) {
-            const vx_bf16* res = residual + t * H;
-            for (int64_t i = 0; i < H; i++) {
-                const vx_bf16 v = st_bf16v(ld_bf16(xr[i]) + ld_bf16(res[i]));
-                rr[i] = v;
-                const float f = ld_bf16(v);
-                ss += f * f;
-            }
-            xr = rr;
-        } else {
-            for (int64_t i = 0; i < H; i++) { const float f = ld_bf16(xr[i]); ss += f * f; }
-        }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        vx_bf16* o = out + t * H;
-        for (int64_t i = 0; i < H; i++)
-            o[i] = st_bf16v(ld_bf16(w[i]) * ld_bf16(st_bf16v(ld_bf16(xr[i]) * inv)));
+        for (; i < I; i++)
+            o[i] = st_bf16v(ld_bf16(st_bf16v(vx_gelu_tanh(ld_bf16(g[i])))) * ld_bf16(u[i]));
     }
 }
 /* silu(gate) * up for gate_up [T, 2I] (row stride gu_st) -> out [T, I], bf16 with torch's

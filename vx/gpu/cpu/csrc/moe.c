@@ -1,8 +1,7 @@
-/* The glue of a mixture-of-experts layer around its experts' GEMMs, and Qwen3's per-head norms.
+/* The glue of a mixture-of-experts layer around its experts' GEMMs.
 
-   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library, after
-   eltwise.c, whose RMSNorm the head norm calls; `vx.gpu.layers.cpu_experts` and
-   `vx.gpu.cpu.ops.head_rms_norm` call them).
+   Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library;
+   `vx.gpu.layers.cpu_experts` calls it).
 
    Why: the experts' own GEMMs are the dense linears' kernels, one call each; what a layer did
    around them (sort the (token, slot) pairs by expert, count them, gather their rows, weigh the
@@ -56,16 +55,6 @@ void vx_moe_combine_bf16(const vx_bf16* ys, const int64_t* pos, const void* w, i
             }
         }
     }
-}
-
-/* RMSNorm over each of the nh heads of D in each row of x [T, nh * D] (row stride x_st), IN
-   PLACE, with one weight w [D] for every head: Qwen3's q_norm / k_norm, HF Llama's roundings
-   (`vx_add_rms_norm_bf16` per row of heads). */
-void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D,
-                           const vx_bf16* w, float eps) {
-    _Pragma("omp parallel for schedule(static) if (T * nh * D >= 65536)")
-    for (int64_t t = 0; t < T; t++)
-        vx_add_rms_norm_bf16(x + t * x_st, D, NULL, NULL, w, x + t * x_st, nh, D, eps);
 }
 
 /* The router's top-k for bf16 logits [T, E] (row stride l_st): softmax in fp32, the k largest

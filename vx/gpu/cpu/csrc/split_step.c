@@ -102,7 +102,7 @@ typedef struct vx_greedy_tail {
 /* Rows [r0, r0 + n) of the step's inputs from g: the embeddings into s->x, the rotary's cos
    and sin at their positions into s->cos and s->sin (scratch here). */
 static void vx_greedy_inputs(const vx_step* s, const vx_greedy_tail* g, int64_t r0, int64_t n) {
-    const int64_t H = s->H, h2 = s->D / 2;
+    const int64_t H = s->H, h2 = s->R / 2;
     vx_bf16 *cs = (vx_bf16*)s->cos, *sn = (vx_bf16*)s->sin;
     for (int64_t r = r0; r < r0 + n; r++) {
         const int64_t pos = g->positions[r];
@@ -160,7 +160,8 @@ static int vx_split_run(const vx_layer* layers, int n_layers, const vx_step* s,
         const int64_t r0 = u->a, n = u->e - u->a;
         vx_step v = *s;  /* the step's view of rows [r0, r0 + n): every buffer is by row */
         v.T = v.nd = n;
-        v.cos += r0 * (D / 2); v.sin += r0 * (D / 2);
+        v.cos += r0 * (s->R / 2); v.sin += r0 * (s->R / 2);
+        if (v.cos_l) { v.cos_l += r0 * (s->R / 2); v.sin_l += r0 * (s->R / 2); }
         v.slots += r0; v.bt += r0 * s->bt_s; v.lens += r0;
         v.x += r0 * H; v.residual += r0 * H; v.h += r0 * H;
         v.qkv += r0 * qkv_n; v.attn += r0 * s->Hq * D;
@@ -194,7 +195,8 @@ static int vx_split_run(const vx_layer* layers, int n_layers, const vx_step* s,
 int vx_llama_decode_split(const vx_layer* layers, int n_layers, const vx_step* s, int parts,
                           const vx_greedy_tail* g) {
     const int64_t T = s->T;
-    if (s->np || s->nd != T || parts < 2 || s->keep) return -2;
+    /* a row range of several KV-cache groups' tables is not cut here: the whole step runs */
+    if (s->np || s->nd != T || parts < 2 || s->keep || s->groups) return -2;
 #if defined(__AVX512F__)
     /* Only on every linear's VNNI copy: the parts then route as the whole step does (the
        skinny GEMM's row cap would split the routing), nothing is left for a part to decline

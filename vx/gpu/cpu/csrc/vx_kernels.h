@@ -84,11 +84,14 @@ void vx_add_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residua
 void vx_silu_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T, int64_t I);
 int vx_silu_simd(void);
 void vx_rotary_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D, const vx_bf16* cos, const vx_bf16* sin);
+void vx_rotary_part_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D, int64_t R, const vx_bf16* cos, const vx_bf16* sin);
+void vx_gemma_rms_norm_bf16(const vx_bf16* x, int64_t x_st, const vx_bf16* residual, vx_bf16* r_out, const vx_bf16* w, vx_bf16* out, int64_t T, int64_t H, float eps);
+void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D, const vx_bf16* w, float eps, int gemma);
+void vx_gelu_tanh_and_mul_bf16(const vx_bf16* gu, int64_t gu_st, vx_bf16* out, int64_t T, int64_t I);
 
-/* moe.c: the MoE glue and the per-head RMSNorm */
+/* moe.c: the MoE glue */
 int vx_moe_group_bf16(const vx_bf16* x, int64_t x_st, const int64_t* ids, int64_t T, int64_t k, int64_t E, int64_t H, int64_t* counts, int64_t* pos, vx_bf16* xs);
 void vx_moe_combine_bf16(const vx_bf16* ys, const int64_t* pos, const void* w, int32_t w_f32, int64_t T, int64_t k, int64_t H, vx_bf16* out);
-void vx_head_rms_norm_bf16(vx_bf16* x, int64_t x_st, int64_t T, int64_t nh, int64_t D, const vx_bf16* w, float eps);
 void vx_moe_topk_bf16(const vx_bf16* logits, int64_t l_st, int64_t T, int64_t E, int64_t k, int32_t renorm, int32_t w_f32, void* w, int64_t* ids);
 
 /* gemv.c: the skinny GEMMs on AVX-512, the AMX GEMM on plain weights */
