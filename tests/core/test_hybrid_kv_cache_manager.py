@@ -4,6 +4,7 @@ group, and the scheduler over it (chunks, shared prefixes, preemption, async).""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from vx.core.block_pool import NULL_BLOCK
@@ -238,8 +239,9 @@ def test_window_of_one_key_keeps_the_global_hit() -> None:
 class _ContentWorker:
     """A worker that keeps a fake KV content per (block, offset) and checks every key each
     layer group reads (the whole context in a global group, the window in a windowed one)
-    is one the request still holds and still holds that key; it scores drafts against `fake_model` and rolls its tables back
-    as the Worker does (`vx.gpu.spec_decode.verifier.roll_back`)."""
+    is one the request still holds and still holds that key; it scores drafts against
+    `fake_model`, and drops the blocks past its computed tokens (rejected drafts') when the
+    request is next scheduled, as the Worker does (`vx.gpu.input_batch.InputBatch.update`)."""
 
     def __init__(self, windows: list[int | None], rng, spec: bool, kv) -> None:
         self.windows, self.rng, self.spec, self.kv = windows, rng, spec, kv
@@ -271,6 +273,10 @@ class _ContentWorker:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             assert self.computed[rid] == num_computed, rid
+            if self.spec:  # blocks past the computed tokens held rejected drafts only
+                keep = -(-num_computed // BS)
+                for table in self.tables[rid]:
+                    del table[keep:]
             self._append(rid, ids)
         req_ids, sampled, proposed = [], [], {}
         for rid, n in out.num_scheduled_tokens.items():
@@ -302,9 +308,6 @@ class _ContentWorker:
                 accepted.append(d)
             accepted.append(fake_model(toks + accepted))
             self.computed[rid] = c + n - (len(drafts) + 1 - len(accepted))
-            keep = -(-self.computed[rid] // BS)
-            for table in self.tables[rid]:
-                del table[keep:]
             toks.extend(accepted)
             sampled.append(accepted)
             if self.spec:  # the true continuation, a draft now and then wrong
@@ -339,6 +342,12 @@ def test_random_traffic_reads_only_live_blocks(seed: int) -> None:
         async_scheduling=not spec and seed % 2 == 0, max_num_seqs=rng.randint(2, 8),
         enable_prefix_caching=seed % 5 != 4,
     )  # fmt: skip
+    if spec:  # the scheduler frees rejected drafts' blocks as configured for them
+        from vx.config import SpeculativeConfig
+
+        config = msgspec.structs.replace(
+            config, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+        )
     s = Scheduler(config, rng.randint(30, 80), group_windows=windows)
     shared = [rng.randint(1, 49) for _ in range(rng.randint(0, 60))]
     for i in range(rng.randint(3, 10)):
