@@ -3,8 +3,9 @@ simulated Worker built from the real `InputBatch` and `DraftSlots`, two steps in
 Worker running each step only after the next one was scheduled (the latest it may). Drafts are
 random guesses at a fixed "true" continuation, so acceptance varies; requests are aborted and
 preempted at random. Checked: every output equals the true continuation and stops at
-max_tokens; the Worker's block table equals the scheduler's; every position a step writes lies
-in a block the request still holds; the accounting returns to rest."""
+max_tokens; the Worker's block table equals the scheduler's; every key a step reads (its
+sliding window's, where one is set) lies in a block the request held when the step was
+scheduled and holds that key's token; the accounting returns to rest."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def _truth(req_id: str, index: int) -> int:
 
 
 class _Worker:
-    def __init__(self, rng: random.Random, max_model_len: int) -> None:
+    def __init__(self, rng: random.Random, max_model_len: int, window: int | None) -> None:
         self.rng = rng
+        self.window = window
         self.batch = InputBatch(
             32, max_model_len, -(-max_model_len // BLOCK_SIZE), speculative=True
         )
@@ -43,7 +45,7 @@ class _Worker:
         #: the token whose KV each (block, offset) holds: what attention would read
         self.kv: dict[tuple[int, int], int] = {}
 
-    def execute(self, so: SchedulerOutput, s: Scheduler) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, held_at: dict[str, list[int]]) -> ModelRunnerOutput:
         batch = self.batch
         batch.apply(so)
         for r in (*so.finished_req_ids, *so.preempted_req_ids):
@@ -55,6 +57,13 @@ class _Worker:
         if so.scheduled_spec_decode_tokens:
             so, scored = self.slots.fill(so)
         req_ids, sampled, drafts = [], [], {}
+        for r, n in so.num_scheduled_tokens.items():  # the step's KV writes
+            row = batch.req_id_to_index[r]
+            own = int(batch.num_computed_tokens[row])
+            step = self.tokens[r] + list(so.scheduled_spec_decode_tokens.get(r, []))
+            for pos in range(own, own + n):
+                b = int(batch.block_table[row, pos // BLOCK_SIZE])
+                self.kv[b, pos % BLOCK_SIZE] = step[pos]
         for r, n in so.num_scheduled_tokens.items():
             row = batch.req_id_to_index[r]
             own = int(batch.num_computed_tokens[row])
@@ -62,20 +71,21 @@ class _Worker:
             d = so.scheduled_spec_decode_tokens.get(r, [])
             assert own + n - len(d) <= len(toks), (r, own, n, len(toks))
             # every written position lies in a block the scheduler still gives the request
-            held = s.kv_cache_manager.get_block_ids(r) if r in s.requests else None
+            held = held_at[r]  # the request's blocks when this step was scheduled
             table = batch.block_table[row, : batch.num_blocks[row]].tolist()
             for pos in range(own, own + n):
                 assert pos // BLOCK_SIZE < len(table), (r, pos, table)
-                if held is not None and s.requests[r].status == RequestStatus.RUNNING:
-                    assert pos // BLOCK_SIZE < len(held), (r, pos, held)
-                    assert held[pos // BLOCK_SIZE] == table[pos // BLOCK_SIZE]
-            # attention reads the KV of every earlier position: it must be its known token's
-            for pos in range(own):
-                got = self.kv.get((table[pos // BLOCK_SIZE], pos % BLOCK_SIZE))
-                assert got == toks[pos], (r, pos, got, toks[pos])
-            inputs = toks[own:] + list(d)
-            for pos, t in zip(range(own, own + n), inputs, strict=False):
-                self.kv[table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = t
+                assert pos // BLOCK_SIZE < len(held), (r, pos, held)
+                assert held[pos // BLOCK_SIZE] == table[pos // BLOCK_SIZE]
+            # attention reads the keys of its window (every request's KV is written first):
+            # each must hold its token, in a block the request still holds
+            step = toks + list(d)
+            first = 0 if self.window is None else max(0, own - self.window + 1)
+            for pos in range(first, own + n):
+                b = table[pos // BLOCK_SIZE]
+                assert held[pos // BLOCK_SIZE] == b, ("freed", r, pos, held, table)
+                got = self.kv.get((b, pos % BLOCK_SIZE))
+                assert got == step[pos], (r, pos, got, step[pos])
             req_ids.append(r)
             if own + n - len(d) < len(toks):  # a prefill chunk
                 sampled.append([])
@@ -106,21 +116,22 @@ class _Worker:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_async_draft_slots_random_traffic(seed: int) -> None:
     rng = random.Random(seed)
     config = msgspec.structs.replace(
         make_config(async_scheduling=True, max_num_batched_tokens=48, max_model_len=256),
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=K),
     )
-    s = Scheduler(config, 12)
-    w = _Worker(rng, 256)
+    window = (None, 20, 33)[seed % 3]
+    s = Scheduler(config, 12, sliding_window=window)
+    w = _Worker(rng, 256, window)
     emitted: dict[str, list[int]] = {}
     limits: dict[str, int] = {}
     prompts: dict[str, int] = {}
     free_run = {f"r{i}" for i in range(20) if rng.random() < 0.5}
     done: set[str] = set()
-    in_flight: deque[SchedulerOutput] = deque()
+    in_flight: deque[tuple[SchedulerOutput, dict[str, list[int]]]] = deque()
     n = 0
     for _ in range(3000):
         if n < 20 and rng.random() < 0.5:
@@ -142,15 +153,16 @@ def test_async_draft_slots_random_traffic(seed: int) -> None:
         if len(in_flight) < 2 and s.has_unfinished_requests():
             so = s.schedule()
             if so.total_num_scheduled_tokens:
-                in_flight.append(so)
+                held = {r: s.kv_cache_manager.get_block_ids(r) for r in so.num_scheduled_tokens}
+                in_flight.append((so, held))
                 if len(in_flight) < 2:
                     continue
         if not in_flight:
             if not s.has_unfinished_requests() and n >= 20:
                 break
             continue
-        so = in_flight.popleft()
-        for out in s.update_from_output(so, w.execute(so, s)):
+        so, held = in_flight.popleft()
+        for out in s.update_from_output(so, w.execute(so, held)):
             if out.request_id in done:
                 continue
             emitted[out.request_id] += out.new_token_ids
