@@ -234,12 +234,14 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _free_out_of_windows(self, request: Request, tables: list[BlockTable]) -> None:
         """Each windowed group frees its blocks wholly before its next query's first key
-        (`KVCacheManager._free_out_of_window`'s rule, per group)."""
+        (`KVCacheManager._free_out_of_window`'s rule, per group: by the computed count less
+        the in-flight draft slots, `Request.num_draft_slots`)."""
         bs = self.block_size
         num_computed = request.num_computed_tokens
+        first = num_computed - request.num_draft_slots
         for g, w in self._windowed:
             table = tables[g]
-            dead = min((num_computed - w + 1) // bs, len(table))
+            dead = min((first - w + 1) // bs, len(table))
             start = table.num_freed
             if dead <= start:
                 continue

@@ -184,11 +184,14 @@ class KVCacheManager:
 
     def _free_out_of_window(self, request: Request, blocks: BlockTable) -> None:
         """Free the blocks whose keys every later query's window has left: those before
-        ``num_computed_tokens - W + 1`` (the next query's first key; the scheduler's computed
-        count at this point has no drafts in it, and an in-flight step reads before a reused
-        block is written). Full blocks are cached before this (they filled steps ago)."""
+        ``num_computed_tokens - W + 1`` (the next query's first key; an in-flight step reads
+        before a reused block is written). With async drafts the count less the in-flight
+        draft slots (`Request.num_draft_slots`): where they are rejected, the Worker's next
+        query comes that much earlier. Full blocks are cached before this (they filled steps
+        ago)."""
         assert self.sliding_window is not None
-        dead = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        first = request.num_computed_tokens - request.num_draft_slots
+        dead = (first - self.sliding_window + 1) // self.block_size
         if dead > len(blocks):
             dead = len(blocks)
         start = blocks.num_freed

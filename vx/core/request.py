@@ -71,6 +71,7 @@ class Request:
         "all_token_ids",
         "num_tokens",
         "num_output_placeholders",
+        "num_draft_slots",
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
@@ -117,6 +118,10 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_tokens = num_prompt
         self.num_output_placeholders = 0
+        #: Draft slots of steps in flight (async scheduling), counted in `num_computed_tokens`
+        #: until their output: a Worker's own computed count may be lower by up to this many
+        #: (the rejected ones), so sliding windows free only by the count less them.
+        self.num_draft_slots = 0
         self.num_computed_tokens = 0
         #: Prompt tokens served from the prefix cache at first admission (reported to the front).
         self.num_cached_tokens = 0

@@ -305,6 +305,7 @@ class Scheduler:
                 # A placeholder for its own token and one for each draft: every draft counts
                 # as accepted until the step's output says how many were.
                 request.num_output_placeholders += 1 + len(drafts)
+                request.num_draft_slots += len(drafts)
             budget -= num_new
             i += 1
 
@@ -407,6 +408,7 @@ class Scheduler:
         request.spec_token_ids = []
         # Tokens of steps still in flight will be dropped (status check in update_from_output).
         request.num_output_placeholders = 0
+        request.num_draft_slots = 0
         request.num_preemptions += 1
         self.num_preempted_total += 1
         self.waiting.appendleft(request)
@@ -466,6 +468,9 @@ class Scheduler:
                         num_placed = len(drafts) + 1
                         scored = len(drafts) if num_scored is None else num_scored.get(request_id, 0)
                         self._count_accepted(request, len(drafts), scored, len(token_ids) - 1)
+                        if is_async:
+                            n = request.num_draft_slots - len(drafts)
+                            request.num_draft_slots = n if n > 0 else 0
                 if is_async:
                     n = request.num_output_placeholders - num_placed
                     request.num_output_placeholders = n if n > 0 else 0
