@@ -408,7 +408,7 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
 
     from tests.gpu.cpu.test_fused_step import CASES, _compare
     from tests.models import make_tiny_model
-    from vx.gpu.cpu import ops as cpu_ops, widen as cpu_widen
+    from vx.gpu.cpu import ops as cpu_ops, vnni as cpu_vnni, widen as cpu_widen
     from vx.gpu.cpu.fused_step import FusedDecode
     from vx.gpu.loader import load_model
 
@@ -417,6 +417,7 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
     monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
     monkeypatch.setattr(cpu_ops, "_gemv_state", {})
     monkeypatch.setattr(cpu_widen, "_state", {})
+    monkeypatch.setattr(cpu_vnni, "_state", {})  # none here: this build has no VNNI GEMM
     monkeypatch.setenv("VX_CPU_WIDEN", "1")
     arch, overrides, quant = CASES[case]
     path = make_tiny_model(tmp_path / "m", arch, vocab_size=512, **overrides)
