@@ -200,21 +200,18 @@ def fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up in one C call for CPU bf16 rows (torch's roundings), else None. Where
     the C loop is scalar (no AVX512-BF16), only for up to `_SCALAR_SILU_ROWS` rows: past them
     torch's two vectorised ops are ahead (measured at 64 SmolLM2 rows, AVX2)."""
-    lib = eltwise_kernels()
-    if lib is None or not _cpu_bf16_rows(gate_up):
-        return None
-    if gate_up.shape[0] > _SCALAR_SILU_ROWS and not lib.vx_silu_simd():
-        return None
-    t, i = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, i, dtype=torch.bfloat16)
-    lib.vx_silu_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
-    return out
+    return _gated_and_mul(gate_up, "vx_silu_and_mul_bf16")
 
 
 def fused_gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gelu_tanh(gate) * up (GeGLU) in one C call for CPU bf16 rows (torch's formula and its two
     bf16 roundings), else None. As `fused_silu_and_mul`, only for up to `_SCALAR_SILU_ROWS` rows
     where the C loop is scalar."""
+    return _gated_and_mul(gate_up, "vx_gelu_tanh_and_mul_bf16")
+
+
+def _gated_and_mul(gate_up: torch.Tensor, kernel: str) -> torch.Tensor | None:
+    """act(gate) * up for gate_up [T, 2I] by the C `kernel` (one of the two above), or None."""
     lib = eltwise_kernels()
     if lib is None or not _cpu_bf16_rows(gate_up):
         return None
@@ -222,7 +219,7 @@ def fused_gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.bfloat16)
-    lib.vx_gelu_tanh_and_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)  # type: ignore[union-attr]
+    getattr(lib, kernel)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i)
     return out
 
 
