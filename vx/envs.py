@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENV_VARS", "EnvVar", "markdown"]
+__all__ = ["ENV_VARS", "EnvVar", "export", "markdown"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,6 +242,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar(name="RANK", type="integer", parse=_int_or_none, default=None, shown_default="unset",
            doc="The default of `vx serve --node-rank`; a rank above 0 runs `--headless`.",
            set_by="operator (torchrun)", external=True),
+    _text("TORCHELASTIC_USE_AGENT_STORE", "",
+          "Set by torchrun's agent (its processes join the agent's store); vx removes it before "
+          "joining its own world, whose store rank 0 hosts.",
+          "torchrun", external=True),
     # ── read by tests and bench scripts, not by the vx package ──
     _text("VX_RELIABILITY_FIGURES", "/tmp/vx-reliability-figures.txt",
           "File the reliability tests append their figures to.",
@@ -266,6 +270,17 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _text("VX_GPU_CHECK_BUDGET_S", "470", "Seconds the whole GPU check may take.",
           "operator of the bench", read_in="bench/gpu_check.sh"),
 )}  # fmt: skip
+
+
+def export(name: str, value: str | None) -> None:
+    """Set a declared variable in this process's environment, so its children inherit it, or
+    remove it with None. Invariant: only names in `ENV_VARS` are written."""
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not declared in vx/envs.py")
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def __getattr__(name: str) -> Any:

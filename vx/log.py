@@ -118,9 +118,9 @@ def setup_logging(
     logging.captureWarnings(True)
     _request_level = logging.INFO if log_requests else logging.DEBUG
     # Children inherit these through the environment, so one flag rules the tree.
-    os.environ["VX_LOG_LEVEL"] = logging.getLevelName(root.level)
-    os.environ["VX_LOG_FORMAT"] = log_format
-    os.environ["VX_LOG_REQUESTS"] = "1" if log_requests else "0"
+    envs.export("VX_LOG_LEVEL", logging.getLevelName(root.level))
+    envs.export("VX_LOG_FORMAT", log_format)
+    envs.export("VX_LOG_REQUESTS", "1" if log_requests else "0")
 
 
 def request_extra(request_id: str) -> dict[str, str]:

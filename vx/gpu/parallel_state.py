@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
+
+from vx import envs
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def init(
     # Under torchrun, its agent hosts a store on MASTER_PORT and tells its processes (so ours,
     # which inherit the variable) to join that one; vx's world has its own store, hosted by
     # rank 0 at `init_method`.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    envs.export("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
