@@ -107,11 +107,15 @@ def model_path(
 
 
 class Driver:
-    """Feeds the runner hand-made SchedulerOutputs; blocks come from a simple free list."""
+    """Feeds the runner hand-made SchedulerOutputs; blocks come from a simple free list.
+
+    With several KV-cache groups (windowed and global layers) a request holds as many blocks in
+    each group, none freed out of a window, so the pool needs `num_blocks` per group."""
 
     def __init__(self, runner: ModelRunner, num_blocks: int) -> None:
         self.runner = runner
-        self.free = list(range(num_blocks))
+        self.groups = runner.kv_groups.num_groups if runner.kv_groups is not None else 1
+        self.free = list(range(num_blocks * self.groups))
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.finished: list[str] = []
@@ -136,7 +140,7 @@ class Driver:
 
     def add(self, req_id: str, prompt: list[int], capacity: int) -> NewRequestData:
         n = math.ceil(capacity / BLOCK_SIZE)
-        self.blocks[req_id] = [self.free.pop() for _ in range(n)]
+        self.blocks[req_id] = [self.free.pop() for _ in range(n * self.groups)]
         self.computed[req_id] = 0
         return NewRequestData(
             req_id=req_id, prompt_token_ids=prompt, sampling_params=GREEDY,
@@ -253,7 +257,7 @@ def main() -> int:
     config.validate()
     runner = ModelRunner(config)
     runner.load_model()
-    runner.initialize_kv_cache(runner.determine_num_blocks()[0])
+    runner.initialize_kv_cache(runner.determine_num_blocks()[0] * runner.kv_groups.num_groups)
     if not args.no_settle:
         # As the Worker does before its first step (malloc keeps freed memory, gc.freeze); it is
         # process-wide, so HF's forward in this process gets it too.
