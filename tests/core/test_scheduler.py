@@ -590,3 +590,41 @@ def test_pipeline_parallel_splits_steps_and_sends_known_tokens() -> None:
     assert d.scheduled_cached_reqs.req_ids == ["r3"] and d.finished_req_ids == ["r2"]
     assert d.scheduled_cached_reqs.new_token_ids == [[9]]
     check(s)
+
+
+def test_pipeline_parallel_caps_prompt_tokens_not_decode_rows() -> None:
+    """PP = 2 with `pp_prompt_tokens` 8: a step takes at most 8 prompt tokens, a prompt going
+    on in the very next step (its tokens are known: nothing waits on a sample); a capped
+    prompt does not hold back the decode rows behind it; without PP the cap is off."""
+    config = make_config(max_num_batched_tokens=256)
+    sched = msgspec.structs.replace(config.scheduler, pp_prompt_tokens=8)
+    par = msgspec.structs.replace(config.parallel, pipeline_parallel_size=2)
+    s = Scheduler(msgspec.structs.replace(config, scheduler=sched, parallel=par), 64)
+    s.add_request(make_add_request("d0", [1, 2, 3], max_tokens=8))
+    s.add_request(make_add_request("d1", [1, 2, 4], max_tokens=8))
+    a, a2 = s.schedule(), s.schedule()  # two held: one a step
+    assert (a.num_scheduled_tokens, a2.num_scheduled_tokens) == ({"d0": 3}, {"d1": 3})
+    s.update_from_output(a, decode_all(a, token=7))
+    s.update_from_output(a2, decode_all(a2, token=7))
+    s.add_request(make_add_request("p", list(range(10, 30)), max_tokens=4))
+    s.add_request(make_add_request("d2", [5, 6], max_tokens=8))  # admitted: 2 prompt tokens
+    # Four held: two a step. d0 and d1 decode; the next step admits p with the cap's 8 of
+    # its 20 tokens, and d2 (2 prompt tokens) finds the cap spent.
+    b = s.schedule()
+    assert b.num_scheduled_tokens == {"d0": 1, "d1": 1}
+    c = s.schedule()
+    assert c.num_scheduled_tokens == {"p": 8}
+    d = s.schedule()  # p goes on while c is in flight; d2 waits: the cap is spent
+    assert d.num_scheduled_tokens == {"p": 8}
+    s.update_from_output(b, decode_all(b, token=7))
+    s.update_from_output(c, result(c))
+    s.update_from_output(d, result(d))
+    e = s.schedule()
+    assert e.num_scheduled_tokens == {"d0": 1, "d1": 1}
+    f = s.schedule()
+    assert f.num_scheduled_tokens == {"p": 4, "d2": 2}
+    check(s)
+    # Without pipeline parallel the setting does nothing.
+    s1 = Scheduler(msgspec.structs.replace(config, scheduler=sched), 64)
+    s1.add_request(make_add_request("p", list(range(10, 30)), max_tokens=4))
+    assert s1.schedule().num_scheduled_tokens == {"p": 20}
