@@ -60,10 +60,6 @@ def build_serve_parser(p: argparse.ArgumentParser) -> None:
                    help="while fewer than 48 requests run and are held (running or waiting), "
                         "at most this many tokens a step (default: 192 for the CPU server when "
                         "the budget is not given, with 512 while a burst of 48 waits; 0: off)")
-    p.add_argument("--pp-prompt-tokens", type=int, default=None,
-                   help="with --pipeline-parallel-size > 1, at most this many prompt tokens a "
-                        "step, so that the stages' turns stay even (default: 64 for the CPU "
-                        "server; 0: off)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="CPU KV pool size, e.g. 4GiB (default 4GiB)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks")
@@ -173,19 +169,6 @@ def _small_step_tokens(args: argparse.Namespace, offline: bool) -> int:
     return 192
 
 
-def _pp_prompt_tokens(args: argparse.Namespace, offline: bool) -> int:
-    """The CPU server's prompt tokens a step under pipeline parallel (64: a Llama-1B-shaped
-    model at c = 32 on two one-core nodes kept both stages' bubble near 10% where whole waves
-    of prompts in one step left the later stage waiting a fifth of the time; measured, see
-    docs/performance.md), unless told otherwise."""
-    given = getattr(args, "pp_prompt_tokens", None)
-    if given is not None:
-        return given
-    if offline or args.device != "cpu" or getattr(args, "pipeline_parallel_size", 1) < 2:
-        return 0
-    return 64
-
-
 def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) -> EngineConfig:
     from vx.models_hub.device import resolve_scheduler_defaults  # no torch import
 
@@ -219,7 +202,6 @@ def engine_config_from_args(args: argparse.Namespace, *, offline: bool = False) 
             async_scheduling=async_scheduling,
             small_step_tokens=small_step_tokens,
             burst_step_tokens=512 if small_step_tokens else 0,
-            pp_prompt_tokens=_pp_prompt_tokens(args, offline),
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

@@ -69,14 +69,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: at the full 1,024 the throughput was the same and TTFT p50 longer (measured at c = 64
     #: on a 2-core CPU).
     burst_step_tokens: int = 0
-    #: With pipeline parallel, the most prompt tokens a step takes (0: no cap beyond the
-    #: budget); decode rows are never held back by it. Every stage runs every step, and a
-    #: step's prompt tokens weigh more on the earlier stages than on the last (whose LM head
-    #: and last MLP run on the sampled rows only) while its decode rows weigh more on the last
-    #: (the head's weights): steps of even prompt load keep the stages' turns even, where a
-    #: wave of prompts in one step and none in the next left each stage waiting on the other.
-    #: The CPU server sets 64 with `--pipeline-parallel-size` > 1 (docs/performance.md).
-    pp_prompt_tokens: int = 0
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,8 +196,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("small_step_tokens must be >= 0 (0: off)")
         if s.burst_step_tokens < 0:
             raise ValueError("burst_step_tokens must be >= 0 (0: the full budget)")
-        if s.pp_prompt_tokens < 0:
-            raise ValueError("pp_prompt_tokens must be >= 0 (0: off)")
         if c.block_size != BLOCK_SIZE:
             raise ValueError(f"block_size must be {BLOCK_SIZE}")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:

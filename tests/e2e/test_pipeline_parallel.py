@@ -1,7 +1,6 @@
 """Pipeline parallel through `vx serve` and the official openai client, on a tiny random Llama
 in fp32: PP = 2 and PP = 2 x TP = 2 give HF's greedy tokens (several requests at once, so the
-EngineCore keeps a step per stage in flight; PP = 2 feeds the prompts 8 tokens a step,
-`--pp-prompt-tokens`, so a prompt's chunks run in consecutive steps beside decode rows), and a client that leaves mid-decode frees its
+EngineCore keeps a step per stage in flight), and a client that leaves mid-decode frees its
 blocks while every stage drops its row (the requests after it still give HF's tokens). The
 server's exit must leave no process or segment (`VxServer`). `vx.LLM`'s PP parity is in
 test_llm.py (test_outputs_identical_across_modes).
@@ -44,8 +43,7 @@ def reference(tiny_model: str) -> list[str]:
             for ids in hf_greedy(tiny_model, PROMPTS, NEW_TOKENS)]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[["-pp", "2", "--pp-prompt-tokens", "8"],
-                                        ["-pp", "2", "-tp", "2"]],
+@pytest.fixture(scope="module", params=[["-pp", "2"], ["-pp", "2", "-tp", "2"]],
                 ids=["pp2", "pp2-tp2"])  # fmt: skip
 def server(tiny_model: str, request: pytest.FixtureRequest):
     args = ["--served-model-name", "tiny", "--dtype", "float32", *request.param]

@@ -252,13 +252,3 @@ def test_small_steps_only_for_the_cpu_server_by_default():
     assert cli.engine_config_from_args(given).scheduler.small_step_tokens == 64
     offline = cli.engine_config_from_args(_serve_args(), offline=True)
     assert offline.scheduler.small_step_tokens == 0
-
-
-def test_pp_prompt_tokens_only_for_the_cpu_server_with_pipeline_parallel():
-    assert cli.engine_config_from_args(_serve_args()).scheduler.pp_prompt_tokens == 0
-    pp = cli.engine_config_from_args(_serve_args("-pp", "2")).scheduler
-    assert pp.pp_prompt_tokens == 64
-    given = _serve_args("-pp", "2", "--pp-prompt-tokens", "0")
-    assert cli.engine_config_from_args(given).scheduler.pp_prompt_tokens == 0
-    offline = cli.engine_config_from_args(_serve_args("-pp", "2"), offline=True)
-    assert offline.scheduler.pp_prompt_tokens == 0

@@ -103,10 +103,6 @@ class Scheduler:
         #: 1/pp_size of the runnable requests (`_step_req_cap`), and the tokens the workers
         #: of the earlier stages have not sampled travel in `CachedRequestData.new_token_ids`.
         self.pp_size = config.parallel.pipeline_parallel_size
-        #: With pipeline parallel, the prompt tokens a step may take (`pp_prompt_tokens`): a
-        #: request with more than one known token left to compute is prefilling, and all of
-        #: its step's tokens count; decode rows do not (0: no cap).
-        self.pp_prompt_tokens = sched.pp_prompt_tokens if self.pp_size > 1 else 0
         self.async_scheduling = sched.async_scheduling and self.pp_size == 1
         #: `--batch-invariant`: a step's tokens of a request stay on one side of its prompt's
         #: end, and past it come one a step (`_invariant_cap`).
@@ -240,8 +236,6 @@ class Scheduler:
         cached_new_tokens: list[list[int]] = []
         pp = self.pp_size > 1
         cap = self._step_req_cap() if pp else 0
-        #: prompt tokens this step may still take (`pp_prompt_tokens`); None: no such cap
-        prompt_left = self.pp_prompt_tokens or None
         num_prefill_tokens = 0
         preempted = False
 
@@ -260,13 +254,6 @@ class Scheduler:
                 num_new = threshold
             if self.batch_invariant:
                 num_new = _invariant_cap(request, num_computed, num_new)
-            prefilling = prompt_left is not None and num_known - num_computed > 1
-            if prefilling:
-                if prompt_left <= 0:  # skipped, not stopped: decode rows after it still go
-                    i += 1
-                    continue
-                num_new = min(num_new, prompt_left)
-                prompt_left -= num_new
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
@@ -325,8 +312,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         if not preempted:
             budget, num_prefill_tokens = self._admit_waiting(
-                step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens, cap,
-                prompt_left,
+                step_id, budget, num_scheduled_tokens, new_reqs, num_prefill_tokens, cap
             )
 
         total = step_budget - budget
@@ -359,10 +345,7 @@ class Scheduler:
         new_reqs: list[NewRequestData],
         num_prefill_tokens: int,
         cap: int = 0,
-        prompt_left: int | None = None,
     ) -> tuple[int, int]:
-        """Admit from `waiting` in order while the budget, `max_num_seqs`, the PP request
-        `cap` and the PP prompt tokens `prompt_left` (None: no such cap) allow."""
         kv = self.kv_cache_manager
         threshold = self.long_prefill_token_threshold
         waiting, running = self.waiting, self.running
@@ -376,11 +359,6 @@ class Scheduler:
                 num_new = threshold
             if self.batch_invariant:
                 num_new = _invariant_cap(request, num_hit, num_new)
-            if prompt_left is not None and request.num_tokens - num_hit > 1:
-                if prompt_left <= 0:
-                    break
-                num_new = min(num_new, prompt_left)
-                prompt_left -= num_new
             if (
                 kv.allocate_slots(
                     request, num_new, num_hit, hit_blocks, full_sequence_must_fit=True

@@ -117,17 +117,13 @@ def get_pp_indices(
 ) -> tuple[int, int]:
     """[start, end) of stage `pp_rank`'s layers. `VX_PP_LAYER_PARTITION` sets the counts.
 
-    Otherwise, with `last_stage_extra` (the LM head's cost, in layers, for a decode step: it
-    reads the head's weights as it reads a layer's), the stages before the last split evenly
-    what the last stage leaves, and the last takes the layer count whose worse case is best
-    between a decode-only load (the head counted) and a prompt-only one (the head not: it runs
-    on the sampled rows only, so a prompt token costs it nearly nothing). A case's cost is its
-    slowest stage against the stages' mean; a tie goes to the better sum of the two. Counting
-    the head alone (balancing decode) left the later stage idle through every wave of prompts
-    (a Llama-1B shape, 10 + 6 layers; docs/performance.md). With none, vLLM's
-    `get_pp_indices`: an even split, the remainder going one each to the stages just before
-    the last (the first holds the embedding, the last the final norm and the head). Every
-    stage keeps at least one layer."""
+    Otherwise, with `last_stage_extra` (the LM head's cost, in layers: a decode step reads its
+    weights as it reads a layer's), the last stage takes the layer count that makes the slowest
+    stage fastest, counting the head, and the others split the rest evenly (a tie goes to fewer
+    layers before the last stage: on CPU the first stage shares its node with the front). With
+    none, vLLM's `get_pp_indices`: an even split, the remainder going one each to the stages
+    just before the last (the first holds the embedding, the last the final norm and the head).
+    Every stage keeps at least one layer."""
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {num_layers} layers")
     from vx import envs
@@ -140,14 +136,10 @@ def get_pp_indices(
                 f"positive counts summing to {num_layers}"
             )
     elif last_stage_extra > 0 and pp_size > 1:
+        def slowest(last: int) -> float:
+            return max(last + last_stage_extra, -(-(num_layers - last) // (pp_size - 1)))
 
-        def imbalance(last: int) -> tuple[float, float]:
-            rest = _even(num_layers - last, pp_size - 1)
-            cases = (rest + [last + last_stage_extra], rest + [last])  # decode, prompt
-            worst = [max(c) * len(c) / sum(c) for c in cases]
-            return max(worst), sum(worst)
-
-        last = min(range(num_layers - pp_size + 1, 0, -1), key=imbalance)
+        last = min(range(num_layers - pp_size + 1, 0, -1), key=slowest)  # ties: the larger
         parts = _even(num_layers - last, pp_size - 1) + [last]
     else:
         parts = _even(num_layers, pp_size)
