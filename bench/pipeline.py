@@ -5,7 +5,7 @@ exactly each load phase.
 Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
         [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
-        [--serve-args '--pp-prompt-tokens 0']
+        [--serve-args '--max-num-batched-tokens 80']
 
 `--make` first writes the model to DIR (16 layers, hidden 2,048, 32 / 8 heads, intermediate
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
@@ -98,7 +98,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--serve-args", default="",
-                    help="more `vx serve` arguments for every node, e.g. '--pp-prompt-tokens 0'")
+                    help="more `vx serve` arguments for every node, "
+                         "e.g. '--max-num-batched-tokens 80'")
     args = ap.parse_args()
     if args.make and not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model)
