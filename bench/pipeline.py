@@ -5,6 +5,7 @@ exactly each load phase.
 Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
         [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
+        [--serve-args '--max-num-batched-tokens 80']
 
 `--make` first writes the model to DIR (16 layers, hidden 2,048, 32 / 8 heads, intermediate
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,6 +97,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--port", type=int, default=8731)
+    ap.add_argument("--serve-args", default="",
+                    help="more `vx serve` arguments for every node, "
+                         "e.g. '--max-num-batched-tokens 80'")
     args = ap.parse_args()
     if args.make and not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model)
@@ -102,7 +107,8 @@ def main() -> int:
     env = {**os.environ, "VX_CPU_ROW_PLAN": "0"}
     if args.partition:
         env["VX_PP_LAYER_PARTITION"] = args.partition
-    serve = [py, "-m", "vx", "serve", args.model, "--num-threads", "1", "--profile-steps"]
+    serve = [py, "-m", "vx", "serve", args.model, "--num-threads", "1", "--profile-steps",
+             *shlex.split(args.serve_args)]
     logs = [tempfile.NamedTemporaryFile("w+b", suffix=f"-node{i}.log") for i in range(2)]
     procs: list[subprocess.Popen] = []
     url = f"http://127.0.0.1:{args.port}"
@@ -161,10 +167,11 @@ def main() -> int:
             stage_lines.setdefault(int(m[1]), []).append(tuple(float(x) for x in m.groups()[1:]))
         log.close()
     print(f"mode {args.mode}, partition {args.partition or 'default'}, "
-          f"({args.input_len} in, {args.output_len} out)")  # fmt: skip
+          f"({args.input_len} in, {args.output_len} out) {args.serve_args}")  # fmt: skip
     for i, (c, n, res) in enumerate(results):
         row = res[0] if isinstance(res, list) else res
-        print(f"c = {c}, {n} prompts: output {row['output_throughput']:.1f} tok/s")
+        print(f"c = {c}, {n} prompts: output {row['output_throughput']:.1f} tok/s, TTFT p50 "
+              f"{row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.0f} ms")
         for stage, lines in sorted(stage_lines.items()):
             phase = lines[len(lines) - len(results) + i]  # the last lines are the phases
             steps, wall, comp, wait_prev, idle, bubble, delivery = phase
