@@ -11,7 +11,12 @@ Qwen2), with Qwen3's per-head q/k RMSNorms or Phi-3's attention (its partial rot
 the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before and after the
 attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
 step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
-go to the same C attention kernels the module path calls. MoE blocks are declined.
+go to the same C attention kernels the module path calls. A Mixtral or Qwen3-MoE layer's
+`SparseMoeBlock` is taken where its experts take the AMX experts' GEMM (`CpuExperts.grouped`,
+AMX only; `_moe_desc`): its router, top-k, grouping, experts and weighted sum are the module
+path's C calls (`vx_moe_block`), and such a model's steps stay within the skinny GEMM's rows
+(past them the router goes to oneDNN on the module path). Other MoE blocks (no AMX, OLMoE's
+layer, quantized experts) are declined.
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it

@@ -25,6 +25,17 @@ bf16 CPU tensors it took most of the layer's time (measured, 64 rows, SmolLM2 wi
 did `sum` over the slots. The slots are added in slot order, the torch experts' adds in expert
 order: the same bits for k = 2 (0 + a, then a + b), maybe not in the last bit for k > 2.
 
+On AMX, where every expert has the AMX copies (no quantization), the experts' GEMMs are one C
+call a layer (`vx_moe_experts_amx`, `vx/gpu/cpu/csrc/experts_amx.c`) instead of two calls per
+touched expert: the work items of every touched expert in one list that both threads take
+from, the bits of each expert's own AMX GEMMs (the SiLU gate-up, then the down) at every row
+count (so at 1-7 rows, where the chains take the skinny GEMMs, the sums' order is the AMX
+GEMM's). One layer of `bench/forward.py`'s MoE shapes (hidden 576, experts 768, 8 x top-2),
+minimum of 15 calls, against the chains: 16 tokens 0.50 against 0.74 ms, 128 tokens 0.69
+against 0.97; the 1 B model's (1,536, 1,024): 16 tokens 1.35 against 1.90, 1,024 tokens 11.8
+against 14.2 (2-core Sapphire Rapids, exclusive lock). The fused CPU step calls the same
+kernel (`vx.gpu.cpu.fused_step`).
+
 Invariants: expert e's linears read `w13[e]` / `w2[e]`, views of the stacked parameters (no
 copy of the plain weight); the copies a chain keeps are made once, in `CpuExperts.__init__`.
 """
