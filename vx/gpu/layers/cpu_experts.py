@@ -112,6 +112,8 @@ class CpuExperts:
             and lib.vx_has_gemm_amx_vnni()
             and all(v is not None for v in ups)
             and all(v is not None and v.amx and not v.silu for v in downs)
+            # fp32 copies first in the chains (`VX_CPU_WIDEN=1` on an AMX host: A/B, tests)
+            and all(e.wide is None for e in (*self.gate_up, *self.down))
             and self.hidden % 32 == 0
             and self.inter % 32 == 0
             and len(ups) <= 256
