@@ -496,7 +496,10 @@ def test_fused_moe_steps_equal_module_path(tmp_path, case: str) -> None:
     for keep_last in (False, True):
         counting = _Counting(fused)
         g = torch.Generator().manual_seed(5)
-        tok = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+
+        def tok(n: int, g: torch.Generator = g) -> list[int]:
+            return torch.randint(3, 500, (n,), generator=g).tolist()
+
         steps = [
             {"a": tok(20), "b": tok(33)},
             {"a": tok(1), "b": tok(17), "c": tok(40)},

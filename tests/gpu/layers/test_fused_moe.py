@@ -196,7 +196,9 @@ def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeyp
 @pytest.mark.parametrize(("tokens", "hidden", "inter"), [
     (1, CH, CI), (3, CH, CI), (9, 96, 64), (40, CH, CI), (300, 96, 64), (1100, CH, CI),
 ])  # fmt: skip
-def test_amx_experts_are_each_experts_own_gemms(tokens: int, hidden: int, inter: int, amx_vnni) -> None:
+def test_amx_experts_are_each_experts_own_gemms(
+    tokens: int, hidden: int, inter: int, amx_vnni
+) -> None:
     """The AMX experts' one call (`vx_moe_experts_amx`): for each expert, the bits of its own
     AMX copies' GEMMs (the SiLU gate-up, then the down) on its rows alone, at every row count
     (one row, a partial A tile, several 32-row blocks, panels of them); the slack rows past

@@ -386,10 +386,7 @@ class FusedDecode:
         if every:
             self._vnni_rows = lib.vx_amx_vnni_rows(1) if self._amx else _VNNI_STEP_ROWS
         self._shapes = {
-            (lin.n, lin.k)
-            for layer in layers
-            for lin in (layer.qkv, layer.o, layer.down)
-            if lin.n
+            (lin.n, lin.k) for layer in layers for lin in (layer.qkv, layer.o, layer.down) if lin.n
         }
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
