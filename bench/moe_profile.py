@@ -5,14 +5,15 @@ Usage (always under the exclusive benchmark lock):
     python bench/moe_profile.py DIR [--decodes 1,32] [--prefills 8] [--repeats 6] [--threads 2]
 
 DIR: a Qwen3-MoE or Mixtral directory (`bench/random_moe.py` writes a 1 B one). The ModelRunner
-as served for MoE models (the module path: the fused C step is Llama's alone), fed by
-`bench/forward.py`'s `Driver`: decode steps of each `--decodes` batch (rows at ~160 keys) and
+as served, fed by `bench/forward.py`'s `Driver`: decode steps of each `--decodes` batch (rows at ~160 keys) and
 prefill steps of `--prefills` prompts of 128 tokens. Printed per case, medians over the repeats
 (ms): the step, the model's forward, and each layer part summed over the layers: norms,
 attention (`attn`: `project` = qkv GEMM + q/k norms + rotary, `qkv` alone, the paged
 `attn_kernel`, `o_proj`), the MoE block (`moe`: `router` GEMM, `experts` = the experts' call,
-their `e_gate_up` and `e_down` GEMMs; the rest of `experts` is the grouping and weighted sum,
-the rest of `moe` the top-k). The timers cost ~1 us a part.
+their GEMMs `e_gemms` (on AMX one C call a layer); the rest of `experts` is the grouping and
+weighted sum, the rest of `moe` the top-k). The timers cost ~1 us a part. NOTE: on AMX the
+fused C step takes a MoE model's steps of up to 192 rows (`vx.gpu.cpu.fused_step`), where no
+part is timed (only `step`): `VX_CPU_DECODE_STEP=0` times the module path's parts.
 """
 
 from __future__ import annotations
@@ -92,16 +93,8 @@ def main() -> int:
         wrap(mlp.gate, "forward", "router")
         experts = mlp.experts.experts_fn
         wrap(mlp.experts, "experts_fn", "experts")
-        for up in getattr(experts, "gate_up", ()):
-            wrap(up, "silu_and_mul", "e_gate_up")
-    down_call = cpu_experts.ExpertLinear.__call__
-
-    def down(self, x):
-        if self.silu_pairs:
-            return down_call(self, x)
-        return timed(lambda: down_call(self, x), "e_down")()
-
-    cpu_experts.ExpertLinear.__call__ = down
+        if isinstance(experts, cpu_experts.CpuExperts):
+            wrap(experts, "_run_experts", "e_gemms")
     wrap(runner.model, "forward", "model")
     driver = Driver(runner, nb)
 

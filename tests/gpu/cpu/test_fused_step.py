@@ -461,3 +461,51 @@ def test_batch_invariant_step_gives_a_row_the_same_bits_in_any_batch(
     if fused is None:
         pytest.skip("no fused CPU decode step here")
     check_batch_invariant_step(model, fused)
+
+
+# the MoE families (8 experts, top-2): Qwen3-MoE's bf16 renormalised weights, Mixtral's fp32 ones
+MOE_CASES = {
+    "qwen3_moe": ("qwen3_moe", {"hidden_size": 128, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": 32,
+                                "moe_intermediate_size": 64}),
+    "mixtral": ("mixtral", {"hidden_size": 128, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "intermediate_size": 96}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_fused_moe_steps_equal_module_path(tmp_path, case: str) -> None:
+    """MoE layers take the fused step where their experts take the AMX experts' GEMM (AMX,
+    native or emulated): the router, top-k, grouping, experts and weighted sum in C give the
+    module path's logits bit for bit, at decode batches of 1-25 rows and in mixed steps with
+    the last layer on the kept rows alone. Elsewhere (no AMX) the step declines the model."""
+    arch, overrides = MOE_CASES[case]
+    path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    fused = FusedDecode.build(model.model)
+    lib = load_cpu_kernels()
+    experts = model.model.layers[0].mlp.experts.experts_fn
+    if lib is None or not lib.vx_has_decode_step() or getattr(experts, "grouped", None) is None:
+        assert fused is None
+        return
+    assert fused is not None and fused.max_rows() == 192
+    for batch in (1, 2, 3, 17, 25):
+        assert _compare(model, fused, batch) == 3, batch
+    if not _prefill_fused(model, 64, fused.max_rows()):
+        return
+    for keep_last in (False, True):
+        counting = _Counting(fused)
+        g = torch.Generator().manual_seed(5)
+
+        def tok(n: int, g: torch.Generator = g) -> list[int]:
+            return torch.randint(3, 500, (n,), generator=g).tolist()
+
+        steps = [
+            {"a": tok(20), "b": tok(33)},
+            {"a": tok(1), "b": tok(17), "c": tok(40)},
+            {"a": tok(1), "b": tok(1), "c": tok(9), "d": tok(1)},
+        ]
+        a, b = _drivers(model, counting, 40)
+        for step in steps:
+            _step_both(a, b, step, keep_last)
+        assert counting.taken == len(steps)

@@ -11,6 +11,7 @@ from vx.gpu.cpu import vnni as cpu_vnni, widen as cpu_widen
 from vx.gpu.cpu.library import load_cpu_kernels
 from vx.gpu.cpu.vnni import amx_vnni_wanted
 from vx.gpu.layers import moe_routing
+from vx.gpu.layers.cpu_experts import SLACK_ROWS
 from vx.gpu.layers.fused_moe import FusedMoE, moe_reference, select_experts
 from vx.gpu.layers.quantization import dequantize_int4, quantize_int4, quantize_int8
 
@@ -110,21 +111,27 @@ def test_tensor_parallel_slices_sum_to_the_whole() -> None:
 CH, CI = 64, 32
 
 
-def _cpu_moe(dtype: torch.dtype, quantization: str | None = None, seed: int = 0) -> FusedMoE:
+def _cpu_moe(
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    seed: int = 0,
+    hidden: int = CH,
+    inter: int = CI,
+) -> FusedMoE:
     g = torch.Generator().manual_seed(seed)
     moe = FusedMoE(
-        E, K, CH, CI, renormalize=False, weights_in_fp32=False, dtype=dtype,
+        E, K, hidden, inter, renormalize=False, weights_in_fp32=False, dtype=dtype,
         device=torch.device("cpu"), quantization=quantization,
     )  # fmt: skip
-    moe.w13.data.copy_(torch.randn(E, 2 * CI, CH, generator=g) * 0.2)
-    moe.w2.data.copy_(torch.randn(E, CH, CI, generator=g) * 0.2)
+    moe.w13.data.copy_(torch.randn(E, 2 * inter, hidden, generator=g) * 0.2)
+    moe.w2.data.copy_(torch.randn(E, hidden, inter, generator=g) * 0.2)
     moe.process_weights_after_loading()
     return moe
 
 
-def _routed(tokens: int, dtype: torch.dtype, seed: int = 1):
+def _routed(tokens: int, dtype: torch.dtype, seed: int = 1, hidden: int = CH):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, CH, generator=g).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
     logits = torch.randn(tokens, E, generator=g).to(dtype)
     # one expert no token picks: it must cost nothing and add nothing
     logits[:, E - 1] = -30.0
@@ -184,6 +191,38 @@ def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeyp
     x, weights, ids = _routed(tokens, torch.bfloat16)
     got = moe.experts_fn(x, moe.w13, moe.w2, weights, ids)
     _check_bf16(got, moe_reference(x, moe.w13, moe.w2, weights, ids))
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter"), [
+    (1, CH, CI), (3, CH, CI), (9, 96, 64), (40, CH, CI), (300, 96, 64), (1100, CH, CI),
+])  # fmt: skip
+def test_amx_experts_are_each_experts_own_gemms(
+    tokens: int, hidden: int, inter: int, amx_vnni
+) -> None:
+    """The AMX experts' one call (`vx_moe_experts_amx`): for each expert, the bits of its own
+    AMX copies' GEMMs (the SiLU gate-up, then the down) on its rows alone, at every row count
+    (one row, a partial A tile, several 32-row blocks, panels of them); the slack rows past
+    the routed ones are never read into an output (NaN there changes nothing)."""
+    moe = _cpu_moe(torch.bfloat16, hidden=hidden, inter=inter)
+    experts = moe.experts_fn
+    assert experts.grouped is not None
+    x, weights, ids = _routed(tokens, torch.bfloat16, hidden=hidden)
+    order, counts = moe_routing.group_by_expert(ids, E)
+    n = tokens * K
+    xs = torch.full((n + SLACK_ROWS, hidden), float("nan"), dtype=torch.bfloat16)
+    xs[:n] = x[order // K]
+    got = experts._run_experts(xs, counts)
+    start = 0
+    for e, c in enumerate(counts):
+        rows = xs[start : start + c]
+        if c:
+            act = experts.gate_up[e].silu_vnni.apply_silu(rows)
+            want = experts.down[e].vnni.apply(act, None)
+            assert torch.equal(got[start : start + c], want), (e, c)
+        start += c
+    assert not got.isnan().any()
+    with pytest.raises(ValueError, match="slack"):
+        experts._run_experts(xs[: n + 1], counts)
 
 
 @pytest.mark.parametrize("weights_in_fp32", [False, True])

@@ -11,7 +11,12 @@ Qwen2), with Qwen3's per-head q/k RMSNorms or Phi-3's attention (its partial rot
 the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before and after the
 attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
 step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
-go to the same C attention kernels the module path calls. MoE blocks are declined.
+go to the same C attention kernels the module path calls. A Mixtral or Qwen3-MoE layer's
+`SparseMoeBlock` is taken where its experts take the AMX experts' GEMM (`CpuExperts.grouped`,
+AMX only; `_moe_desc`): its router, top-k, grouping, experts and weighted sum are the module
+path's C calls (`vx_moe_block`), and such a model's steps stay within the skinny GEMM's rows
+(past them the router goes to oneDNN on the module path). Other MoE blocks (no AMX, OLMoE's
+layer, quantized experts) are declined.
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it
@@ -101,7 +106,67 @@ class _Layer(ctypes.Structure):
         ("k_cache", _P), ("v_cache", _P),
         ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
         ("window", _I32), ("local_rope", _I32), ("softcap", _F32), ("group", _I32),
+        ("moe", _P),
     ]  # fmt: skip
+
+
+class _Moe(ctypes.Structure):
+    """A MoE layer's MLP (C `vx_moe`)."""
+
+    _fields_ = [
+        ("router", _Linear), ("w13", _P), ("w2", _P), ("E", _I64), ("k", _I64), ("I", _I64),
+        ("renorm", _I32), ("w_f32", _I32),
+    ]  # fmt: skip
+
+
+def _moe_scratch_bytes(t: int, moes: list[_Moe], hidden: int) -> int:
+    """Bytes of `vx_moe_block`'s scratch for a step of t rows (its carving, each part 64-byte
+    aligned), the most any of the model's MoE layers needs."""
+
+    def al(n: int) -> int:
+        return (n + 63) // 64 * 64
+
+    need = 0
+    for m in moes:
+        n = t * m.k
+        need = max(need, sum(al(b) for b in (
+            t * m.router.n * 2, n * 4, n * 8, n * 8, m.E * 8, (n + 32) * hidden * 2,
+            (n + 32) * m.I * 2, n * hidden * 2,
+        )))  # fmt: skip
+    return need
+
+
+def _moe_desc(mlp: Any, keep: list) -> _Moe | None:
+    """The C view of a `SparseMoeBlock` whose experts take the AMX experts' GEMM
+    (`CpuExperts.grouped`), else None (the model then runs its module path). `keep` collects
+    what the description points at that nothing else holds."""
+    from vx.gpu.layers.cpu_experts import CpuExperts
+    from vx.gpu.layers.linear_method import PaddedSkinnyLinear
+    from vx.gpu.models.mixtral import SparseMoeBlock
+
+    if type(mlp) is not SparseMoeBlock:
+        return None
+    moe, gate = mlp.experts, mlp.gate
+    experts = moe.experts_fn
+    if not isinstance(experts, CpuExperts) or experts.grouped is None or moe.tp_size != 1:
+        return None
+    if gate.quant is not None or gate.bias is not None or gate.weight.shape[0] != moe.num_experts:
+        return None
+    padded = gate.method.find(PaddedSkinnyLinear)
+    if padded is not None:  # the module path's router: the skinny GEMM on the padded copy
+        w = padded.padded
+        if padded is not gate.method or not w.is_contiguous():
+            return None
+        router = _Linear(w.data_ptr(), None, None, None, w.shape[0], w.shape[1])
+    else:
+        router = _linear_desc(gate, False)
+        if router is None:
+            return None
+    keep.append(experts.grouped)
+    return _Moe(
+        router, experts.grouped[0].ctypes.data, experts.grouped[1].ctypes.data, moe.num_experts,
+        moe.top_k, experts.inter, int(moe.renormalize), int(moe.weights_in_fp32),
+    )  # fmt: skip
 
 
 class _KVGroup(ctypes.Structure):
@@ -143,7 +208,7 @@ class _Step(ctypes.Structure):
         ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
         ("act", _P), ("keep", _P), ("nkeep", _I64),
         ("R", _I64), ("gemma", _I32), ("pad", _I32), ("cos_l", _P), ("sin_l", _P),
-        ("groups", _P),
+        ("groups", _P), ("moe_scratch", _P),
     ]  # fmt: skip
 
 
@@ -238,6 +303,7 @@ def _block_extras(layer: Any, family: str, paged: Any) -> tuple[tuple, tuple, tu
     from vx.gpu.layers.linear import GemmaRMSNorm, RMSNorm
     from vx.gpu.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
     from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from vx.gpu.models.mixtral import SparseMoeBlock
     from vx.gpu.models.phi3 import Phi3Attention
     from vx.gpu.models.qwen3 import Qwen3Attention
 
@@ -251,7 +317,7 @@ def _block_extras(layer: Any, family: str, paged: Any) -> tuple[tuple, tuple, tu
     q_norm = getattr(attn, "q_norm", None)
     k_norm = getattr(attn, "k_norm", None)
     if family == "llama":
-        if (type(layer), type(mlp)) != (LlamaDecoderLayer, LlamaMLP):
+        if type(layer) is not LlamaDecoderLayer or type(mlp) not in (LlamaMLP, SparseMoeBlock):
             return None
         if type(attn) is Qwen3Attention:
             if (type(q_norm), type(k_norm)) != (RMSNorm, RMSNorm):
@@ -304,10 +370,12 @@ class FusedDecode:
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
         # and torch ops too (measured shorter in alternated steps on a 2-core Zen 5)
         self._amx = hasattr(lib, "vx_fast_amx") and bool(lib.vx_fast_amx(-1))  # not on AVX2
+        # (a MoE layer's router has no VNNI copy where it is padded, and its experts' GEMM
+        # takes the skinny GEMM's rows: such a model's steps stay at `bf16_max_rows`)
         every = all(
             lin.vn or lin.vs
             for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )  # fmt: skip
+        ) and not any(layer.moe for layer in layers)  # fmt: skip
         # With AMX the copies are the AMX GEMM's (`vx.gpu.cpu.vnni`; a gate-up's packed for the
         # SiLU epilogue): the step takes their rows, to `amx_vnni_rows()[1]`, and past the
         # skinny GEMM's only where the module path routes them to the same copies (for each
@@ -318,7 +386,7 @@ class FusedDecode:
         if every:
             self._vnni_rows = lib.vx_amx_vnni_rows(1) if self._amx else _VNNI_STEP_ROWS
         self._shapes = {
-            (lin.n, lin.k) for layer in layers for lin in (layer.qkv, layer.o, layer.down)
+            (lin.n, lin.k) for layer in layers for lin in (layer.qkv, layer.o, layer.down) if lin.n
         }
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
@@ -334,7 +402,9 @@ class FusedDecode:
         attn = model.layers[0].self_attn
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]
-        self._inter = layers[0].down.k  # the MLP's intermediate size
+        self._inter = max(layer.down.k for layer in layers)  # the dense MLPs' intermediate size
+        self._moes: list[_Moe] = []  # `build`'s: the MoE layers' descriptions
+        self._keep: list = []
         self._eps = model.layers[0].input_layernorm.eps
         # the attention `decode_kernel_fn(fast=True)` picks was built (AVX512-BF16, or AVX2)
         self._has_fast = bool(lib.vx_has_avx2_attention() if avx2_rows else lib.vx_has_fast_bf16())
@@ -361,6 +431,8 @@ class FusedDecode:
         if family is None:
             return None
         descs, quant_rows, avx2_rows = [], None, 1 << 30
+        moes: list[_Moe] = []  # the MoE layers' descriptions (their layers point at them)
+        keep: list = []  # what those point at that nothing else holds
         attn0 = model.layers[0].self_attn
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -371,13 +443,23 @@ class FusedDecode:
             same = (attn.scale, attn.rotary_dim) == (attn0.scale, attn0.rotary_dim)
             if attn.head_dim % 2 or not same:  # the step's scale and rotary are one for all
                 return None
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            moe = None
+            if hasattr(mlp, "experts"):  # a MoE MLP: AMX only (`vx_moe_experts_amx`)
+                moe = None if avx2 else _moe_desc(mlp, keep)
+                if moe is None:
+                    logger.info("fused CPU step declined: experts without the AMX experts' GEMM")
+                    return None
+                moes.append(moe)
+                linears = (attn.qkv_proj, attn.o_proj)
+            else:
+                linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             lins = [_linear_desc(m, avx2) for m in linears]
             if any(d is None for d in lins):
                 return None
+            lins += [_Linear(), _Linear()][: 4 - len(lins)]  # a MoE layer's: unused
             if avx2:  # the rows every layer's skinny GEMM takes
                 avx2_rows = min(avx2_rows, *(m.wide.skinny_rows for m in linears))
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for m in linears:
                 rows = 0 if m.quant is None else m.quant.max_rows
                 if quant_rows is not None and rows != quant_rows:
                     return None
@@ -390,10 +472,12 @@ class FusedDecode:
             descs.append(_Layer(
                 *(n.data_ptr() for n in norms[:2]), *lins, None, None,
                 *(None if n is None else n.data_ptr() for n in extra_norms), *numbers, 0,
+                None if moe is None else ctypes.addressof(moe),
             ))  # fmt: skip
         if not descs:
             return None
         step = cls(model, lib, descs, quant_rows or 0, avx2_rows if avx2 else 0)
+        step._moes, step._keep = moes, keep
         step.batch_invariant = batch_invariant
         step._gemma = family == "gemma"
         step._rot = attn0.rotary_dim
@@ -491,6 +575,9 @@ class FusedDecode:
             _ptr(keep), 0 if keep is None else keep.numel(),
             self._rot, int(self._gemma), 0, cos_l.data_ptr(), sin_l.data_ptr(),
         )  # fmt: skip
+        if self._moes:
+            scratch = new(_moe_scratch_bytes(t, self._moes, self._hidden), dtype=torch.uint8)
+            step.moe_scratch = scratch.data_ptr()
         groups = None
         if md.groups is not None:  # each layer reads its KV-cache group's slots and tables
             groups = (_KVGroup * len(md.groups))(*(

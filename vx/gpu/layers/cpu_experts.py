@@ -25,6 +25,17 @@ bf16 CPU tensors it took most of the layer's time (measured, 64 rows, SmolLM2 wi
 did `sum` over the slots. The slots are added in slot order, the torch experts' adds in expert
 order: the same bits for k = 2 (0 + a, then a + b), maybe not in the last bit for k > 2.
 
+On AMX, where every expert has the AMX copies (no quantization), the experts' GEMMs are one C
+call a layer (`vx_moe_experts_amx`, `vx/gpu/cpu/csrc/experts_amx.c`) instead of two calls per
+touched expert: the work items of every touched expert in one list that both threads take
+from, the bits of each expert's own AMX GEMMs (the SiLU gate-up, then the down) at every row
+count (so at 1-7 rows, where the chains take the skinny GEMMs, the sums' order is the AMX
+GEMM's). One layer of `bench/forward.py`'s MoE shapes (hidden 576, experts 768, 8 x top-2),
+minimum of 15 calls, against the chains: 16 tokens 0.50 against 0.74 ms, 128 tokens 0.69
+against 0.97; the 1 B model's (1,536, 1,024): 16 tokens 1.35 against 1.90, 1,024 tokens 11.8
+against 14.2 (2-core Sapphire Rapids, exclusive lock). The fused CPU step calls the same
+kernel (`vx.gpu.cpu.fused_step`).
+
 Invariants: expert e's linears read `w13[e]` / `w2[e]`, views of the stacked parameters (no
 copy of the plain weight); the copies a chain keeps are made once, in `CpuExperts.__init__`.
 """
@@ -72,13 +83,45 @@ class ExpertLinear(WeightForms):
         return silu_and_mul(self(x))
 
 
+#: Rows past the routed ones that the grouped rows' buffers keep readable: the AMX experts'
+#: GEMM (`vx_moe_experts_amx`) reads whole 32-row blocks (the rows past an expert's are never
+#: stored).
+SLACK_ROWS = 32
+
+
 class CpuExperts:
     """The experts' compute for `FusedMoE.experts_fn` on CPU: `moe_reference`'s contract
-    (x [T, H]; weights, ids [T, k]) -> [T, H] in x's dtype, over each expert's own chains."""
+    (x [T, H]; weights, ids [T, k]) -> [T, H] in x's dtype, over each expert's own chains.
+
+    On AMX, where every expert has the AMX copies (a gate-up's with the SiLU epilogue, a
+    down's), all the touched experts' GEMMs are one C call (`vx/gpu/cpu/csrc/experts_amx.c`,
+    `grouped`): the bits of those copies' GEMMs on each expert's rows, for every row count."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, quantization: str | None) -> None:
         self.gate_up = [ExpertLinear(w, quantization, silu_pairs=True) for w in w13.data]
         self.down = [ExpertLinear(w, quantization, silu_pairs=False) for w in w2.data]
+        self.hidden, self.inter = w2.shape[1], w2.shape[2]
+        #: (each expert's SiLU gate-up copy, its down copy) as C pointer arrays, where the AMX
+        #: experts' GEMM takes this layer, else None
+        self.grouped: tuple[np.ndarray, np.ndarray] | None = None
+        ups = [e.silu_vnni for e in self.gate_up]
+        downs = [e.vnni for e in self.down]
+        lib = eltwise_kernels()
+        if (
+            lib is not None
+            and lib.vx_has_gemm_amx_vnni()
+            and all(v is not None for v in ups)
+            and all(v is not None and v.amx and not v.silu for v in downs)
+            # fp32 copies first in the chains (`VX_CPU_WIDEN=1` on an AMX host: A/B, tests)
+            and all(e.wide is None for e in (*self.gate_up, *self.down))
+            and self.hidden % 32 == 0
+            and self.inter % 32 == 0
+            and len(ups) <= 256
+        ):
+            self.grouped = (
+                np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),  # type: ignore[union-attr]
+                np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),  # type: ignore[union-attr]
+            )
 
     def __repr__(self) -> str:
         return (
@@ -109,7 +152,7 @@ class CpuExperts:
         ids = ids.contiguous().to(torch.int64)
         counts = np.empty(len(self.gate_up), dtype=np.int64)
         pos = torch.empty(n, dtype=torch.int64)
-        xs = torch.empty(n, h, dtype=torch.bfloat16)
+        xs = torch.empty(n + SLACK_ROWS, h, dtype=torch.bfloat16)
         rc = lib.vx_moe_group_bf16(
             x.data_ptr(), x.stride(0), ids.data_ptr(), t, k, len(counts), h,
             counts.ctypes.data, pos.data_ptr(), xs.data_ptr(),
@@ -126,8 +169,23 @@ class CpuExperts:
         return out
 
     def _run_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each touched expert's two linears on its contiguous run of the grouped rows."""
-        ys = torch.empty_like(xs)
+        """Each touched expert's two linears on its contiguous run of the grouped rows xs
+        (`SLACK_ROWS` rows past them, for the AMX experts' GEMM): [sum(counts), H]."""
+        n = sum(counts)
+        ys = xs.new_empty(n, xs.shape[1])
+        if self.grouped is not None and xs.dtype == torch.bfloat16 and xs.is_contiguous():
+            if xs.shape[0] < n + SLACK_ROWS:
+                raise ValueError(f"the grouped rows need {SLACK_ROWS} rows of slack")
+            act = torch.empty(n + SLACK_ROWS, self.inter, dtype=torch.bfloat16)
+            c = np.ascontiguousarray(counts, dtype=np.int64)
+            rc = eltwise_kernels().vx_moe_experts_amx(  # type: ignore[union-attr]
+                xs.data_ptr(), c.ctypes.data, len(counts), self.grouped[0].ctypes.data,
+                self.grouped[1].ctypes.data, self.hidden, self.inter, act.data_ptr(),
+                ys.data_ptr(),
+            )  # fmt: skip
+            if rc == 0:
+                return ys
+            # -2: AMX switched off since loading (A/B timing, tests): the chains below
         start = 0
         for e, n in enumerate(counts):
             if n:
@@ -142,7 +200,9 @@ class CpuExperts:
         """The glue in torch ops (fp32, or no kernel library): the same grouping and sums."""
         t, k = ids.shape
         order, counts = group_by_expert(ids, len(self.gate_up))
-        ys = self._run_experts(x[order // k], counts)  # each pair's token row, one gather
+        xs = x.new_empty(t * k + SLACK_ROWS, x.shape[1])
+        torch.index_select(x, 0, order // k, out=xs[: t * k])  # each pair's token row
+        ys = self._run_experts(xs, counts)
         # weighted as the torch experts weigh (fp32 where the weights are), rounded to x's
         # dtype, then each token's k slots summed: one scatter, not one per expert
         flat_weights = weights.reshape(-1)[order, None]

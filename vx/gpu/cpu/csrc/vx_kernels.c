@@ -14,6 +14,7 @@
 #include "gemv.c"
 #include "gemm_vnni.c"
 #include "gemm_amx_vnni.c"
+#include "experts_amx.c"
 #include "gemv_avx2.c"
 #include "gemv_compact_avx2.c"
 #include "gemm_avx2.c"

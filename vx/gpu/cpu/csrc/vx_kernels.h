@@ -115,6 +115,9 @@ int vx_gemm_amx_vnni(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp, 
 int vx_gemm_amx_vnni_silu(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t I, int64_t K);
 int vx_gemm_amx_vnni_rope(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K, const vx_bf16* rcos, const vx_bf16* rsin, int64_t rope_n, int D);
 
+/* experts_amx.c: a MoE layer's expert GEMMs on AMX, one call */
+int vx_moe_experts_amx(const vx_bf16* xs, const int64_t* counts, int64_t E, const uint32_t* const* w13, const uint32_t* const* w2, int64_t H, int64_t I, vx_bf16* act, vx_bf16* ys);
+
 /* gemv_avx2.c */
 int vx_gemv_avx2_max_rows(void);
 int vx_gemv_bf16_avx2(const vx_bf16* x, int64_t x_st, int M, const vx_bf16* W, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K);
