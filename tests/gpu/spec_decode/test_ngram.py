@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-
-from types import SimpleNamespace
 
 from vx.gpu.spec_decode.draft_length import DraftLength
 from vx.gpu.spec_decode.ngram import NgramProposer
