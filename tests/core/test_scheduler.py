@@ -514,6 +514,36 @@ def test_async_drafts_are_slots_and_the_output_takes_back_the_rejected_ones() ->
     check(s)
 
 
+def test_async_a_drafting_request_gets_slots_every_step_until_an_output_leaves_it_out() -> None:
+    """Async scheduling: a request its latest output lists as drafting gets slots in every
+    step scheduled after it, the next one too (no step consumes the listing), even where the
+    Worker had no drafts just then (an empty list); an output that leaves it out stops them.
+    Without async scheduling an empty list schedules no drafts."""
+    s = _spec_scheduler(max_num_batched_tokens=64, async_scheduling=True)
+    s.add_request(make_add_request("a", list(range(10)), max_tokens=40, ignore_eos=True))
+    out0 = s.schedule()
+    out1 = s.schedule()
+    s.update_from_output(out0, result(out0, {"a": [7]}, spec_token_ids={"a": []}))
+    out2 = s.schedule()
+    assert out2.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    s.update_from_output(out1, result(out1, {"a": [8]}, spec_token_ids={"a": []}))
+    out3 = s.schedule()  # out2 in flight: slots again
+    assert out3.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    s.update_from_output(
+        out2, result(out2, {"a": [9]}, spec_token_ids={}, spec_num_scored={"a": 0})
+    )
+    out4 = s.schedule()  # left out: no slots
+    assert out4.num_scheduled_tokens == {"a": 1} and out4.scheduled_spec_decode_tokens == {}
+    check(s)
+
+    sync = _spec_scheduler(max_num_batched_tokens=64)
+    sync.add_request(make_add_request("b", list(range(10)), max_tokens=40, ignore_eos=True))
+    out = sync.schedule()
+    sync.update_from_output(out, result(out, {"b": [7]}, spec_token_ids={"b": []}))
+    out = sync.schedule()
+    assert out.num_scheduled_tokens == {"b": 1} and out.scheduled_spec_decode_tokens == {}
+
+
 def test_drafts_never_pass_the_length_limit_or_a_stop() -> None:
     s = _spec_scheduler(max_num_batched_tokens=64)
     s.add_request(make_add_request("a", list(range(10)), max_tokens=3, ignore_eos=True))

@@ -85,6 +85,7 @@ class Request:
         "skip_reading_prefix_cache",
         "admitted_step_id",
         "spec_token_ids",
+        "drafting",
     )
 
     def __init__(
@@ -150,6 +151,10 @@ class Request:
         #: Speculative decoding: drafts for its next step (rank 0's proposal), never known
         #: tokens: they are neither hashed nor counted in `num_tokens`.
         self.spec_token_ids: list[int] = []
+        #: Speculative decoding with async scheduling: its latest output listed it among the
+        #: drafting requests (drafts or not), so each of its steps gets draft slots until an
+        #: output leaves it out; unlike `spec_token_ids` no step consumes it.
+        self.drafting = False
 
     @classmethod
     def from_add_request(cls, msg: AddRequest, *, max_model_len: int) -> Request:

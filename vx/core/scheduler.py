@@ -255,7 +255,7 @@ class Scheduler:
             if self.batch_invariant:
                 num_new = _invariant_cap(request, num_computed, num_new)
             drafts = request.spec_token_ids
-            if drafts:
+            if drafts or (is_async and request.drafting):
                 request.spec_token_ids = []
                 # Scored after its last known token: within the budget, and never past the
                 # tokens it may still emit (each accepted draft is one, plus its own).
@@ -406,6 +406,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.drafting = False
         # Tokens of steps still in flight will be dropped (status check in update_from_output).
         request.num_output_placeholders = 0
         request.num_draft_slots = 0
@@ -507,8 +508,13 @@ class Scheduler:
             if finish_reason is not None:
                 stopped.append(request)
                 self._free_request(request, _FINISHED[finish_reason])
-            elif new_drafts:
-                request.spec_token_ids = new_drafts.get(request_id, [])
+            elif new_drafts is not None:
+                proposed = new_drafts.get(request_id)
+                request.spec_token_ids = proposed or []
+                # Async scheduling: a drafting request's next steps get slots (filled with the
+                # Worker's newest drafts, `DraftSlots`), even where it had no drafts just now;
+                # a slot per step would otherwise wait for an output one step old.
+                request.drafting = proposed is not None
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]

@@ -1,4 +1,6 @@
-"""What every draft proposer shares: per-request adaptivity.
+"""What every draft proposer shares: the hooks of per-request adaptivity, and the draft
+model's own rule (the n-gram proposer judges by its proposals' outcomes instead,
+`vx.gpu.spec_decode.draft_length`).
 
 Runs in: each Worker process (`ModelRunner.execute`), beside the proposer that owns it.
 
