@@ -6,14 +6,14 @@ it takes decode steps of up to 24 rows, on the AVX2 skinny GEMM that `WideWeight
 (its bf16 weight) and the AVX2 decode attention: a one-row SmolLM2 step skips the modules'
 per-layer Python and torch ops (measured shorter here on a 2-core AMD EPYC).
 
-The blocks it runs, decided once at load (`_block_extras`, per layer): Llama's (Llama, Mistral,
+The blocks it runs, decided once at load (`block_extras`, per layer): Llama's (Llama, Mistral,
 Qwen2), with Qwen3's per-head q/k RMSNorms or Phi-3's attention (its partial rotary turning
 the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before and after the
 attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
 step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
 go to the same C attention kernels the module path calls. A Mixtral or Qwen3-MoE layer's
 `SparseMoeBlock` is taken where its experts take the AMX experts' GEMM (`CpuExperts.grouped`,
-AMX only; `_moe_desc`): its router, top-k, grouping, experts and weighted sum are the module
+AMX only; `moe_desc`): its router, top-k, grouping, experts and weighted sum are the module
 path's C calls (`vx_moe_block`), and such a model's steps stay within the skinny GEMM's rows
 (past them the router goes to oneDNN on the module path). Other MoE blocks (no AMX, OLMoE's
 layer, quantized experts) are declined.
@@ -36,7 +36,7 @@ cannot take as a whole (not CPU bf16, tensor parallel, int4 but on AVX2, a custo
 the kernels refuse; on AVX2: layers without the AVX2 skinny GEMM). `VX_CPU_DECODE_STEP=0` turns it off.
 
 Decode-only steps of at least 32 rows on two threads and the VNNI GEMM run as two independent
-sub-steps, one per thread (`vx_llama_decode_split`, `_split_policy`): the threads meet once a
+sub-steps, one per thread (`vx_llama_decode_split`, `split_policy`): the threads meet once a
 step instead of at each of ~300 parallel regions, and one core's memory-bound attention
 may overlap the other's GEMMs (served SmolLM2, 64 clients: a little more output tok/s, within the
 noise in most A/Bs; docs/performance.md). Each row goes through the same kernels with the same
@@ -61,6 +61,23 @@ from vx import envs
 from vx.gpu.cpu.library import fast_decode_attention, load_cpu_kernels
 from vx.gpu.cpu.ops import AMX_MAX_ROWS, GEMV_MAX_ROWS_INT8, bf16_max_rows, gemv_kernels
 from vx.gpu.cpu.row_plan import vnni_wins
+from vx.gpu.cpu.step_desc import (
+    GreedyTailDesc,
+    KVGroupDesc,
+    LayerDesc,
+    LinearDesc,
+    MoeDesc,
+    StepDesc,
+    block_extras,
+    linear_desc,
+    model_family,
+    moe_desc,
+    moe_scratch_bytes,
+    norm_modules,
+    ptr,
+    screen_head,
+    split_policy,
+)
 from vx.gpu.cpu.vnni import VNNI_MIN_ROWS
 from vx.gpu.cpu.widen import PANEL_FROM_ROWS
 
@@ -68,278 +85,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FusedDecode"]
 
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 #: Rows a step may have on the VNNI GEMM: the C step's row counts are ints.
 _VNNI_STEP_ROWS = 1 << 30
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("w", _P), ("q", _P), ("scale", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("vn", _P),
-        ("q4", _P), ("s4", _P), ("z4", _P), ("cw", _P), ("ch", _P), ("craw", _P),
-        ("panels", _P), ("vs", _P),
-    ]  # fmt: skip
-
-
-class _GreedyTail(ctypes.Structure):
-    """`vx_greedy_tail` (see `FusedDecode.greedy_step`)."""
-
-    _fields_ = [
-        ("ids", _P), ("positions", _P), ("embed", _P), ("cos_table", _P), ("sin_table", _P),
-        ("norm", _P), ("head", _P), ("vocab", _I64), ("out", _P),
-    ]  # fmt: skip
-
-
-class _ScreenHead(ctypes.Structure):
-    """`vx_screen_head` (see `FusedDecode.greedy_step`)."""
-
-    _fields_ = [
-        ("q", _P), ("s", _P), ("bound", _P), ("w", _P), ("a", _P), ("idx", _P), ("cand", _P),
-        ("cap", _I64),
-    ]  # fmt: skip
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _P), ("post_norm", _P),
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("k_cache", _P), ("v_cache", _P),
-        ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P), ("mlp_out_norm", _P),
-        ("window", _I32), ("local_rope", _I32), ("softcap", _F32), ("group", _I32),
-        ("moe", _P),
-    ]  # fmt: skip
-
-
-class _Moe(ctypes.Structure):
-    """A MoE layer's MLP (C `vx_moe`)."""
-
-    _fields_ = [
-        ("router", _Linear), ("w13", _P), ("w2", _P), ("E", _I64), ("k", _I64), ("I", _I64),
-        ("renorm", _I32), ("w_f32", _I32),
-    ]  # fmt: skip
-
-
-def _moe_scratch_bytes(t: int, moes: list[_Moe], hidden: int) -> int:
-    """Bytes of `vx_moe_block`'s scratch for a step of t rows (its carving, each part 64-byte
-    aligned), the most any of the model's MoE layers needs."""
-
-    def al(n: int) -> int:
-        return (n + 63) // 64 * 64
-
-    need = 0
-    for m in moes:
-        n = t * m.k
-        need = max(need, sum(al(b) for b in (
-            t * m.router.n * 2, n * 4, n * 8, n * 8, m.E * 8, (n + 32) * hidden * 2,
-            (n + 32) * m.I * 2, n * hidden * 2,
-        )))  # fmt: skip
-    return need
-
-
-def _moe_desc(mlp: Any, keep: list) -> _Moe | None:
-    """The C view of a `SparseMoeBlock` whose experts take the AMX experts' GEMM
-    (`CpuExperts.grouped`), else None (the model then runs its module path). `keep` collects
-    what the description points at that nothing else holds."""
-    from vx.gpu.layers.cpu_experts import CpuExperts
-    from vx.gpu.layers.linear_method import PaddedSkinnyLinear
-    from vx.gpu.models.mixtral import SparseMoeBlock
-
-    if type(mlp) is not SparseMoeBlock:
-        return None
-    moe, gate = mlp.experts, mlp.gate
-    experts = moe.experts_fn
-    if not isinstance(experts, CpuExperts) or experts.grouped is None or moe.tp_size != 1:
-        return None
-    if gate.quant is not None or gate.bias is not None or gate.weight.shape[0] != moe.num_experts:
-        return None
-    padded = gate.method.find(PaddedSkinnyLinear)
-    if padded is not None:  # the module path's router: the skinny GEMM on the padded copy
-        w = padded.padded
-        if padded is not gate.method or not w.is_contiguous():
-            return None
-        router = _Linear(w.data_ptr(), None, None, None, w.shape[0], w.shape[1])
-    else:
-        router = _linear_desc(gate, False)
-        if router is None:
-            return None
-    keep.append(experts.grouped)
-    return _Moe(
-        router, experts.grouped[0].ctypes.data, experts.grouped[1].ctypes.data, moe.num_experts,
-        moe.top_k, experts.inter, int(moe.renormalize), int(moe.weights_in_fp32),
-    )  # fmt: skip
-
-
-class _KVGroup(ctypes.Structure):
-    """One KV-cache group's slots and block tables (C `vx_kv_group`)."""
-
-    _fields_ = [
-        ("slots", _P), ("bt", _P), ("bt_s", _I64), ("p_bt", _P), ("p_bt_s", _I64),
-        ("max_len", _I64),
-    ]  # fmt: skip
-
-
-def _split_policy(vnni: bool) -> tuple[int, int]:
-    """(parts, least rows a part) for `vx_llama_decode_split` at decode-only steps (parts < 2:
-    never), fixed when the model's step is built (the Worker has set its threads by then).
-
-    `VX_CPU_SPLIT_STEP`: the parts (0 or 1: off); unset, 2 where it was measured not to lose:
-    two threads on the VNNI GEMM (AVX512-BF16 without AMX). Each part needs at least
-    `VX_CPU_SPLIT_MIN_ROWS` rows (default 16): every part streams all the weights, so small
-    steps, bound by that stream, lose (measured on a 2-core Zen 5, SmolLM2, in alternated
-    rounds: split steps lost at 16 rows and won from 32). The rows are cut in proportion to each
-    thread's measured speed (`vx_split_cut`; `vx_set_split_adapt(0)`, for tests: evenly). A
-    thread done with its rows takes half of those the other has left, from its next layer on
-    (`vx/gpu/cpu/csrc/split_step.c`; `vx_set_split_steal(0)`, for tests: never)."""
-    parts = envs.VX_CPU_SPLIT_STEP
-    if parts is None:
-        parts = 2 if vnni and torch.get_num_threads() == 2 else 0
-    return (parts if parts >= 2 else 0), envs.VX_CPU_SPLIT_MIN_ROWS
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        *((name, _I64) for name in ("T", "H", "Hq", "Hkv", "D", "I", "NB", "BS")),
-        ("c_sh", _I64), ("c_sb", _I64),
-        ("eps", _F32), ("scale", _F32),
-        ("max_len", _I32), ("quant_rows", _I32), ("fast", _I32), ("skinny_rows", _I32),
-        ("cos", _P), ("sin", _P), ("slots", _P), ("bt", _P), ("bt_s", _I64), ("lens", _P),
-        ("nd", _I64), ("np", _I64), ("p_starts", _P), ("p_lens", _P), ("p_computed", _P),
-        ("p_bt", _P), ("p_bt_s", _I64),
-        ("x", _P), ("residual", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P),
-        ("act", _P), ("keep", _P), ("nkeep", _I64),
-        ("R", _I64), ("gemma", _I32), ("pad", _I32), ("cos_l", _P), ("sin_l", _P),
-        ("groups", _P), ("moe_scratch", _P),
-    ]  # fmt: skip
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _linear_desc(layer: Any, avx2: bool) -> _Linear | None:
-    """The C view of one linear, or None where the C kernels would not be the module's path
-    (`avx2`: the AVX2 skinny GEMM of the layer's `WideWeight`, and its int8 or int4 twin)."""
-    if avx2:
-        wide = layer.wide
-        w = wide.bf16 if wide is not None and wide.skinny_rows else None
-    elif layer.plain is None and layer.vnni is not None and layer.vnni.all_rows:
-        # batch-invariant (`build(..., batch_invariant=True)`): no skinny GEMM, the step's
-        # `skinny_rows` is 0 and the VNNI (or AMX) copy takes every row; the plain weight is
-        # only the description's shape and bias check
-        w = layer.weight.data
-    else:
-        w = layer.plain
-    bias = layer.bias
-    if w is None or not w.is_contiguous() or layer.tp_size != 1:
-        return None
-    n, k = w.shape
-    if n % 16 or k % 32 or k > 16384:
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        return None
-    q = scale = None
-    q4 = layer.quant.avx2_int4 if layer.quant is not None and avx2 else None
-    if layer.quant is not None and q4 is None:
-        if layer.quant.method != "int8":
-            return None
-        q = layer.quant.avx2_qweight if avx2 else layer.quant.qweight
-        if q is None:
-            return None
-        scale = layer.quant.scales
-    vn = vs = None
-    if not avx2 and layer.vnni is not None:  # a gate-up's SiLU copy: the C step's own GEMM
-        vn, vs = (None, layer.vnni.packed) if layer.vnni.silu else (layer.vnni.packed, None)
-    c = layer.wide.compact if avx2 else None
-    return _Linear(
-        w.data_ptr(), _ptr(q), _ptr(scale), _ptr(bias), n, k, _ptr(vn),
-        *((q4.q.data_ptr(), q4.s.data_ptr(), q4.z.data_ptr()) if q4 is not None else (None,) * 3),
-        *((c.blocks.data_ptr(), c.hb.data_ptr(), c.raw.data_ptr()) if c is not None else (None,) * 3),
-        _ptr(layer.wide.panels) if avx2 else None, _ptr(vs),
-    )  # fmt: skip
-
-
-def _screen_head(screen: Any) -> int | None:
-    """A `vx_screen_head` for `screen` (a `ScreenedHead`, its scratch for one row), or None;
-    kept on the screen, so it lives as long as the pointers in it."""
-    if screen is None:
-        return None
-    desc = getattr(screen, "_c_desc", None)
-    if desc is None:
-        a, idx, cand = screen.row_scratch()
-        desc = _ScreenHead(
-            screen.q.data_ptr(), screen.s.data_ptr(), screen.bound.ctypes.data,
-            screen.weight.data_ptr(), a.data_ptr(), idx.data_ptr(), cand.data_ptr(),
-            idx.shape[0],
-        )  # fmt: skip
-        screen._c_desc = desc
-    return ctypes.addressof(desc)
-
-
-def _family(model: Any) -> str | None:
-    """The C step's block for a decoder stack of exactly these classes ("llama": the Llama,
-    Qwen3 and Phi-3 layers; "gemma": Gemma 2's and 3's), else None (a family whose stack adds
-    anything, experts, runs its module path)."""
-    from vx.gpu.models.gemma import GemmaModel
-    from vx.gpu.models.llama import LlamaModel
-
-    return {LlamaModel: "llama", GemmaModel: "gemma"}.get(type(model))
-
-
-def norm_modules(layer: Any) -> list[Any]:
-    """The norm modules of a decoder layer (its q/k norms included)."""
-    attn = layer.self_attn
-    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm")  # fmt: skip
-    mods = [getattr(layer, n) for n in names if hasattr(layer, n)]
-    return mods + [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
-
-
-def _block_extras(layer: Any, family: str, paged: Any) -> tuple[tuple, tuple, tuple] | None:
-    """What the C step needs of one decoder layer beyond its linears: (the two norms' weights
-    it always reads, (q_norm, k_norm, attn_out_norm, mlp_out_norm) or Nones, (window,
-    local_rope, softcap)), or None where the layer is not a block the C step implements
-    exactly: the classes below, whose every op it mirrors (`vx/gpu/cpu/csrc/decode_step.c`)."""
-    from vx.gpu.attention.windowed import WindowedAttention
-    from vx.gpu.layers.linear import GemmaRMSNorm, RMSNorm
-    from vx.gpu.models.gemma import GemmaAttention, GemmaDecoderLayer, GemmaMLP
-    from vx.gpu.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-    from vx.gpu.models.mixtral import SparseMoeBlock
-    from vx.gpu.models.phi3 import Phi3Attention
-    from vx.gpu.models.qwen3 import Qwen3Attention
-
-    attn, mlp = layer.self_attn, layer.mlp
-    fn = attn.attn_fn
-    window, softcap = 0, 0.0
-    if type(fn) is WindowedAttention:
-        window, softcap = fn.window or 0, fn.softcap or 0.0
-    elif fn is not paged:
-        return None
-    q_norm = getattr(attn, "q_norm", None)
-    k_norm = getattr(attn, "k_norm", None)
-    if family == "llama":
-        if type(layer) is not LlamaDecoderLayer or type(mlp) not in (LlamaMLP, SparseMoeBlock):
-            return None
-        if type(attn) is Qwen3Attention:
-            if (type(q_norm), type(k_norm)) != (RMSNorm, RMSNorm):
-                return None
-        elif type(attn) not in (LlamaAttention, Phi3Attention):
-            return None
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        qk = (q_norm, k_norm) if type(attn) is Qwen3Attention else (None, None)
-        extra = (*(None if n is None else n.weight for n in qk), None, None)
-        return (*norms, *(n for n in extra if n is not None)), extra, (window, 0, softcap)
-    if (type(layer), type(attn), type(mlp)) != (GemmaDecoderLayer, GemmaAttention, GemmaMLP):
-        return None
-    if any(type(n) is not GemmaRMSNorm for n in norm_modules(layer)):
-        return None
-    norms = (layer.input_layernorm.weight, layer.pre_feedforward_layernorm.weight)
-    extra = (
-        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight,
-    )  # fmt: skip
-    return (*norms, *(n for n in extra if n is not None)), extra, (
-        window, attn.rope_index, softcap,
-    )  # fmt: skip
 
 
 class FusedDecode:
@@ -356,14 +103,14 @@ class FusedDecode:
     """
 
     def __init__(
-        self, model: Any, lib: Any, layers: list[_Layer], quant_rows: int, avx2_rows: int
+        self, model: Any, lib: Any, layers: list[LayerDesc], quant_rows: int, avx2_rows: int
     ) -> None:
         self._model, self._lib = model, lib
         self.batch_invariant = False  # `build`'s
         self._gemma = False  # `build`'s: Gemma's block (vx_step.gemma)
         self._rot = model.layers[0].self_attn.rotary_dim  # `build`'s: dims the rotary turns
         self._scale = model.layers[0].self_attn.scale  # the attention's scale
-        self._layers = (_Layer * len(layers))(*layers)
+        self._layers = (LayerDesc * len(layers))(*layers)
         self._quant_rows = quant_rows
         self._avx2_rows = avx2_rows  # 0: the AVX-512 kernels (`bf16_max_rows` rows)
         # every linear has a VNNI copy (AVX512-BF16 without AMX): any rows (the VNNI GEMM has
@@ -390,7 +137,7 @@ class FusedDecode:
         }
         self._kv_key: tuple[int, ...] = ()
         self.last_parts = 0  # the parts of the last step run as independent sub-steps (tests)
-        self.split_parts, self.split_min_rows = _split_policy(
+        self.split_parts, self.split_min_rows = split_policy(
             bool(self._vnni_rows) and not self._amx
         )
         if lib.vx_has_decode_step() == 1:
@@ -403,7 +150,7 @@ class FusedDecode:
         self._shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._hidden = model.norm.weight.shape[0]
         self._inter = max(layer.down.k for layer in layers)  # the dense MLPs' intermediate size
-        self._moes: list[_Moe] = []  # `build`'s: the MoE layers' descriptions
+        self._moes: list[MoeDesc] = []  # `build`'s: the MoE layers' descriptions
         self._keep: list = []
         self._eps = model.layers[0].input_layernorm.eps
         # the attention `decode_kernel_fn(fast=True)` picks was built (AVX512-BF16, or AVX2)
@@ -427,16 +174,16 @@ class FusedDecode:
             return None
         if model.norm.weight.dtype != torch.bfloat16:
             return None
-        family = _family(model)
+        family = model_family(model)
         if family is None:
             return None
         descs, quant_rows, avx2_rows = [], None, 1 << 30
-        moes: list[_Moe] = []  # the MoE layers' descriptions (their layers point at them)
+        moes: list[MoeDesc] = []  # the MoE layers' descriptions (their layers point at them)
         keep: list = []  # what those point at that nothing else holds
         attn0 = model.layers[0].self_attn
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            extra = _block_extras(layer, family, paged_attention)
+            extra = block_extras(layer, family, paged_attention)
             if extra is None:
                 logger.info("fused CPU step declined: %s", (type(layer), type(attn), type(mlp)))
                 return None
@@ -445,7 +192,7 @@ class FusedDecode:
                 return None
             moe = None
             if hasattr(mlp, "experts"):  # a MoE MLP: AMX only (`vx_moe_experts_amx`)
-                moe = None if avx2 else _moe_desc(mlp, keep)
+                moe = None if avx2 else moe_desc(mlp, keep)
                 if moe is None:
                     logger.info("fused CPU step declined: experts without the AMX experts' GEMM")
                     return None
@@ -453,10 +200,10 @@ class FusedDecode:
                 linears = (attn.qkv_proj, attn.o_proj)
             else:
                 linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            lins = [_linear_desc(m, avx2) for m in linears]
+            lins = [linear_desc(m, avx2) for m in linears]
             if any(d is None for d in lins):
                 return None
-            lins += [_Linear(), _Linear()][: 4 - len(lins)]  # a MoE layer's: unused
+            lins += [LinearDesc(), LinearDesc()][: 4 - len(lins)]  # a MoE layer's: unused
             if avx2:  # the rows every layer's skinny GEMM takes
                 avx2_rows = min(avx2_rows, *(m.wide.skinny_rows for m in linears))
             for m in linears:
@@ -469,7 +216,7 @@ class FusedDecode:
                 return None
             if any(n.eps != layer.input_layernorm.eps for n in norm_modules(layer)):
                 return None
-            descs.append(_Layer(
+            descs.append(LayerDesc(
                 *(n.data_ptr() for n in norms[:2]), *lins, None, None,
                 *(None if n is None else n.data_ptr() for n in extra_norms), *numbers, 0,
                 None if moe is None else ctypes.addressof(moe),
@@ -501,7 +248,7 @@ class FusedDecode:
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         md: Any,
-        tail: _GreedyTail | None = None,
+        tail: GreedyTailDesc | None = None,
         keep: torch.Tensor | None = None,
         screen: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -557,7 +304,7 @@ class FusedDecode:
         residual = new(t, self._hidden, dtype=torch.bfloat16)
         bufs = [new(t, n, dtype=torch.bfloat16) for n in (
             self._hidden, (hq + 2 * hkv) * d, hq * d, 2 * self._inter, self._inter)]  # fmt: skip
-        step = _Step(
+        step = StepDesc(
             t, self._hidden, hq, hkv, d, self._inter, nb, bs, k0.stride(0), k0.stride(1),
             self._eps, self._scale,
             md.decode_num_blocks * bs, self._quant_rows,
@@ -567,24 +314,24 @@ class FusedDecode:
             else PANEL_FROM_ROWS - 1 if self._avx2_rows
             else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx
             else bf16_max_rows(),
-            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), _ptr(bt),
-            bt.stride(0) if nd else 0, _ptr(lens), nd, len(md.prefills),
-            _ptr(md.prefill_starts), _ptr(md.prefill_lens), _ptr(md.prefill_computed), _ptr(pbt),
+            cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), ptr(bt),
+            bt.stride(0) if nd else 0, ptr(lens), nd, len(md.prefills),
+            ptr(md.prefill_starts), ptr(md.prefill_lens), ptr(md.prefill_computed), ptr(pbt),
             pbt.stride(0) if pbt is not None else 0,
             x.data_ptr(), residual.data_ptr(), *(b.data_ptr() for b in bufs),
-            _ptr(keep), 0 if keep is None else keep.numel(),
+            ptr(keep), 0 if keep is None else keep.numel(),
             self._rot, int(self._gemma), 0, cos_l.data_ptr(), sin_l.data_ptr(),
         )  # fmt: skip
         if self._moes:
-            scratch = new(_moe_scratch_bytes(t, self._moes, self._hidden), dtype=torch.uint8)
+            scratch = new(moe_scratch_bytes(t, self._moes, self._hidden), dtype=torch.uint8)
             step.moe_scratch = scratch.data_ptr()
         groups = None
         if md.groups is not None:  # each layer reads its KV-cache group's slots and tables
-            groups = (_KVGroup * len(md.groups))(*(
-                _KVGroup(
-                    g.slot_mapping.data_ptr(), _ptr(g.decode_block_table if nd else None),
+            groups = (KVGroupDesc * len(md.groups))(*(
+                KVGroupDesc(
+                    g.slot_mapping.data_ptr(), ptr(g.decode_block_table if nd else None),
                     g.decode_block_table.stride(0) if nd else 0,
-                    _ptr(g.prefill_block_table if g.prefills else None),
+                    ptr(g.prefill_block_table if g.prefills else None),
                     g.prefill_block_table.stride(0) if g.prefills else 0,
                     g.decode_num_blocks * bs,
                 )
@@ -605,7 +352,7 @@ class FusedDecode:
             if rc == -2 and not parts:
                 rc = self._lib.vx_llama_greedy_whole(
                     ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(step),
-                    ctypes.addressof(tail), _screen_head(screen),
+                    ctypes.addressof(tail), screen_head(screen),
                 )  # fmt: skip
                 rc = 0 if rc == 1 else rc  # the layers ran; the screen gave no token
             if rc == -2:
@@ -701,7 +448,7 @@ class FusedDecode:
         if int(positions.max()) >= rotary.cos.shape[0] or int(positions.min()) < 0:
             return None
         out = np.full(t, -1, dtype=np.int64)  # -1: no token (whole steps: the screen's)
-        tail = _GreedyTail(
+        tail = GreedyTailDesc(
             input_ids.data_ptr(), positions.data_ptr(), embed.data_ptr(), rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), model.norm.weight.data_ptr(),
             None if screen is not None else head.packed.data_ptr(), vocab, out.ctypes.data,
