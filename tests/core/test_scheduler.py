@@ -419,6 +419,37 @@ def _spec_scheduler(num_blocks: int = 16, **kwargs: object) -> Scheduler:
     return Scheduler(config, num_blocks)
 
 
+def test_drafts_do_not_count_against_a_small_step() -> None:
+    """A small step's cap bounds its prompt work: running requests' drafts ride beside it (up to
+    `max_num_batched_tokens`), so a waiting prompt gets the same share with drafting neighbours
+    as without; without the headroom, drafts take what is left of the full budget."""
+    s = _spec_scheduler(
+        64, max_num_batched_tokens=30, small_step_tokens=12, small_step_running=8,
+        async_scheduling=False,
+    )  # fmt: skip
+    for r in ("a", "b"):
+        s.add_request(make_add_request(r, [1, 2, 3], max_tokens=20, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(
+        out, result(out, {"a": [7], "b": [7]}, spec_token_ids={"a": [8, 9, 10], "b": [8, 9, 10]})
+    )
+    s.add_request(make_add_request("c", list(range(40, 80)), max_tokens=4))
+    out = s.schedule()
+    # a and b: 1 + 3 each, their 6 drafts past the cap of 12; c: the cap's other 10 tokens
+    assert out.num_scheduled_tokens == {"a": 4, "b": 4, "c": 10}
+    assert out.total_num_scheduled_tokens == 18
+    check(s)
+    s.update_from_output(
+        out, result(out, {"a": [8, 9, 10, 11], "b": [8, 9, 10, 11]},
+                    spec_token_ids={"a": [1, 2, 3], "b": [1, 2, 3]})
+    )  # fmt: skip
+    s.max_num_batched_tokens = 14  # headroom for 2 drafts: the rest come out of the cap
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 4, "c": 6}
+    assert out.total_num_scheduled_tokens == 14
+    check(s)
+
+
 def test_drafts_are_scored_and_rejected_positions_rolled_back() -> None:
     """A request's drafts (from the worker's last output) ride its next step: 1 + k tokens
     scheduled, `scheduled_spec_decode_tokens` naming them; the step's tokens are its accepted

@@ -64,7 +64,7 @@ class Scheduler:
       blocks) or `running` (RUNNING, holds blocks for its computed tokens);
     - a step never schedules more than `max_num_batched_tokens` tokens (where set, while
       fewer than `small_step_running` run: `small_step_tokens` if fewer are held, running or
-      waiting, else `burst_step_tokens`), `running` never holds
+      waiting, else `burst_step_tokens`, draft tokens not counted), `running` never holds
       more than `max_num_seqs` requests, and no request ever grows past `max_model_len`;
     - every ending (stop, length, abort, error) goes through `_free_request`, which frees the
       blocks at once and queues the id for the next output's `finished_req_ids`;
@@ -223,6 +223,9 @@ class Scheduler:
             elif self.burst_step_tokens:
                 budget = min(budget, self.burst_step_tokens)
         step_budget = budget
+        #: what a small or burst step may add for drafts: they do not count against its cap
+        #: (it bounds a step's prompt work; drafts taking it delayed every waiting prompt)
+        draft_headroom = self.max_num_batched_tokens - budget
         threshold = self.long_prefill_token_threshold
         is_async = self.async_scheduling
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -260,10 +263,18 @@ class Scheduler:
                 # Scored after its last known token: within the budget, and never past the
                 # tokens it may still emit (each accepted draft is one, plus its own).
                 if num_computed + num_new == num_known:
-                    room = min(budget - num_new, request.max_num_tokens - num_known - 1)
+                    room = min(
+                        budget + draft_headroom - num_new,
+                        request.max_num_tokens - num_known - 1,
+                    )
                     if is_async:  # slots: the Worker holds the drafts (`_DRAFT_SLOT`)
                         drafts = [_DRAFT_SLOT] * self.num_spec_tokens
                     drafts = drafts[: max(room, 0)]
+                    if draft_headroom:
+                        extra = min(len(drafts), draft_headroom)
+                        draft_headroom -= extra
+                        budget += extra
+                        step_budget += extra
                     num_new += len(drafts)
                 else:
                     drafts = []
