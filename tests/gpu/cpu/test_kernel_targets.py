@@ -506,7 +506,8 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
     With every vocab row a candidate the screen gives no token: the layers still ran once and
     the logits path gives the same tokens."""
     from tests.gpu.sample.test_greedy_step import _whole_steps_both_ways
-    from vx.gpu.cpu import fused_step as cpu_decode, ops as cpu_ops, widen as cpu_widen
+    from vx.gpu.cpu import ops as cpu_ops, widen as cpu_widen
+    from vx.gpu.cpu.step_desc import linear_desc
 
     lib = _avx2_build(tmp_path, monkeypatch)
     monkeypatch.setattr(library, "_kernel_state", {"lib": lib})
@@ -520,7 +521,7 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
         # the layers' one-row GEMMs run on their compact copies, in the call as in the forward
         lins = [m for m in runner._model.model.modules() if getattr(m, "wide", None) is not None]
         assert lins and all(m.wide.compact is not None for m in lins)
-        assert all(cpu_decode._linear_desc(m, True).cw for m in lins)
+        assert all(linear_desc(m, True).cw for m in lins)
         if not screened:  # in place (C holds its pointer): every row is a candidate
             screen.bound[:] = 1e30
 
