@@ -165,3 +165,73 @@ def test_fast_decode_matches_reference(
         finally:
             set_work_stealing(1)
     assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()
+
+
+def _fast_call(q, kc, vc, table, lens, bs, scale, window=0, softcap=0.0):
+    """The fast kernel on decode rows q [B, Hq, D] with their block tables and lengths."""
+    b, hq, d = q.shape
+    hkv = kc.shape[0]
+    out = torch.full_like(q, float("nan"))
+    bt = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32))
+    ln = torch.from_numpy(np.ascontiguousarray(lens, dtype=np.int32))
+    rc = decode_kernel_fn(torch.bfloat16, fast=True)(
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], bt.data_ptr(), bt.stride(0),
+        ln.data_ptr(), b, hq, hkv, d, bs, scale, table.shape[1] * bs, window, softcap,
+    )  # fmt: skip
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "rows", "first", "window", "softcap"),
+    [
+        (9, 3, 64, 9, 400, 0, 0.0),  # 5 + 4 rows an item (16 AMX columns / 3 heads)
+        (9, 3, 64, 6, 250, 0, 0.0),  # the rows cross the first 256-key chunk's end
+        (32, 8, 64, 5, 30, 0, 0.0),  # 4 heads a kv head: 4 rows an item
+        (4, 2, 128, 17, 1, 0, 0.0),  # from a 1-key row, 8 rows an item
+        (8, 1, 128, 3, 600, 0, 50.0),  # soft-capped, 2 rows an item
+        (9, 3, 64, 5, 300, 128, 0.0),  # windows past their start: each row an item
+        (9, 3, 64, 5, 100, 128, 0.0),  # windows not reached: one item
+    ],
+)
+def test_a_drafting_requests_rows_have_each_rows_own_bits(
+    hq: int, hkv: int, d: int, rows: int, first: int, window: int, softcap: float, amx: bool
+) -> None:
+    """The rows of a request verifying drafts (the same block table, lengths first, first + 1,
+    ...) may share an item, and each gets the bits it gets alone (a plain decode step's):
+    greedy output with drafts relies on it. Another request's rows between them, and a
+    second request with the same lengths, keep theirs too."""
+    if not load_cpu_kernels().vx_has_fast_bf16():
+        pytest.skip("the AVX512-BF16 kernel only (the AVX2 kernel takes a row an item)")
+    g = torch.Generator().manual_seed(1)
+    bs = 16
+    width = -(-(first + rows) // bs)
+    nb = 3 * width + 2
+    kc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    vc = torch.randn(hkv, nb, bs, d, generator=g).to(torch.bfloat16)
+    kc[:, :: max(nb // 5, 1), 3] *= 4
+    perm = torch.randperm(nb, generator=g).numpy()
+    a, other = perm[:width], perm[width : 2 * width]
+    # request A's rows, one row of another request, then request B (A's lengths, B's blocks)
+    table = np.stack([a] * rows + [other] + [other] * rows).astype(np.int32)
+    lens = np.array([first + i for i in range(rows)] + [first + 3] + [first + i for i in range(rows)])
+    q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16)
+    scale = d**-0.5
+    together = _fast_call(q, kc, vc, table, lens, bs, scale, window, softcap)
+    for i in range(len(lens)):
+        alone = _fast_call(q[i : i + 1].clone(), kc, vc, table[i : i + 1], lens[i : i + 1], bs,
+                           scale, window, softcap)  # fmt: skip
+        assert torch.equal(together[i], alone[0]), i
+    blocks = torch.from_numpy(a.astype(np.int64))
+    k = kc[:, blocks].reshape(hkv, -1, d).float()
+    v = vc[:, blocks].reshape(hkv, -1, d).float()
+    for i in range(rows):  # and they are the attention
+        n = int(lens[i])
+        lo = max(0, n - window) if window else 0
+        qq = q[i].float().view(hkv, hq // hkv, d)
+        s = qq @ k[:, lo:n].transpose(1, 2) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        ref = (torch.softmax(s, -1) @ v[:, lo:n]).reshape(hq, d)
+        torch.testing.assert_close(together[i].float(), ref, atol=2e-2, rtol=2e-2)

@@ -7,7 +7,7 @@
 /* One decode query per request against its paged K/V, fp32 math, bf16 or fp32 storage.
    Layouts: q/out [B, Hq, D] with any row strides; caches [Hkv, NB, BS, D] (strides given);
    bt [B, >= ceil(len / BS)] int32; lens [B] int32, each >= 1. Work items are (request, kv head)
-   pairs on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
+   pairs (the fast kernel with AMX: (run of a request's rows, kv head)) on the OpenMP pool (torch's own libgomp, so the thread count is torch's); a small
    batch (under 8,192 key positions in all) runs on the calling thread: waking the pool costs
    more than it saves there.
    Every decode kernel also takes `window` (> 0: the query at position len - 1 sees only keys
@@ -231,44 +231,57 @@ VX_INLINE void vx_pf_step(vx_pf_cursor* c, int n) {
         if (++c->line == c->lines) { c->line = 0; c->blk++; }
     }
 }
-/* One (request, kv head) item; DV = D / 32 is a compile-time constant at each call site. */
+/* One item: R consecutive decode rows of one request (the same blocks: the 1 + k rows of a
+   drafting request, each one position further) and one kv head. Its R x G query heads are the
+   item's columns, column n = row n / G's head n % G; each row has its own length lens[r] and
+   all share the keys' window start `lo`. Every column sees exactly the operations, in the same
+   order, that it sees in an item of its row alone: AMX computes each column of S^T on its own
+   (tdpbf16ps's sums do not depend on the other columns), and the softmax and p.V run per column
+   over that row's keys only. So a row's output has the same bits in any run, and a verify
+   step's rows those of the plain decode step. DV = D / 32 is a compile-time constant at each
+   call site. */
 VX_INLINE void vx_fast_item(
-        const vx_bf16* qr, int64_t q_sh, vx_bf16* orow, int64_t o_sh, const vx_bf16* kh,
-        const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr, int len, int G,
-        int BS, float scale, const int DV, const int amx, vx_pf_cursor* pf, int lo,
-        float softcap) {
+        const vx_bf16* qr, int64_t q_st, int64_t q_sh, vx_bf16* orow, int64_t o_st, int64_t o_sh,
+        const vx_bf16* kh, const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr,
+        const int32_t* lens, int R, int G, int BS, float scale, const int DV, const int amx,
+        vx_pf_cursor* pf, int lo, float softcap) {
     enum { GB_MAX = 4 };
     const int GB = (16 / (2 * DV)) < GB_MAX ? (16 / (2 * DV)) : GB_MAX;
+    const int NC = R * G;  /* at most 16 (the caller's runs) */
     float sc[16][VX_CH] __attribute__((aligned(64)));
     __m512 acc[16][16];
     int64_t off[VX_CH];
     float mx[16], sum[16];
+    int len = 0;
+    for (int r = 0; r < R; r++) len = lens[r] > len ? lens[r] : len;
     /* The next item's lines spread over this item's work, per (key, head) of q.k and of p.V
        (the two passes cost about the same): pq/256 steps each, rounded up. */
     /* Keys [lo, len) (the window); chunks from `start`, which AMX needs at a multiple of 16
        (its tiles are 16 rows of one block), the keys before lo masked out. */
     const int start = amx ? lo & ~15 : lo, nk = len - start;
-    const int pq = (int)(((int64_t)pf->nblk * pf->lines * 256 + 2 * G * nk - 1)
-                         / (nk > 0 ? 2 * G * nk : 1));
-    for (int g = 0; g < G; g++) {
-        mx[g] = -INFINITY; sum[g] = 0.f;
-        for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_setzero_ps();
+    const int pq = (int)(((int64_t)pf->nblk * pf->lines * 256 + 2 * NC * nk - 1)
+                         / (nk > 0 ? 2 * NC * nk : 1));
+    for (int n = 0; n < NC; n++) {
+        mx[n] = -INFINITY; sum[n] = 0.f;
+        for (int j = 0; j < 2 * DV; j++) acc[n][j] = _mm512_setzero_ps();
     }
+#define VX_QCOL(n) (qr + (int64_t)((n) / G) * q_st + (int64_t)((n) % G) * q_sh)
 #ifndef VX_HAS_AMX
     (void)amx;  /* built without AMX (Zen 4 and 5): the q.k tiles are not compiled in */
 #endif
 #ifdef VX_HAS_AMX
-    /* AMX: S^T[16 keys][16 heads] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
-       layout tdpbf16ps takes (row r, column n: query head n's dims 2r, 2r+1; heads >= G zero) */
+    /* AMX: S^T[16 keys][16 columns] = K[16 keys][32 dims] . Q^T, Q^T in the pair-interleaved
+       layout tdpbf16ps takes (row r, column n: query column n's dims 2r, 2r+1; columns >= NC
+       zero) */
     uint32_t qt[8][16][16] __attribute__((aligned(64)));
     float ct[VX_CH / 16][16][16] __attribute__((aligned(64)));
     float cmax[16];
     if (amx) {
         memset(qt, 0, sizeof(uint32_t) * 256 * DV);
-        for (int g = 0; g < G; g++) {
-            const uint32_t* qw = (const uint32_t*)(qr + (int64_t)g * q_sh);
+        for (int n = 0; n < NC; n++) {
+            const uint32_t* qw = (const uint32_t*)VX_QCOL(n);
             for (int v = 0; v < DV; v++)
-                for (int r = 0; r < 16; r++) qt[v][r][g] = qw[16 * v + r];
+                for (int r = 0; r < 16; r++) qt[v][r][n] = qw[16 * v + r];
         }
         if (DV <= 2) {  /* Q^T stays in tiles 5 (and 6) for the whole item */
             _tile_loadd(5, qt[0], 64);
@@ -279,6 +292,12 @@ VX_INLINE void vx_fast_item(
     for (int c0 = start; c0 < len; c0 += VX_CH) {
         const int cnt = (len - c0) < VX_CH ? (len - c0) : VX_CH, ng = (cnt + 15) / 16;
         const int skip = c0 == start ? lo - start : 0;  /* group 0's keys before the window */
+        /* each column's keys in this chunk (0: its row has ended) */
+        int ncnt[16];
+        for (int n = 0; n < NC; n++) {
+            const int left = lens[n / G] - c0;
+            ncnt[n] = left <= 0 ? 0 : left < VX_CH ? left : VX_CH;
+        }
         {  /* block by block, no division per key (a runtime BS made it a costly part of an
               item) */
             int blk = c0 / BS, r = c0 % BS;
@@ -299,7 +318,7 @@ VX_INLINE void vx_fast_item(
 #define VX_QK_GROUP(T, ACC, KT) do { \
                 const vx_bf16* kr = kh + off[(T) * 16]; \
                 if ((T) + VX_PF < ng) vx_prefetch_rows(kh, off + ((T) + VX_PF) * 16, 16, DV); \
-                vx_pf_step(pf, 16 * G * pq); \
+                vx_pf_step(pf, 16 * NC * pq); \
                 _tile_zero(ACC); \
                 if (DV <= 2) { \
                     _tile_loadd(KT, kr, c_ss * 2); _tile_dpbf16ps(ACC, KT, 5); \
@@ -322,34 +341,37 @@ VX_INLINE void vx_fast_item(
             const __m512i rows = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                 _mm512_set1_epi32(16));
-            __m512 run[16];
-            for (int g = 0; g < G; g++) run[g] = _mm512_set1_ps(-INFINITY);
-            for (t = 0; t < ng; t++) {
-                const __mmask16 valid = vx_keys16(cnt - t * 16, t ? 0 : skip);
-                for (int g = 0; g < G; g++) {
+            for (int n = 0; n < NC; n++) {
+                if (!ncnt[n]) continue;
+                const int ngn = (ncnt[n] + 15) / 16;
+                __m512 run = _mm512_set1_ps(-INFINITY);
+                for (t = 0; t < ngn; t++) {
+                    const __mmask16 valid = vx_keys16(ncnt[n] - t * 16, t ? 0 : skip);
                     const __m512 r = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                        vx_softcap16(_mm512_mul_ps(_mm512_i32gather_ps(rows, &ct[t][0][g], 4),
+                        vx_softcap16(_mm512_mul_ps(_mm512_i32gather_ps(rows, &ct[t][0][n], 4),
                                                    _mm512_set1_ps(scale)), softcap));
-                    _mm512_store_ps(&sc[g][t * 16], r);
-                    run[g] = _mm512_max_ps(run[g], r);
+                    _mm512_store_ps(&sc[n][t * 16], r);
+                    run = _mm512_max_ps(run, r);
                 }
+                cmax[n] = _mm512_reduce_max_ps(run);
             }
-            for (int g = 0; g < G; g++) cmax[g] = _mm512_reduce_max_ps(run[g]);
         }
 #endif
-        for (int g = 0; g < G; g++) {
+        for (int n = 0; n < NC; n++) {
+            const int cn = ncnt[n], ngn = (cn + 15) / 16;
+            if (!cn) continue;
             float cm;
 #ifdef VX_HAS_AMX
-            if (amx) { cm = cmax[g]; } else
+            if (amx) { cm = cmax[n]; } else
 #endif
             {
             __m512i qv[8];
             for (int v = 0; v < DV; v++)
-                qv[v] = _mm512_loadu_si512((const void*)(qr + (int64_t)g * q_sh + 32 * v));
+                qv[v] = _mm512_loadu_si512((const void*)(VX_QCOL(n) + 32 * v));
             __m512 run = _mm512_set1_ps(-INFINITY);
-            for (int t = 0; t < ng; t++) {
+            for (int t = 0; t < ngn; t++) {
                 __m512 a[16];
-                if (g == 0 && t + VX_PF < ng) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
+                if (n == 0 && t + VX_PF < ngn) vx_prefetch_rows(kh, off + (t + VX_PF) * 16, 16, DV);
                 vx_pf_step(pf, 16 * pq);
                 for (int i = 0; i < 16; i++) {  /* input i is key 4 (i % 4) + i / 4 */
                     const vx_bf16* kr = kh + off[t * 16 + 4 * (i & 3) + (i >> 2)];
@@ -360,69 +382,76 @@ VX_INLINE void vx_fast_item(
                     a[i] = s;
                 }
                 const __m512 r = _mm512_mask_mov_ps(
-                    _mm512_set1_ps(-INFINITY), vx_keys16(cnt - t * 16, t ? 0 : skip),
+                    _mm512_set1_ps(-INFINITY), vx_keys16(cn - t * 16, t ? 0 : skip),
                     vx_softcap16(_mm512_mul_ps(vx_hsum16(a), _mm512_set1_ps(scale)), softcap));
-                _mm512_store_ps(&sc[g][t * 16], r);
+                _mm512_store_ps(&sc[n][t * 16], r);
                 run = _mm512_max_ps(run, r);
             }
             cm = _mm512_reduce_max_ps(run);
             }
-            const float m_new = fmaxf(mx[g], cm);
-            const float corr = vx_expf(mx[g] - m_new);  /* ~0 on the first chunk */
+            const float m_new = fmaxf(mx[n], cm);
+            const float corr = vx_expf(mx[n] - m_new);  /* ~0 on the first chunk */
             __m512 s = _mm512_setzero_ps();
             const __m512 mv = _mm512_set1_ps(m_new);
-            for (int t = 0; t < ng; t++) {
-                const __mmask16 valid = vx_keys16(cnt - t * 16, t ? 0 : skip);
+            for (int t = 0; t < ngn; t++) {
+                const __mmask16 valid = vx_keys16(cn - t * 16, t ? 0 : skip);
                 const __m512 e = _mm512_maskz_mov_ps(
-                    valid, vx_exp16(_mm512_sub_ps(_mm512_load_ps(&sc[g][t * 16]), mv)));
-                _mm512_store_ps(&sc[g][t * 16], e);
+                    valid, vx_exp16(_mm512_sub_ps(_mm512_load_ps(&sc[n][t * 16]), mv)));
+                _mm512_store_ps(&sc[n][t * 16], e);
                 s = _mm512_add_ps(s, e);
             }
-            sum[g] = sum[g] * corr + _mm512_reduce_add_ps(s);
-            mx[g] = m_new;
+            sum[n] = sum[n] * corr + _mm512_reduce_add_ps(s);
+            mx[n] = m_new;
             if (c0 != start) {
                 const __m512 cv = _mm512_set1_ps(corr);
-                for (int j = 0; j < 2 * DV; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);
+                for (int j = 0; j < 2 * DV; j++) acc[n][j] = _mm512_mul_ps(acc[n][j], cv);
             }
         }
         const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
-        for (int g0 = 0; g0 < G; g0 += GB) {
-            const int gn = (G - g0) < GB ? (G - g0) : GB;
-            __m512 ac[GB_MAX][16];
-            for (int gg = 0; gg < GB; gg++)
-                for (int j = 0; j < 2 * DV; j++) ac[gg][j] = gg < gn ? acc[g0 + gg][j] : _mm512_setzero_ps();
-            if (g0 == 0) vx_prefetch_rows(vh, off, cnt < 32 ? cnt : 32, DV);
-            for (int i = 0; i < cnt; i++) {
-                const vx_bf16* vr = vh + off[i];
-                if (g0 == 0 && i + 32 < cnt) vx_prefetch_rows(vh, off + i + 32, 1, DV);
-                if ((i & 7) == 0) vx_pf_step(pf, 8 * gn * pq);
-                __m512 vf[16];
-                for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
-                    const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
-                    vf[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-                    vf[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+        /* p.V a row at a time (its columns see keys [c0, c0 + its count)), GB columns a pass */
+        for (int r = 0; r < R; r++) {
+            const int cr = ncnt[r * G];
+            if (!cr) continue;
+            for (int g0 = 0; g0 < G; g0 += GB) {
+                const int gn = (G - g0) < GB ? (G - g0) : GB, n0 = r * G + g0;
+                __m512 ac[GB_MAX][16];
+                for (int gg = 0; gg < GB; gg++)
+                    for (int j = 0; j < 2 * DV; j++) ac[gg][j] = gg < gn ? acc[n0 + gg][j] : _mm512_setzero_ps();
+                const int first = r == 0 && g0 == 0;
+                if (first) vx_prefetch_rows(vh, off, cr < 32 ? cr : 32, DV);
+                for (int i = 0; i < cr; i++) {
+                    const vx_bf16* vr = vh + off[i];
+                    if (first && i + 32 < cr) vx_prefetch_rows(vh, off + i + 32, 1, DV);
+                    if ((i & 7) == 0) vx_pf_step(pf, 8 * gn * pq);
+                    __m512 vf[16];
+                    for (int v = 0; v < DV; v++) {  /* even dims 32v+2j, odd dims 32v+2j+1 */
+                        const __m512i x = _mm512_loadu_si512((const void*)(vr + 32 * v));
+                        vf[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                        vf[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+                    }
+                    for (int gg = 0; gg < GB; gg++) {
+                        if (gg >= gn) break;
+                        const __m512 p = _mm512_set1_ps(sc[n0 + gg][i]);
+                        for (int j = 0; j < 2 * DV; j++) ac[gg][j] = _mm512_fmadd_ps(p, vf[j], ac[gg][j]);
+                    }
                 }
-                for (int gg = 0; gg < GB; gg++) {
-                    if (gg >= gn) break;
-                    const __m512 p = _mm512_set1_ps(sc[g0 + gg][i]);
-                    for (int j = 0; j < 2 * DV; j++) ac[gg][j] = _mm512_fmadd_ps(p, vf[j], ac[gg][j]);
-                }
+                for (int gg = 0; gg < gn; gg++)
+                    for (int j = 0; j < 2 * DV; j++) acc[n0 + gg][j] = ac[gg][j];
             }
-            for (int gg = 0; gg < gn; gg++)
-                for (int j = 0; j < 2 * DV; j++) acc[g0 + gg][j] = ac[gg][j];
         }
     }
-    for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
-        vx_bf16* o = orow + (int64_t)g * o_sh;
+    for (int n = 0; n < NC; n++) {
+        const __m512 inv = _mm512_set1_ps(1.f / sum[n]);
+        vx_bf16* o = orow + (int64_t)(n / G) * o_st + (int64_t)(n % G) * o_sh;
         for (int v = 0; v < DV; v++) {  /* even and odd dims, rounded (RNE), interleaved */
-            const __m256i e = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][2 * v], inv));
-            const __m256i d = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][2 * v + 1], inv));
+            const __m256i e = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[n][2 * v], inv));
+            const __m256i d = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[n][2 * v + 1], inv));
             const __m256i lo = _mm256_unpacklo_epi16(e, d), hi = _mm256_unpackhi_epi16(e, d);
             _mm256_storeu_si256((__m256i*)(o + 32 * v), _mm256_permute2x128_si256(lo, hi, 0x20));
             _mm256_storeu_si256((__m256i*)(o + 32 * v + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
         }
     }
+#undef VX_QCOL
 }
 int vx_decode_attention_bf16_fast(
         const vx_bf16* q, int64_t q_st, int64_t q_sh, vx_bf16* out, int64_t o_st, int64_t o_sh,
@@ -434,15 +463,37 @@ int vx_decode_attention_bf16_fast(
     if (D % 32 || D > 256 || G > 16 || G < 1) return -2;
     const int amx = vx_amx_on && BS % 16 == 0;
     const int par = (int64_t)B * Hkv * max_len >= VX_PAR_MIN;
+    /* Runs of rows that read the same keys (the same blocks as far as each one reads, the
+       same window start) share an item, up to AMX's 16 columns: a drafting request's 1 + k
+       rows read their K and V once. Without AMX a row is an item of its own. */
+    int32_t runs_local[257];
+    int32_t* runs = B < 256 ? runs_local : (int32_t*)malloc(sizeof(int32_t) * ((size_t)B + 1));
+    if (!runs) return -1;
+    const int rmax = amx ? 16 / G : 1;
+    int nr = 0;
+    for (int b = 0; b < B;) {
+        const int lo = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        int e = b + 1;
+        for (; e < B && e - b < rmax; e++) {
+            const int lo_e = window > 0 && lens[e] > window ? lens[e] - window : 0;
+            if (lo_e != lo || memcmp(bt + (int64_t)e * bt_s, bt + (int64_t)b * bt_s,
+                                     sizeof(int32_t) * (size_t)((lens[e] + BS - 1) / BS)))
+                break;
+        }
+        runs[nr++] = b;
+        b = e;
+    }
+    runs[nr] = B;
     vx_ws ws;
-    vx_ws_init(&ws, (int64_t)B * Hkv, par);
+    vx_ws_init(&ws, (int64_t)nr * Hkv, par);
     _Pragma("omp parallel if (par)") {
 #ifdef VX_HAS_AMX
     if (amx) vx_amx_load_tiles(7);  /* per thread: 0, 3: S^T; 1, 4: K; 2, 5, 6: Q^T */
 #endif
     const int tid = omp_get_thread_num();
     for (int64_t w; (w = vx_ws_next(&ws, tid)) >= 0;) {
-        const int b = (int)(w / Hkv), h = (int)(w % Hkv);
+        const int ri = (int)(w / Hkv), h = (int)(w % Hkv);
+        const int b = runs[ri], R = runs[ri + 1] - b;
         const vx_bf16* qr = q + b * q_st + (int64_t)h * G * q_sh;
         vx_bf16* orow = out + b * o_st + (int64_t)h * G * o_sh;
         const vx_bf16 *kh = kc + h * c_sh, *vh = vc + h * c_sh;
@@ -450,10 +501,11 @@ int vx_decode_attention_bf16_fast(
         vx_pf_cursor pf;
         pf.nblk = pf.blk = pf.line = pf.credit = 0;
         pf.lines = (int)(((int64_t)BS * c_ss * 2 + 63) / 64);
-        if (w + 1 < (int64_t)B * Hkv) {  /* the next item's K and V: up to 1,024 keys */
-            const int b1 = (int)((w + 1) / Hkv), h1 = (int)((w + 1) % Hkv);
-            const int lo1 = window > 0 && lens[b1] > window ? lens[b1] - window : 0;
-            const int n1 = lens[b1] - lo1 < 16 * VX_PF_BLOCKS ? lens[b1] : lo1 + 16 * VX_PF_BLOCKS;
+        if (w + 1 < (int64_t)nr * Hkv) {  /* the next item's K and V: up to 1,024 keys */
+            const int r1 = (int)((w + 1) / Hkv), h1 = (int)((w + 1) % Hkv);
+            const int b1 = runs[r1], l1 = lens[runs[r1 + 1] - 1];
+            const int lo1 = window > 0 && l1 > window ? l1 - window : 0;
+            const int n1 = l1 - lo1 < 16 * VX_PF_BLOCKS ? l1 : lo1 + 16 * VX_PF_BLOCKS;
             for (int p = lo1 - lo1 % BS; p < n1 && pf.nblk < VX_PF_BLOCKS; p += BS, pf.nblk++) {
                 const int64_t blk = (int64_t)bt[b1 * bt_s + p / BS] * c_sb + h1 * c_sh;
                 pf.k[pf.nblk] = (const char*)(kc + blk);
@@ -461,8 +513,8 @@ int vx_decode_attention_bf16_fast(
             }
         }
         const int lo = window > 0 && lens[b] > window ? lens[b] - window : 0;
-#define VX_ITEM(DV) vx_fast_item(qr, q_sh, orow, o_sh, kh, vh, c_sb, c_ss, btr, lens[b], G, BS, \
-                                scale, DV, amx, &pf, lo, softcap)
+#define VX_ITEM(DV) vx_fast_item(qr, q_st, q_sh, orow, o_st, o_sh, kh, vh, c_sb, c_ss, btr, \
+                                lens + b, R, G, BS, scale, DV, amx, &pf, lo, softcap)
         switch (D / 32) {  /* one specialisation per D, so loops over D unroll */
         case 1: VX_ITEM(1); break; case 2: VX_ITEM(2); break; case 3: VX_ITEM(3); break;
         case 4: VX_ITEM(4); break; case 5: VX_ITEM(5); break; case 6: VX_ITEM(6); break;
@@ -473,6 +525,7 @@ int vx_decode_attention_bf16_fast(
     if (amx) _tile_release();
 #endif
     }
+    if (runs != runs_local) free(runs);
     return 0;
 }
 #endif
