@@ -124,7 +124,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
                "but the last stop its last layer after the attention, and the next stage, "
                "which then holds a copy of that layer's o_proj, norm and MLP, finishes it (`0`: "
                "every step; the same on every node).",
-           set_by="operator; tests/e2e/test_pipeline_parallel.py, bench/pipeline.py"),
+           set_by="operator; tests (test_llm, test_pp_hand_off), bench/pipeline.py"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
            doc="Where vx keeps converted models and the built C kernel library.",
