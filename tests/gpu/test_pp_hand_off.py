@@ -1,7 +1,8 @@
 """Pipeline parallel's hand-off (`VX_PP_HAND_OFF_TOKENS`): a stage that stops its last layer
 after the attention, and the next stage finishing that layer from its copy of the layer's
 o_proj, norm and MLP, give exactly the whole model's logits and greedy tokens (fp32, both
-stages in one process over the module path, no torch.distributed)."""
+stages in one process over the module path, no torch.distributed). Gemma's layers, which
+have no `finish`, hand nothing off."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from tests.models import make_tiny_model  # noqa: E402
 from vx.gpu.loader import load_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("pp"), "llama", num_hidden_layers=4)
+@pytest.fixture(scope="module", params=["llama", "qwen3", "mixtral"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    # Qwen3: q/k norms in the attention, which the copy leaves out; Mixtral: experts
+    return make_tiny_model(tmp_path_factory.mktemp("pp"), request.param, num_hidden_layers=4)
 
 
 def _stages(path: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
@@ -47,8 +49,9 @@ def test_the_copy_holds_the_layer_tail_only(tiny: str, monkeypatch: pytest.Monke
     assert tail == s0.model.end_layer - 1 == s1.model.start_layer - 1
     assert s0.model.tail_layer is None
     names = {n for n, _ in s1.named_parameters() if n.startswith(f"model.layers.{tail}.")}
-    assert names and all(".mlp." in n or "post_attention" in n or ".o_proj." in n for n in names)
-    monkeypatch.delenv("VX_PP_HAND_OFF_TOKENS")
+    assert any(".o_proj." in n for n in names) and any("post_attention" in n for n in names)
+    assert not any(".qkv_proj." in n or "_norm." in n or "input_layernorm" in n for n in names)
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", "")  # never
     plain = load_model(tiny, dtype=torch.float32, pp_rank=1, pp_size=2, progress=False)
     assert plain.model.tail_layer is None
 
@@ -70,3 +73,9 @@ def test_hand_off_gives_the_whole_models_tokens(
         for req_id in batch:
             assert torch.equal(a[req_id], b[req_id]), req_id
     assert got.greedy({"x": PROMPTS["long"]}, 8) == want.greedy({"x": PROMPTS["long"]}, 8)
+
+
+def test_gemma_hands_nothing_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_tiny_model(tmp_path, "gemma2")  # two layers: one a stage
+    s0, s1 = _stages(path, monkeypatch)
+    assert not s1.hands_off_tails() and s1.model.tail_layer is None

@@ -17,9 +17,9 @@ path (neither the fused C step nor CUDA graphs, which take the whole stack). The
 embeds; every stage but the first receives the hidden states and the residual of the previous
 one, and every stage but the last sends its own on; the last stage samples as above. The
 earlier stages learn the sampled tokens from the next SchedulerOutput
-(`CachedRequestData.new_token_ids`). With `VX_PP_HAND_OFF_TOKENS`, a step with that many
-prompt tokens has each stage but the last send its last layer's attention output instead, and
-the next stage finishes that layer first (`parallel_state.hand_off_min_tokens`).
+(`CachedRequestData.new_token_ids`). A step with prompt tokens has each stage but the last
+send its last layer's attention output instead, and the next stage finishes that layer first
+(`parallel_state.hand_off_min_tokens`).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def get_pp_indices(
 def hand_off_min_tokens() -> int | None:
     """The fewest prompt tokens a step carries for each stage but the last to hand its last
     layer's o_proj, norm and MLP on to the next stage (`LlamaModel.run_layers`), or None:
-    never (`VX_PP_HAND_OFF_TOKENS`).
+    never (`VX_PP_HAND_OFF_TOKENS`; by default every step with a prompt token).
 
     Why: a decode step is bound by reading weights, and the split (`get_pp_indices`) balances
     those, counting the last stage's LM head; a prompt token is bound by arithmetic, which
