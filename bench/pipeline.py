@@ -4,6 +4,7 @@ exactly each load phase.
 
 Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
+        [--hand-off off|N]
         [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
         [--serve-args '--max-num-batched-tokens 80']
 
@@ -91,6 +92,8 @@ def main() -> int:
     ap.add_argument("--make", action="store_true", help="write the random model first")
     ap.add_argument("--mode", choices=["pp", "tp1"], default="pp")
     ap.add_argument("--partition", default=None, help="VX_PP_LAYER_PARTITION (default: vx's)")
+    ap.add_argument("--hand-off", default=None,
+                    help="VX_PP_HAND_OFF_TOKENS (default: vx's; 'off': never)")
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--num-prompts", default="64",
                     help="per concurrency, or one count for all (e.g. 64,128)")
@@ -107,6 +110,8 @@ def main() -> int:
     env = {**os.environ, "VX_CPU_ROW_PLAN": "0"}
     if args.partition:
         env["VX_PP_LAYER_PARTITION"] = args.partition
+    if args.hand_off is not None:
+        env["VX_PP_HAND_OFF_TOKENS"] = "" if args.hand_off == "off" else args.hand_off
     serve = [py, "-m", "vx", "serve", args.model, "--num-threads", "1", "--profile-steps",
              *shlex.split(args.serve_args)]
     logs = [tempfile.NamedTemporaryFile("w+b", suffix=f"-node{i}.log") for i in range(2)]
@@ -166,7 +171,8 @@ def main() -> int:
         for m in STAGE_LINE.finditer(text):
             stage_lines.setdefault(int(m[1]), []).append(tuple(float(x) for x in m.groups()[1:]))
         log.close()
-    print(f"mode {args.mode}, partition {args.partition or 'default'}, "
+    print(f"mode {args.mode}, partition {args.partition or 'default'}, hand-off "
+          f"{args.hand_off or 'default'}, "
           f"({args.input_len} in, {args.output_len} out) {args.serve_args}")  # fmt: skip
     for i, (c, n, res) in enumerate(results):
         row = res[0] if isinstance(res, list) else res

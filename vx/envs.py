@@ -118,6 +118,13 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "every node); empty: vx's split, which counts the last stage's LM head as layers (an "
           "even split for MoE models).",
           "operator"),
+    EnvVar(name="VX_PP_HAND_OFF_TOKENS", type="integer", parse=_int_or_none, default=1,
+           shown_default="`1`",
+           doc="Pipeline parallel: a step with at least this many prompt tokens has each stage "
+               "but the last stop its last layer after the attention, and the next stage, "
+               "which holds a copy of that layer's o_proj, norm and MLP, finishes it (`0`: "
+               "every step; empty: never, and no copy; the same on every node).",
+           set_by="operator; tests (test_llm, test_pp_hand_off), bench/pipeline.py"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
            doc="Where vx keeps converted models and the built C kernel library.",

@@ -223,6 +223,31 @@ def test_outputs_identical_across_modes(
             assert llm.call_utility("get_stats")["num_preempted_total"] > 0
 
 
+@pytest.mark.parametrize(
+    ("hand_off", "kwargs"),
+    [
+        pytest.param("", {}, id="never"),
+        pytest.param("0", {}, id="every-step"),
+        pytest.param("1", {}, id="prompt-steps"),
+        pytest.param("0", {"tensor_parallel_size": 2}, id="every-step-tp2"),
+    ],
+)
+def test_pp_hand_off_gives_the_same_tokens(
+    tiny_model: str,
+    reference: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    hand_off: str,
+    kwargs: dict[str, object],
+) -> None:
+    """PP = 2 where stage 0 hands its last layer's o_proj, norm and MLP on to stage 1
+    (`VX_PP_HAND_OFF_TOKENS`; by default on steps with prompt tokens), on no step, on every
+    step: HF's fp32 tokens each time, which TP = 1 gives too (above)."""
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", hand_off)
+    with closed_clean(tiny_model, dtype="float32", max_num_batched_tokens=32, num_threads=1,
+                      pipeline_parallel_size=2, **kwargs) as llm:  # fmt: skip
+        assert vx_generate(llm, PROMPTS, temperature=0.0) == reference
+
+
 def test_no_leftovers_after_close(tiny_model: str) -> None:
     before = shm_of({os.getpid()})
     llm = LLM(tiny_model, num_threads=1)

@@ -17,7 +17,9 @@ path (neither the fused C step nor CUDA graphs, which take the whole stack). The
 embeds; every stage but the first receives the hidden states and the residual of the previous
 one, and every stage but the last sends its own on; the last stage samples as above. The
 earlier stages learn the sampled tokens from the next SchedulerOutput
-(`CachedRequestData.new_token_ids`).
+(`CachedRequestData.new_token_ids`). A step with prompt tokens has each stage but the last
+send its last layer's attention output instead, and the next stage finishes that layer first
+(`parallel_state.hand_off_min_tokens`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
+        #: Pipeline parallel: the fewest prompt tokens of a step that hands each stage's last
+        #: layer's o_proj, norm and MLP on to the next stage (`load_model`; None: never), and
+        #: the width of the attention output a later stage then receives.
+        self.hand_off_tokens: int | None = None
+        self.hand_off_width = 0
         #: The step's sampling (`vx.gpu.sample.step_sampler`), built by `load_model`.
         self.sampling: StepSampler | None = None
         #: The grammar state of the constrained requests (`vx.gpu.sample.matchers`).
@@ -148,6 +155,12 @@ class ModelRunner:
         set_batch_invariant(self.config.batch_invariant)
         self.model = self._load_weights(m.path)
         self.dtype = next(self.model.parameters()).dtype
+        hands_off = getattr(self.model, "hands_off_tails", None)
+        if self.pp_size > 1 and hands_off is not None and hands_off():
+            self.hand_off_tokens = parallel_state.hand_off_min_tokens()
+            inner = self.model.model
+            if inner.tail_layer is not None:
+                self.hand_off_width = inner.layers[inner.tail_layer].self_attn.q_size
         # Batch-invariant fp32 (no C prefill attention for fp32; SDPA's arithmetic follows the
         # chunk and the cached prefix): every token is a decode row of the decode kernel, with
         # its own position as its length, so prompts, outputs and recomputes all take one
@@ -313,7 +326,7 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
-            hidden = self._stage_forward(ids, pos, caches, md, None, profile=True)
+            hidden = self._stage_forward(ids, pos, caches, md, None, num_tokens, profile=True)
             if hidden is not None:  # the last stage
                 n = min(sched.max_num_seqs, num_tokens)
                 m.compute_logits(hidden[:n]).argmax(dim=-1)
@@ -411,9 +424,11 @@ class ModelRunner:
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
             hidden, sampled = fused
         elif self.pp_size > 1:
+            ql = inputs.query_lens
             stage = self._stage_forward(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep
-            )
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep,
+                int(ql[ql > 1].sum()),
+            )  # fmt: skip
             if stage is None:  # an earlier stage: the next one goes on with this step
                 batch.num_computed_tokens[inputs.rows] = inputs.num_computed + inputs.query_lens
                 return ModelRunnerOutput(
@@ -499,34 +514,48 @@ class ModelRunner:
         kv_caches: list,
         attn_metadata: AttentionMetadata,
         keep: torch.Tensor | None,
+        num_prompt_tokens: int,
         *,
         profile: bool = False,
     ) -> torch.Tensor | None:
         """This pipeline stage's part of a forward: the final hidden states on the last stage
         (rows `keep` only, if given); None on the others, which send theirs on. With
         `profile` (the start-up's memory profile) nothing is sent or received: a later
-        stage runs on zeros."""
+        stage runs on zeros. `num_prompt_tokens`: the step's tokens in rows of more than one
+        (every stage counts the same), which decide the hand-off."""
         inner = self._model.model
         g = self.grid
         if self.pp_size == 1:
             return self._model(input_ids, positions, kv_caches, attn_metadata, keep)
         residual = None
+        # This step's hand-off (`parallel_state.hand_off_min_tokens`): each stage but the last
+        # sends its last layer's (attention output, residual), which the next one finishes.
+        hand_off = self.hand_off_tokens is not None and num_prompt_tokens >= self.hand_off_tokens
+        finish_prev = hand_off and not g.is_first_stage
+        hand_off = hand_off and not g.is_last_stage
         if g.is_first_stage:
             x, rope = inner.embed(input_ids, positions)
         else:
             rope = inner.rope(positions)
-            shape = (input_ids.shape[0], self._model.args.hidden_size)
+            t = input_ids.shape[0]
+            shape = (t, self._model.args.hidden_size)
+            width = self.hand_off_width if finish_prev else shape[1]
             if profile:
-                x = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                residual = torch.zeros_like(x)
+                x = torch.zeros((t, width), dtype=self.dtype, device=self.device)
+                residual = torch.zeros(shape, dtype=self.dtype, device=self.device)
             else:
-                x, residual = parallel_state.recv_from_prev(shape, self.dtype, self.device, 2)
+                x, residual = parallel_state.recv_from_prev(
+                    [(t, width), shape], self.dtype, self.device
+                )
         if not g.is_last_stage:
-            x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, None, residual)
+            x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, None, residual,
+                                           finish_prev=finish_prev, hand_off=hand_off)  # fmt: skip
             if not profile:
                 parallel_state.send_to_next([x, residual])
             return None
-        return inner.final_norm(*inner.run_layers(x, rope, kv_caches, attn_metadata, keep, residual))
+        x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, keep, residual,
+                                       finish_prev=finish_prev)  # fmt: skip
+        return inner.final_norm(x, residual)
 
     def _propose(
         self, inputs: StepInputs, sampled: list[list[int]]

@@ -27,7 +27,15 @@ from vx import envs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Grid", "get_pp_indices", "grid", "init", "recv_from_prev", "send_to_next"]
+__all__ = [
+    "Grid",
+    "get_pp_indices",
+    "grid",
+    "hand_off_min_tokens",
+    "init",
+    "recv_from_prev",
+    "send_to_next",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +156,22 @@ def get_pp_indices(
     return start, start + parts[pp_rank]
 
 
+def hand_off_min_tokens() -> int | None:
+    """The fewest prompt tokens a step carries for each stage but the last to hand its last
+    layer's o_proj, norm and MLP on to the next stage (`LlamaModel.run_layers`), or None:
+    never (`VX_PP_HAND_OFF_TOKENS`; by default every step with a prompt token).
+
+    Why: a decode step is bound by reading weights, and the split (`get_pp_indices`) balances
+    those, counting the last stage's LM head; a prompt token is bound by arithmetic, which
+    the head hardly adds to (it runs on the sampled rows only), so steps with prompt tokens
+    cost an earlier stage more than the last. The part handed on needs no KV cache, so the
+    stage after may run it; every stage decides alike from the step's SchedulerOutput."""
+    from vx import envs
+
+    n = envs.VX_PP_HAND_OFF_TOKENS
+    return None if n is None or n < 0 else n
+
+
 def _even(num_layers: int, n: int) -> list[int]:
     """vLLM's split: even, the remainder one each to the parts just before the last."""
     parts = [num_layers // n] * n
@@ -169,16 +193,16 @@ def send_to_next(tensors: list[torch.Tensor]) -> None:
         _pending.append((dist.isend(t, dst), t))
 
 
-def recv_from_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int):
-    """`n` tensors of `shape` from the same TP rank of the previous stage (the shapes are known
-    to both stages: every stage flattens the same SchedulerOutput)."""
+def recv_from_prev(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+    """Tensors of `shapes`, in order, from the same TP rank of the previous stage (the shapes
+    are known to both stages: every stage flattens the same SchedulerOutput)."""
     import torch.distributed as dist
 
     global wait_s
     src = _grid.rank - _grid.tp_size
     out = []
     t0 = time.perf_counter()
-    for _ in range(n):
+    for shape in shapes:
         t = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(t, src)
         out.append(t)

@@ -47,7 +47,7 @@ from vx.gpu.layers.linear import (
 )
 from vx.gpu.layers.rotary import rotary_dim
 from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from vx.gpu.parallel_state import get_pp_indices
+from vx.gpu.parallel_state import get_pp_indices, hand_off_min_tokens
 
 __all__ = [
     "LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "PPMissingLayer", "Qwen2ForCausalLM",
@@ -166,15 +166,21 @@ class LlamaAttention(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or the rows `keep` only (every row's K/V is written)."""
-        t = x.shape[0]
-        q, k, v = self.project(rope, x)
-        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
-        o = o.reshape(t, self.q_size)
+        o = self.attend(rope, x, kv_cache, attn_metadata)
         if keep is not None:
             if keep.numel() == 0:
                 return x.new_empty((0, x.shape[1]))
             o = o[keep]
         return self.o_proj(o)
+
+    def attend(
+        self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, attn_metadata: Any
+    ) -> torch.Tensor:
+        """[T, hidden] -> the attention's output before `o_proj`, [T, Hq * D] (this rank's
+        heads), having written every row's K/V."""
+        q, k, v = self.project(rope, x)
+        o = self.attn_fn(q, k, v, kv_cache, attn_metadata, self.scale)  # [T, Hq, D]
+        return o.reshape(x.shape[0], self.q_size)
 
     def project(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated. A family with more
@@ -211,6 +217,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A pre-norm block. Besides `forward` it runs in two halves, for a pipeline stage that
+    hands its last layer on (`LlamaModel.run_layers`): `attend` (the input norm and the
+    attention, which needs this stage's KV cache) and `finish` (the o_proj, the norm and the
+    MLP, which need no state; the next stage holds a copy of them, `tail_only`)."""
+
     def __init__(self, a: ModelArgs, self_attn: nn.Module, mlp: nn.Module, **kw: Any) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
@@ -244,6 +255,43 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def attend(
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` up to the attention's output before `o_proj`: (that [T, Hq * D], the
+        residual [T, hidden]); `finish` completes the layer."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        return self.self_attn.attend(rope, h, kv_cache, attn_metadata), residual
+
+    def finish(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of `forward` after `attend`: (MLP output, residual), [T, hidden] each."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
+        return self.mlp(h), residual
+
+    def tail_only(self) -> None:
+        """Drop what `finish` does not use (the input norm, the attention but its o_proj):
+        the copy a later pipeline stage keeps of the previous stage's last layer."""
+        self.input_layernorm = PPMissingLayer()
+        for name, _ in list(self.self_attn.named_children()):
+            if name != "o_proj":
+                setattr(self.self_attn, name, PPMissingLayer())
+
+    @staticmethod
+    def in_tail(name: str) -> bool:
+        """Whether parameter `name` (relative to the layer) is one `tail_only` keeps."""
+        return not name.startswith(("input_layernorm.", "self_attn.")) or name.startswith(
+            "self_attn.o_proj."
+        )
+
 
 class LlamaModel(nn.Module):
     """The decoder stack: embedding, layers, final norm.
@@ -258,7 +306,10 @@ class LlamaModel(nn.Module):
     Pipeline parallel: `pp_layers` = [start, end) are this stage's layers; the others are
     `PPMissingLayer`s (the layer indices, and with them the checkpoint names, stay global).
     The embedding is built on the first stage (and on the last where the head is tied to it),
-    the final norm on the last; `run_layers` runs this stage's layers only.
+    the final norm on the last; `run_layers` runs this stage's layers only. With `tail_copy`
+    a stage also holds the previous stage's last layer's `finish` part (`tail_only`), so that
+    the previous stage may hand that part of a step on to it (`run_layers`' `hand_off` and
+    `finish_prev`).
     """
 
     #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
@@ -272,12 +323,15 @@ class LlamaModel(nn.Module):
         blocks: Callable[..., tuple],
         *,
         pp_layers: tuple[int, int] | None = None,
+        tail_copy: bool = False,
         **kw: Any,
     ) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
         start, end = pp_layers or (0, a.num_layers)
         self.start_layer, self.end_layer = start, end
+        #: the layer before `start_layer` whose `finish` part this stage holds, or None
+        self.tail_layer = start - 1 if tail_copy and start > 0 else None
         last = end == a.num_layers
         # The lookup table is never quantized (only the linears and the LM head are).
         ekw = {k: v for k, v in kw.items() if k != "quantization"}
@@ -288,9 +342,13 @@ class LlamaModel(nn.Module):
         )
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
-            self.layer_cls(a, *blocks(a, i, **kw), **kw) if start <= i < end else PPMissingLayer()
+            self.layer_cls(a, *blocks(a, i, **kw), **kw)
+            if start <= i < end or i == self.tail_layer
+            else PPMissingLayer()
             for i in range(a.num_layers)
         )
+        if self.tail_layer is not None:
+            self.layers[self.tail_layer].tail_only()
         self.norm = self.norm_cls(a.hidden_size, a.rms_norm_eps, **dd) if last else PPMissingLayer()
 
     def forward(
@@ -325,16 +383,31 @@ class LlamaModel(nn.Module):
         attn_metadata: Any,
         keep: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        *,
+        finish_prev: bool = False,
+        hand_off: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's decoder layers over `embed`'s output (or, on a later pipeline stage,
         the previous stage's output `x` and `residual`): (last MLP output, residual),
         [T, hidden] each, or the rows `keep` only (see `forward`). `kv_caches` holds this
-        stage's layers' caches, in order."""
+        stage's layers' caches, in order.
+
+        `hand_off`: the last layer stops after its attention, and the result is its
+        (attention output [T, Hq * D], residual) for the next stage to finish. `finish_prev`:
+        `x` is such an attention output of the previous stage's last layer, finished here
+        first (`tail_layer`)."""
         start, end = self.start_layer, self.end_layer
         if len(kv_caches) != end - start:
             raise ValueError(f"{len(kv_caches)} KV caches for {end - start} layers")
         layers = self.layers
+        if finish_prev:
+            assert self.tail_layer is not None and residual is not None
+            x, residual = layers[self.tail_layer].finish(x, residual)
         for i in range(start, end):
+            if hand_off and i == end - 1:
+                x, residual = layers[i].attend(rope, x, residual, kv_caches[i - start],
+                                               attn_metadata)  # fmt: skip
+                break
             x, residual = layers[i](
                 rope, x, residual, kv_caches[i - start], attn_metadata,
                 keep if i == end - 1 else None,
@@ -418,9 +491,12 @@ class LlamaForCausalLM(nn.Module):
         start, end = get_pp_indices(a.num_layers, pp_rank, pp_size, self.pp_head_layers(a))
         #: this pipeline stage holds the final norm and the LM head (and samples)
         self.is_last_stage = end == a.num_layers
+        if start > 0 and self.hands_off_tails():
+            kw["tail_copy"] = True
         self.model = self.model_cls(
             a, self.build_blocks, quantization=quantization, pp_layers=(start, end), **kw
         )
+        kw.pop("tail_copy", None)
         self.lm_head: nn.Module = PPMissingLayer()
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
@@ -435,6 +511,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = a.head_dim
         self.vocab_size = a.vocab_size
         self.max_position = a.max_position
+
+    @classmethod
+    def hands_off_tails(cls) -> bool:
+        """Whether, under pipeline parallel, a stage may hand its last layer's `finish` part
+        on to the next stage (`vx.gpu.parallel_state.hand_off_min_tokens`): every stage
+        answers alike, and a stage after the first then holds a copy of that part."""
+        finish = getattr(cls.model_cls.layer_cls, "finish", None)
+        return finish is not None and hand_off_min_tokens() is not None
 
     def build_blocks(self, a: ModelArgs, layer: int, **kw: Any) -> tuple[nn.Module, nn.Module]:
         """Layer `layer`'s (attention, MLP) modules."""
@@ -504,7 +588,10 @@ class LlamaForCausalLM(nn.Module):
         """Whether checkpoint tensor `name` belongs to a module of this pipeline stage."""
         m = _LAYER_NAME.match(name)
         if m is not None:
-            return self.model.start_layer <= int(m.group(1)) < self.model.end_layer
+            layer = int(m.group(1))
+            if layer == self.model.tail_layer:
+                return self.model.layers[layer].in_tail(name[m.end() :])
+            return self.model.start_layer <= layer < self.model.end_layer
         if name.startswith("model.embed_tokens."):
             return not isinstance(self.model.embed_tokens, PPMissingLayer)
         if name.startswith(("model.norm.", "lm_head.")):
