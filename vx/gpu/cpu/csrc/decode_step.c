@@ -187,7 +187,7 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     if (L->vn && VX_STEP_AMX && VX_AV_TAKES(T, skinny_rows))
         return vx_gemm_amx_vnni(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
-    if (T > 2 && VX_STEP_AMX)
+    if (VX_STEP_AMX)  /* from one row: the AMX bits whatever the rows */
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
     /* past the skinny GEMM's rows, as `linear` routes them; or AMX switched off since the
        caller counted the rows: an AMX VNNI copy has the same layout */

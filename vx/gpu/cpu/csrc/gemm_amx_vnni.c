@@ -65,7 +65,7 @@
    VX_AV_MAX_ROWS; past that, and for some shapes past 192 rows, oneDNN's GEMM is weighed
    against it at load (`vx.gpu.cpu.row_plan.tune_vnni`). The gate-up GEMM with its SiLU
    (`vx_gemm_amx_vnni_silu`) takes every row count from VX_AV_MIN_ROWS. */
-#define VX_AV_MIN_ROWS 8
+#define VX_AV_MIN_ROWS 1
 #define VX_AV_STREAM 2    /* past this many 32-row blocks: B tiles by tileloaddt1, and */
 #define VX_AV_NC_SMALL 4  /* up to it, items of at most this many column pairs */
 #define VX_AV_RG 4        /* 32-column blocks a rotated head may take (D <= 128) */
