@@ -19,7 +19,7 @@
    outputs normed before their residual adds, GeGLU, and a second rope for the local layers.
 
    GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
-   `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
+   `quant_rows` rows, AMX tiles for 1-192 rows (one call; the AMX VNNI copy where there is one); without AMX,
    VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
    VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
    the linear's method chain routes them (`vx.gpu.layers.linear_method`). With `skinny_rows` 0

@@ -61,7 +61,8 @@
 #define VX_AV_PM 16  /* 32-row blocks a panel holds at most */
 #define VX_AV_NC 8   /* 32-column blocks an item takes at most */
 /* The rows the linears route here (`vx.gpu.cpu.vnni.amx_vnni_rows`, and the fused decode
-   step's `vx_linear_apply`): from VX_AV_MIN_ROWS, where it overtakes the skinny GEMM, to
+   step's `vx_linear_apply`): from VX_AV_MIN_ROWS, one (so a row's bits never depend on the
+   rows beside it; `vx_av_small` level with the VDPBF16PS GEMV at 1-2 rows), to
    VX_AV_MAX_ROWS; past that, and for some shapes past 192 rows, oneDNN's GEMM is weighed
    against it at load (`vx.gpu.cpu.row_plan.tune_vnni`). The gate-up GEMM with its SiLU
    (`vx_gemm_amx_vnni_silu`) takes every row count from VX_AV_MIN_ROWS. */

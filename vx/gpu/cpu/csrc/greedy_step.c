@@ -17,8 +17,8 @@
    Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy_ids` (the
    embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on
    the VNNI copy, or for one row the int8 screen, `vx_screen_i8` (`vx_screen_i8_avx2`) and
-   `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`) on
-   its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
+   `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`;
+   `vx_gemm_amx_bf16` where AMX is on) on its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
    on the rows computed beside it), so the same tokens. */
 #include "vx_kernels.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
