@@ -232,7 +232,7 @@ def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
     calls = []
     real = lin.vnni.apply
     monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    sizes = (1, lo - 1, lo, 100, hi, hi + 1)
+    sizes = tuple(r for r in (1, lo - 1, lo, 100, hi, hi + 1) if r >= 1)
     for rows in sizes:
         x = torch.randn(rows, 96, generator=g).bfloat16()
         _check(lin(x), x, plain, lin.bias)
