@@ -136,7 +136,6 @@ def test_qkv_projection_routes_its_rows(amx_vnni) -> None:
     lin.bias.data.copy_(torch.randn(256, generator=g))
     lin.process_weights_after_loading()
     assert lin.vnni is not None and lin.vnni.amx
-    lo = max(lo, cpu_vnni.AMX_SMALL_ROWS + 1)  # below: the small-row loop, then the rotary
     for rows in (1, lo - 1, lo, 100, hi, hi + 1):
         x = torch.randn(rows, 96, generator=g).bfloat16()
         cos, sin = _rope_tables(g, rows, 32)

@@ -44,7 +44,6 @@ from vx.gpu.cpu.ops import AMX_MAX_ROWS, gemv_fits, gemv_kernels
 from vx.gpu.cpu.row_plan import vnni_wins
 
 __all__ = [
-    "AMX_SMALL_ROWS",
     "VNNI_MIN_ROWS",
     "VnniWeight",
     "amx_vnni_rows",
@@ -58,10 +57,6 @@ __all__ = [
 #: weight (measured with `bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: the
 #: skinny GEMM wins at 1 row, the VNNI GEMM from 2 rows up).
 VNNI_MIN_ROWS = 2
-
-#: Rows up to which the AMX GEMM takes its small-row loop (C's `VX_AV_SMALL_ROWS`: M-row
-#: tiles, no rotary epilogue; the rotary GEMM's callers project, then rotate, there).
-AMX_SMALL_ROWS = 16
 
 _state: dict[str, object] = {}
 

@@ -35,7 +35,7 @@ from vx.gpu.cpu.ops import (
     fused_silu_and_mul,
     head_rms_norm,
 )
-from vx.gpu.cpu.vnni import AMX_SMALL_ROWS, amx_vnni_rows
+from vx.gpu.cpu.vnni import amx_vnni_rows
 from vx.gpu.layers import triton_ops
 from vx.gpu.layers.linear_method import LinearMethod, TorchLinear, WeightForms
 from vx.gpu.layers.quantization import cpu_prepack_enabled
@@ -252,9 +252,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if v is None or not v.amx or x.dim() != 2 or x.dtype != torch.bfloat16:
             return None
         lo, hi = amx_vnni_rows()
-        # up to AMX_SMALL_ROWS the GEMM's own small-row loop has no rotary epilogue: the
-        # projection then the rotary pass (the same bits), not the general loop's 32-row tiles
-        if not max(lo, AMX_SMALL_ROWS + 1) <= x.shape[0] <= hi:
+        if not lo <= x.shape[0] <= hi:
             return None
         qk = (self.num_heads + self.num_kv_heads) * self.head_dim
         return v.apply_rope(x, self.bias, cos, sin, qk, self.head_dim)
