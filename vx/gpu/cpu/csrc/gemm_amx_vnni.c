@@ -133,22 +133,25 @@ VX_INLINE void vx_av_emit(const float* c, vx_bf16* y, int64_t y_st, int m0, int 
     else
         vx_av_rows(c, y, y_st, m0, M, n0, nt, e->bias, e->silu, j0, j1);
 }
-/* Up to 16 rows (a decode step's), without the rotary: the tiles hold only x's M rows (A and
-   C tiles configured M rows high: no padded copy, no products of zero rows), and an item's
-   four 16-column blocks each have a C tile, so their products overlap; the B tiles stream
-   1 KB at a time. Each output is the products of `vx_av_run` summed in its order (C zeroed, k
-   tiles in order; a C row depends on its A row only) with its epilogue: its bits, whatever M. */
+/* Up to 16 rows (a decode step's): the tiles hold only x's M rows (A and C tiles configured M
+   rows high: no padded copy, no products of zero rows), and an item's 16-column blocks, four
+   at a time, each have a C tile, so their products overlap; the B tiles stream 1 KB at a
+   time. An item is a rotated head (D / 16 blocks), or up to four blocks past the rotated
+   columns. Each output is the products of `vx_av_run`'s general loop summed in its order (C
+   zeroed, k tiles in order; a C row depends on its A row only) with its epilogue: its bits,
+   whatever M. */
 #define VX_AV_SMALL_ROWS 16
-#define VX_AV_SMALL_NB 4  /* 16-column blocks an item takes */
+#define VX_AV_SMALL_NB 4  /* 16-column blocks an item past the rotated columns takes */
 #define VX_AV_B(TC, TB, J) \
     _tile_loadd(TB, b + (J) * KC * 256 + kc * 256, 64); _tile_dpbf16ps(TC, 4, TB);
 static void vx_av_small(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
-                        const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K,
-                        int silu) {
+                        const vx_av_epi* epi, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     const int64_t KC = K / 32, NB = N / 16;
-    const int64_t NI = (NB + VX_AV_SMALL_NB - 1) / VX_AV_SMALL_NB;
+    const int64_t hb = epi->rope_n ? epi->D / 16 : 1;  /* 16-column blocks a rotated head takes */
+    const int64_t rb = epi->rope_n / 16;  /* the rotated columns' blocks */
+    const int64_t NH = rb / hb;  /* items 0 .. NH - 1: the rotated heads */
+    const int64_t NI = NH + (NB - rb + VX_AV_SMALL_NB - 1) / VX_AV_SMALL_NB;
     const int par = (int64_t)M * N * K >= ((int64_t)1 << 20) || N * K >= 262144;
-    const vx_av_epi epi = {bias, NULL, NULL, 0, silu, 0};
     vx_ws ws;
     vx_ws_init(&ws, NI, par);
     _Pragma("omp parallel if (par)") {
@@ -161,33 +164,42 @@ static void vx_av_small(const vx_bf16* x, int64_t x_st, int M, const uint32_t* w
             cfg.rows[i] = (uint8_t)(i < 5 ? M : 16);
         }
         _tile_loadconfig(&cfg);
-        float cb[2 * VX_AV_SMALL_ROWS * 32] __attribute__((aligned(64)));
+        /* 32-column blocks of M rows, 1,024 floats apart (as vx_av_rope_rows reads them) */
+        float cb[VX_AV_RG][32 * 32] __attribute__((aligned(64)));
         for (int64_t it; (it = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
-            const int64_t nb0 = it * VX_AV_SMALL_NB;
-            const int nbn = NB - nb0 < VX_AV_SMALL_NB ? (int)(NB - nb0) : VX_AV_SMALL_NB;
-            const uint32_t* b = wp + nb0 * KC * 256;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            if (nbn == VX_AV_SMALL_NB) {
-                for (int64_t kc = 0; kc < KC; kc++) {
-                    _tile_loadd(4, x + kc * 32, x_st * 2);
-                    VX_AV_B(0, 5, 0) VX_AV_B(1, 6, 1) VX_AV_B(2, 7, 2) VX_AV_B(3, 5, 3)
+            const int64_t nb0 = it < NH ? it * hb : rb + (it - NH) * VX_AV_SMALL_NB;
+            const int64_t left = it < NH ? hb : NB - nb0;
+            const int nbi = left < VX_AV_SMALL_NB || it < NH ? (int)left : VX_AV_SMALL_NB;
+            for (int g0 = 0; g0 < nbi; g0 += 4) {  /* four C tiles at a time */
+                const uint32_t* b = wp + (nb0 + g0) * KC * 256;
+                const int nbn = nbi - g0 < 4 ? nbi - g0 : 4;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                if (nbn == 4) {
+                    for (int64_t kc = 0; kc < KC; kc++) {
+                        _tile_loadd(4, x + kc * 32, x_st * 2);
+                        VX_AV_B(0, 5, 0) VX_AV_B(1, 6, 1) VX_AV_B(2, 7, 2) VX_AV_B(3, 5, 3)
+                    }
+                } else {
+                    for (int64_t kc = 0; kc < KC; kc++) {
+                        _tile_loadd(4, x + kc * 32, x_st * 2);
+                        VX_AV_B(0, 5, 0)
+                        if (nbn > 1) { VX_AV_B(1, 6, 1) }
+                        if (nbn > 2) { VX_AV_B(2, 7, 2) }
+                    }
                 }
-            } else {
-                for (int64_t kc = 0; kc < KC; kc++) {
-                    _tile_loadd(4, x + kc * 32, x_st * 2);
-                    VX_AV_B(0, 5, 0)
-                    if (nbn > 1) { VX_AV_B(1, 6, 1) }
-                    if (nbn > 2) { VX_AV_B(2, 7, 2) }
-                }
+                float* c = cb[g0 / 2];  /* blocks (0, 1) and (2, 3): M rows of 32 columns */
+                _tile_stored(0, c, 128);
+                if (nbn > 1) _tile_stored(1, c + 16, 128);
+                if (nbn > 2) _tile_stored(2, c + 1024, 128);
+                if (nbn > 3) _tile_stored(3, c + 1040, 128);
             }
-            /* blocks (0, 1) and (2, 3): M rows of 32 columns each, as vx_av_rows reads */
-            _tile_stored(0, cb, 128);
-            if (nbn > 1) _tile_stored(1, cb + 16, 128);
-            if (nbn > 2) _tile_stored(2, cb + 512, 128);
-            if (nbn > 3) _tile_stored(3, cb + 528, 128);
-            vx_av_emit(cb, y, y_st, 0, M, nb0 * 16, nbn > 1 ? 2 : 1, &epi, 0, M);
-            if (nbn > 2)
-                vx_av_emit(cb + 512, y, y_st, 0, M, nb0 * 16 + 32, nbn > 3 ? 2 : 1, &epi, 0, M);
+            if (it < NH) {
+                vx_av_emit(cb[0], y, y_st, 0, M, nb0 * 16, 2, epi, 0, M);
+            } else {
+                vx_av_emit(cb[0], y, y_st, 0, M, nb0 * 16, nbi > 1 ? 2 : 1, epi, 0, M);
+                if (nbi > 2)
+                    vx_av_emit(cb[1], y, y_st, 0, M, nb0 * 16 + 32, nbi > 3 ? 2 : 1, epi, 0, M);
+            }
         }
         _tile_release();
     }
@@ -202,11 +214,11 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
     if (rope_n && (silu || D < 32 || D % 32 || D > 32 * VX_AV_RG || rope_n % D || rope_n > N
                    || !rcos || !rsin))
         return -2;
-    if (M <= VX_AV_SMALL_ROWS && !rope_n) {
-        vx_av_small(x, x_st, M, wp, bias, y, y_st, N, K, silu);
+    const vx_av_epi epi = {bias, rcos, rsin, rope_n, silu, D};
+    if (M <= VX_AV_SMALL_ROWS) {
+        vx_av_small(x, x_st, M, wp, &epi, y, y_st, N, K);
         return 0;
     }
-    const vx_av_epi epi = {bias, rcos, rsin, rope_n, silu, D};
     const int g = rope_n ? D / 32 : 1;  /* 32-column blocks a rotated head takes */
     const int64_t rope_b = rope_n / 32;  /* the blocks of the rotated columns */
     const int64_t KC = K / 32, NB = N / 16, NB2 = (NB + 1) / 2;
