@@ -555,7 +555,6 @@ class ModelRunner:
         decodes: list[str] = []
         drafting: list[str] = []
         prefills: list[str] = []
-        invariant = self.config.batch_invariant
         spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
             if spec and req_id in spec:
