@@ -142,19 +142,14 @@ VX_INLINE void vx_av_emit(const float* c, vx_bf16* y, int64_t y_st, int m0, int 
    whatever M. */
 #define VX_AV_SMALL_ROWS 16
 #define VX_AV_SMALL_NB 4  /* 16-column blocks an item past the rotated columns takes */
-#ifndef VX_AV_PF
-#define VX_AV_PF 4  /* k tiles ahead each block's stream is prefetched (0: none) */
-#endif
-#ifndef VX_AV_PF_HINT
-#define VX_AV_PF_HINT _MM_HINT_T0
-#endif
+#define VX_AV_PF 4  /* k tiles ahead each block's stream is prefetched, into L1 */
 /* the 16 lines of block J's k tile VX_AV_PF ahead; past the block's end, the same k tile of
-   the item after (its blocks follow these: a thread's items are mostly consecutive) */
-#define VX_AV_PREF(J) \
-    if (VX_AV_PF) { \
+   the item after (its blocks follow these: a thread's items are mostly consecutive). Other
+   distances and levels: docs/performance.md, "Measured and dropped". */
+#define VX_AV_PREF(J) { \
         const char* pf_ = (const char*)(b + (J) * KC * 256 + (kc + VX_AV_PF < KC \
             ? (kc + VX_AV_PF) * 256 : nbn * KC * 256 + (kc + VX_AV_PF - KC) * 256)); \
-        for (int l_ = 0; l_ < 16; l_++) _mm_prefetch(pf_ + 64 * l_, VX_AV_PF_HINT); \
+        for (int l_ = 0; l_ < 16; l_++) _mm_prefetch(pf_ + 64 * l_, _MM_HINT_T0); \
     }
 #define VX_AV_B(TC, TB, J) \
     VX_AV_PREF(J) _tile_loadd(TB, b + (J) * KC * 256 + kc * 256, 64); _tile_dpbf16ps(TC, 4, TB);
