@@ -3,10 +3,10 @@ real engine on the default model (bf16), with async scheduling (the default) unl
 
 With `--batch-invariant` a row's logits do not depend on the rows beside it, so speculation
 must give the very tokens and logprobs of the run without it: greedy and seeded, batched, at a
-16-token chunk budget, after prefix hits, and under preemption. On the default path the
-scored positions' logits round as a batch's rows do (another GEMM route), so there the check is
-that drafts are accepted and the output stays the target's (greedy: each emitted token is the
-argmax the engine computed). Served: the official client streams the same text as without
+16-token chunk budget, after prefix hits, and under preemption. On the default path with AMX
+every row count takes the AMX GEMM too, so greedy output is the same there as well (the same
+cases); on CPUs without AMX the check is that drafts are accepted and the output stays the
+target's (greedy: each emitted token is the argmax the engine computed). Served: the official client streams the same text as without
 speculation, stops at a stop string inside an accepted run, and /metrics counts the drafts.
 """
 
@@ -102,6 +102,43 @@ def test_draft_model_equal_to_the_target_accepts_every_greedy_draft(
     logger.info("draft model: %d of %d drafts accepted (by position %s)",
                 stats["spec_num_accepted_tokens_total"], stats["spec_num_draft_tokens_total"],
                 stats["spec_num_accepted_by_position"])  # fmt: skip
+
+
+GREEDY = [
+    SamplingParams.create(temperature=0.0, max_tokens=48),
+    SamplingParams.create(temperature=0.0, max_tokens=40, min_tokens=40),
+]
+
+
+def _greedy(llm: LLM) -> list[Any]:
+    return [[c.token_ids for c in r.outputs]
+            for params in GREEDY for r in llm.generate(PROMPTS, params, use_tqdm=False)]  # fmt: skip
+
+
+def test_default_path_greedy_outputs_are_the_same_with_drafts() -> None:
+    """The default bf16 path (no `--batch-invariant`): on AMX every row count takes the AMX
+    GEMM, so a scored row's bits are a one-row step's, and greedy output with n-gram drafts is
+    the output without them: batched, at a 16-token chunk budget, after prefix hits, and
+    under preemption."""
+    from vx.gpu.cpu import library
+
+    lib = library.load_cpu_kernels()
+    if lib is None or not lib.vx_fast_amx(-1):
+        pytest.skip("row-invariant on AMX only (AVX512-BF16 and AVX2 paths: not yet)")
+    with LLM(num_threads=2, async_scheduling=False) as llm:
+        want = _greedy(llm)
+    for kwargs in (
+        {},
+        {"max_num_batched_tokens": 16, "async_scheduling": False},
+        {"num_blocks": 12, "max_num_seqs": 3},
+    ):
+        with LLM(num_threads=2, speculative_config=SPEC, **kwargs) as llm:
+            assert _greedy(llm) == want, kwargs
+            assert _greedy(llm) == want, kwargs  # prefix hits
+            stats = llm.call_utility("get_stats")
+            assert stats["spec_num_accepted_tokens_total"] > 20, stats
+            if "num_blocks" in kwargs:
+                assert stats["num_preempted_total"] > 0, stats
 
 
 def test_default_path_accepts_drafts_and_emits_the_targets_argmax() -> None:

@@ -584,17 +584,16 @@ class ModelRunner:
         decodes: list[str] = []
         drafting: list[str] = []
         prefills: list[str] = []
-        invariant = self.config.batch_invariant
         spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
             if spec and req_id in spec:
                 drafting.append(req_id)
                 continue
-            # Batch-invariant: a prompt token takes the prefill attention even alone (the
-            # last one after a prefix hit, a chunk of one), as it does cold.
+            # A prompt token takes the prefill attention even alone (the last one after a
+            # prefix hit, a chunk of one), as it does cold: its bits do not depend on how
+            # the prompt was cut (speculation moves the cuts; `--batch-invariant` too).
             decode = n == 1 and (
-                not invariant
-                or req_id not in index
+                req_id not in index
                 or batch.num_computed_tokens[index[req_id]]
                 >= batch.num_prompt_tokens[index[req_id]]
             )

@@ -66,7 +66,7 @@ def test_mlp_gate_up_routes_its_rows(amx_vnni, monkeypatch, bias) -> None:
     real = lin.vnni.apply_silu
     monkeypatch.setattr(lin.vnni, "apply_silu", lambda x: calls.append(x.shape[0]) or real(x))
     ref = cpu_vnni.VnniWeight(w, amx=True)
-    sizes = (1, lo - 1, lo, 100, 1500)
+    sizes = tuple(r for r in (1, lo - 1, lo, 100, 1500) if r >= 1)
     for rows in sizes:
         x = torch.randn(rows, 64, generator=g).bfloat16()
         got = lin.silu_and_mul(x)

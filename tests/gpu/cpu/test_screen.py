@@ -90,7 +90,9 @@ def check_screen(lib, screen_name: str, exact_name: str, max_rows: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_screen_gives_the_skinny_gemms_greedy_tokens(monkeypatch) -> None:
-    """The AVX512-BF16 pair (`vx_screen_i8` beside `vx_gemv_bf16`), where this machine has it."""
+    """The AVX512-BF16 pair (`vx_screen_i8` beside `vx_gemv_bf16`, or where AMX is on beside
+    `vx_gemm_amx_bf16`, the logits path's GEMM there at every row count), where this machine
+    has it."""
     from vx.gpu.cpu.ops import gemv_kernels
 
     lib = gemv_kernels()
@@ -98,6 +100,7 @@ def test_screen_gives_the_skinny_gemms_greedy_tokens(monkeypatch) -> None:
     if lib is None or kernels is None or kernels.screen != "vx_screen_i8":
         pytest.skip("no AVX512-BF16 skinny GEMM here")
     monkeypatch.setattr(cpu_screen, "MAX_ROWS", 4)
-    check_screen(lib, "vx_screen_i8", "vx_gemv_bf16", 4)
+    exact = "vx_gemm_amx_bf16" if lib.vx_fast_amx(-1) else "vx_gemv_bf16"
+    check_screen(lib, "vx_screen_i8", exact, 4)
     monkeypatch.setenv("VX_CPU_SCREEN_HEAD", "0")
     assert not cpu_screen.screen_wanted(torch.zeros(64, 64, dtype=torch.bfloat16))

@@ -171,11 +171,34 @@ def test_amx_vnni_is_bit_identical_to_the_amx_skinny_gemm(amx_vnni, n, k, bias) 
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     vw = cpu_vnni.VnniWeight(w, amx=True)
-    for rows in (1, 3, 8, 17, 32, 45, 64, 192):
+    for rows in (*range(1, 18), 32, 45, 64, 192):  # 1-16: the M-row tiles' loop
         big = torch.randn(rows, k + 64, generator=g).bfloat16()
         x = big[:, 32 : 32 + k]  # row stride k + 64
         got = vw.apply(x, b)
         assert torch.equal(got, skinny_gemm(x.contiguous(), w, None, b)), rows
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (96, 96), (3072, 576)])
+def test_amx_rows_do_not_depend_on_the_rows_beside_them(amx_vnni, n, k) -> None:
+    """With AMX every row count takes the AMX GEMM (speculation's scored rows against one-row
+    steps): each row of a 1-192-row call, plain or with the SiLU epilogue, is its one-row
+    call's bits, and the LM head's greedy token is its one-row token."""
+    from vx.gpu.cpu.ops import skinny_gemm
+
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    vw, sw = cpu_vnni.VnniWeight(w, amx=True), cpu_vnni.VnniWeight(w, amx=True, silu=True)
+    x = torch.randn(192, k, generator=g).bfloat16()
+    one = [vw.apply(x[i : i + 1], b) for i in range(192)]
+    one_silu = [sw.apply_silu(x[i : i + 1]) for i in range(192)]
+    for rows in (2, 3, 5, 7, 8, 16, 17, 40, 192):
+        got, silu, plain = vw.apply(x[:rows], b), sw.apply_silu(x[:rows]), skinny_gemm(
+            x[:rows], w, None, b)  # fmt: skip
+        for i in range(rows):
+            assert torch.equal(got[i : i + 1], one[i]), (rows, i)
+            assert torch.equal(plain[i : i + 1], one[i]), (rows, i)
+            assert torch.equal(silu[i : i + 1], one_silu[i]), (rows, i)
 
 
 @pytest.mark.parametrize("rows", [193, 300, 1024])
@@ -209,7 +232,7 @@ def test_amx_linears_route_the_middle_rows_to_it(amx_vnni, monkeypatch) -> None:
     calls = []
     real = lin.vnni.apply
     monkeypatch.setattr(lin.vnni, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    sizes = (1, lo - 1, lo, 100, hi, hi + 1)
+    sizes = tuple(r for r in (1, lo - 1, lo, 100, hi, hi + 1) if r >= 1)
     for rows in sizes:
         x = torch.randn(rows, 96, generator=g).bfloat16()
         _check(lin(x), x, plain, lin.bias)

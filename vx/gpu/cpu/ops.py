@@ -34,15 +34,17 @@ __all__ = [
 #: each cap is the last row count where the kernel was still ahead:
 #: - int8 weights: ahead of torch's `_weight_int8pack_mm` at 1-8 rows;
 #: - bf16 on AMX tiles (`vx_gemm_amx_bf16`, up to 192 rows a call): ahead of oneDNN's packed
-#:   GEMM through 192 rows, behind at 256; VDPBF16PS (`vx_gemv_bf16`) is a little ahead at
-#:   1-2 rows;
+#:   GEMM through 192 rows, behind at 256; it takes every row count from one, though
+#:   VDPBF16PS (`vx_gemv_bf16`) is a little ahead at 1-2 rows, so that a row's bits never
+#:   depend on the rows beside it (speculative decoding's scored rows against one-row steps);
 #: - bf16 without AMX: VDPBF16PS ahead of oneDNN through 12 rows, behind at 16; without
 #:   AVX512-BF16 (fp32 FMAs) ahead through 4 rows, a tie at 8.
 GEMV_MAX_ROWS_INT8 = 8
 AMX_MAX_ROWS = 192
 _DP_MAX_ROWS = 12
 _FMA_MAX_ROWS = 4
-_DP_PREFERRED_ROWS = 2
+#: Rows up to which VDPBF16PS takes bf16 weights where AMX is on: none (see above).
+_DP_PREFERRED_ROWS = 0
 
 _SCALAR_SILU_ROWS = 8
 

@@ -10,7 +10,7 @@ scale per vocab row) is half the bytes and gives every logit to within a bound; 
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
 kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`
 beside `vx_screen_i8_avx2` (AVX2 builds), `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
-`vx/gpu/cpu/csrc/screen.c`). SmolLM2 on real text: a median of 6 candidate rows, at most 88.
+`vx/gpu/cpu/csrc/screen.c`), `vx_gemm_amx_bf16` beside it where AMX is on. SmolLM2 on real text: a median of 6 candidate rows, at most 88.
 
 Invariant: `ScreenedHead.argmax(x)` is the argmax (first maximum) of the bf16 logits that path
 gives for every x; or None, and the caller forms the logits. Why:
@@ -58,6 +58,14 @@ class ScreenKernels(NamedTuple):
         head = (x.data_ptr(), x.stride(0), m, w.data_ptr())
         if self.exact == "vx_gemv_bf16":  # it takes a scale before the bias
             return self.lib.vx_gemv_bf16(*head, None, None, y.data_ptr(), n, n, k)
+        if self.exact == "vx_gemm_amx_bf16" and n % 16:  # it takes 16 rows a block
+            pad = -n % 16
+            wp = torch.cat([w, w.new_zeros(pad, k)])
+            yp = torch.empty(m, n + pad, dtype=torch.bfloat16)
+            rc = self.lib.vx_gemm_amx_bf16(x.data_ptr(), x.stride(0), m, wp.data_ptr(), None,
+                                           yp.data_ptr(), n + pad, n + pad, k)  # fmt: skip
+            y.copy_(yp[:, :n])
+            return rc
         return getattr(self.lib, self.exact)(*head, None, y.data_ptr(), n, n, k)
 
 
@@ -73,7 +81,9 @@ def _kernels() -> ScreenKernels | None:
 
     lib = gemv_kernels()
     if lib is not None and lib.vx_has_screen() == 1:
-        return ScreenKernels(lib, "vx_screen_i8", "vx_gemv_bf16")
+        # with AMX on, the logits path's GEMM at every row count is the AMX one (`ops`)
+        exact = "vx_gemm_amx_bf16" if lib.vx_fast_amx(-1) else "vx_gemv_bf16"
+        return ScreenKernels(lib, "vx_screen_i8", exact)
     return None
 
 

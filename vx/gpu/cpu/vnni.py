@@ -17,18 +17,20 @@ F.linear).
 
 On AMX CPUs the same packed layout is exactly the B tiles of an AMX product, and
 `vx_gemm_amx_vnni` (`vx/gpu/cpu/csrc/gemm_amx_vnni.c`) takes the linears' rows from
-`amx_vnni_rows()[0]` to `[1]` (8-2,048; see `amx_vnni_wanted`). At 8-192 rows it gives
+`amx_vnni_rows()[0]` to `[1]` (1-2,048; see `amx_vnni_wanted`). At 1-192 rows it gives
 bit-identical results to the AMX skinny GEMM on the plain weight in less time (cold
-weights, measured on a 2-core Sapphire Rapids). At 193-2,048 rows it takes a shape's rows
+weights, measured on a 2-core Sapphire Rapids), and at 1-2 rows it is level with the
+VDPBF16PS GEMV, which it replaces there so that a row's bits never depend on the rows beside
+it (speculative decoding's scored rows against one-row steps). At 193-2,048 rows it takes a shape's rows
 where the load-time timing (`vx.gpu.cpu.row_plan.tune_vnni`) found it ahead of oneDNN under
 the row plan (on SmolLM2: o and down up to 1,024 rows, qkv at some sizes). There a layer
-keeps all three copies: the plain weight (the skinny GEMM, below 8 rows), the VNNI copy, and
+keeps all three copies: the plain weight (the fused step's description), the VNNI copy, and
 oneDNN's (past 2,048 rows, and the sizes it wins).
 
 A gate-up read through its SiLU (`MergedColumnParallelLinear(silu_pairs=True)`, no bias)
 instead keeps the plain weight and a copy packed with its gate and up rows interleaved
 (`VnniWeight(silu=True)`), for `vx_gemm_amx_vnni_silu`: the GEMM with silu(gate) * up in its
-epilogue, from 8 rows at any count, the bits of the GEMM then the SiLU pass; no oneDNN copy.
+epilogue, from one row at any count, the bits of the GEMM then the SiLU pass; no oneDNN copy.
 `VX_CPU_AMX_VNNI=0` leaves it out (A/B timing).
 """
 

@@ -288,8 +288,8 @@ def select_linear_method(
     - no bf16 arithmetic (AVX2): the fp32 copies (`widen_wanted`), then the weight as it is;
     - AVX512-BF16 without AMX: the VNNI copy, the skinny GEMM on the plain weight for one row;
       no oneDNN copy;
-    - AMX: the skinny GEMM for the fewest rows, vx's AMX GEMM over a VNNI copy for the middle
-      rows and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
+    - AMX: vx's AMX GEMM over a VNNI copy from one row (the skinny GEMM, also AMX tiles on
+      AMX, only where it refuses) and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
       epilogue (`VnniWeight(silu=True)`, asked by `silu_and_mul`) and no oneDNN copy;
     - with the skinny GEMM, a narrow bias-free bf16 weight whose N is not a multiple of 16 (at
       most `PADDED_SKINNY_MAX_N`: a MoE router) also a zero-padded copy for it

@@ -19,7 +19,7 @@
    outputs normed before their residual adds, GeGLU, and a second rope for the local layers.
 
    GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
-   `quant_rows` rows, VDPBF16PS for 1-2 rows, AMX tiles for 3-192 rows (one call); without AMX,
+   `quant_rows` rows, AMX tiles for 1-192 rows (one call; the AMX VNNI copy where there is one); without AMX,
    VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
    VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
    the linear's method chain routes them (`vx.gpu.layers.linear_method`). With `skinny_rows` 0
@@ -187,7 +187,7 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
         return vx_gemv_int8(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
     if (L->vn && VX_STEP_AMX && VX_AV_TAKES(T, skinny_rows))
         return vx_gemm_amx_vnni(x, L->k, (int)T, L->vn, L->bias, y, L->n, L->n, L->k);
-    if (T > 2 && VX_STEP_AMX)
+    if (VX_STEP_AMX)  /* from one row: the AMX bits whatever the rows */
         return vx_gemm_amx_bf16(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);
     /* past the skinny GEMM's rows, as `linear` routes them; or AMX switched off since the
        caller counted the rows: an AMX VNNI copy has the same layout */

@@ -61,11 +61,12 @@
 #define VX_AV_PM 16  /* 32-row blocks a panel holds at most */
 #define VX_AV_NC 8   /* 32-column blocks an item takes at most */
 /* The rows the linears route here (`vx.gpu.cpu.vnni.amx_vnni_rows`, and the fused decode
-   step's `vx_linear_apply`): from VX_AV_MIN_ROWS, where it overtakes the skinny GEMM, to
+   step's `vx_linear_apply`): from VX_AV_MIN_ROWS, one (so a row's bits never depend on the
+   rows beside it; `vx_av_small` level with the VDPBF16PS GEMV at 1-2 rows), to
    VX_AV_MAX_ROWS; past that, and for some shapes past 192 rows, oneDNN's GEMM is weighed
    against it at load (`vx.gpu.cpu.row_plan.tune_vnni`). The gate-up GEMM with its SiLU
    (`vx_gemm_amx_vnni_silu`) takes every row count from VX_AV_MIN_ROWS. */
-#define VX_AV_MIN_ROWS 8
+#define VX_AV_MIN_ROWS 1
 #define VX_AV_STREAM 2    /* past this many 32-row blocks: B tiles by tileloaddt1, and */
 #define VX_AV_NC_SMALL 4  /* up to it, items of at most this many column pairs */
 #define VX_AV_RG 4        /* 32-column blocks a rotated head may take (D <= 128) */
@@ -132,6 +133,86 @@ VX_INLINE void vx_av_emit(const float* c, vx_bf16* y, int64_t y_st, int m0, int 
     else
         vx_av_rows(c, y, y_st, m0, M, n0, nt, e->bias, e->silu, j0, j1);
 }
+/* Up to 16 rows (a decode step's): the tiles hold only x's M rows (A and C tiles configured M
+   rows high: no padded copy, no products of zero rows), and an item's 16-column blocks, four
+   at a time, each have a C tile, so their products overlap; the B tiles stream 1 KB at a
+   time. An item is a rotated head (D / 16 blocks), or up to four blocks past the rotated
+   columns. Each output is the products of `vx_av_run`'s general loop summed in its order (C
+   zeroed, k tiles in order; a C row depends on its A row only) with its epilogue: its bits,
+   whatever M. */
+#define VX_AV_SMALL_ROWS 16
+#define VX_AV_SMALL_NB 4  /* 16-column blocks an item past the rotated columns takes */
+#define VX_AV_PF 4  /* k tiles ahead each block's stream is prefetched, into L1 */
+/* the 16 lines of block J's k tile VX_AV_PF ahead; past the block's end, the same k tile of
+   the item after (its blocks follow these: a thread's items are mostly consecutive). Other
+   distances and levels: docs/performance.md, "Measured and dropped". */
+#define VX_AV_PREF(J) { \
+        const char* pf_ = (const char*)(b + (J) * KC * 256 + (kc + VX_AV_PF < KC \
+            ? (kc + VX_AV_PF) * 256 : nbn * KC * 256 + (kc + VX_AV_PF - KC) * 256)); \
+        for (int l_ = 0; l_ < 16; l_++) _mm_prefetch(pf_ + 64 * l_, _MM_HINT_T0); \
+    }
+#define VX_AV_B(TC, TB, J) \
+    VX_AV_PREF(J) _tile_loadd(TB, b + (J) * KC * 256 + kc * 256, 64); _tile_dpbf16ps(TC, 4, TB);
+static void vx_av_small(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
+                        const vx_av_epi* epi, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
+    const int64_t KC = K / 32, NB = N / 16;
+    const int64_t hb = epi->rope_n ? epi->D / 16 : 1;  /* 16-column blocks a rotated head takes */
+    const int64_t rb = epi->rope_n / 16;  /* the rotated columns' blocks */
+    const int64_t NH = rb / hb;  /* items 0 .. NH - 1: the rotated heads */
+    const int64_t NI = NH + (NB - rb + VX_AV_SMALL_NB - 1) / VX_AV_SMALL_NB;
+    const int par = (int64_t)M * N * K >= ((int64_t)1 << 20) || N * K >= 262144;
+    vx_ws ws;
+    vx_ws_init(&ws, NI, par);
+    _Pragma("omp parallel if (par)") {
+        struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+            cfg __attribute__((aligned(64)));
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {  /* 0-3: C, 4: A (x), 5-7: B: M rows, or 16 (B) */
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = (uint8_t)(i < 5 ? M : 16);
+        }
+        _tile_loadconfig(&cfg);
+        /* 32-column blocks of M rows, 1,024 floats apart (as vx_av_rope_rows reads them) */
+        float cb[VX_AV_RG][32 * 32] __attribute__((aligned(64)));
+        for (int64_t it; (it = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
+            const int64_t nb0 = it < NH ? it * hb : rb + (it - NH) * VX_AV_SMALL_NB;
+            const int64_t left = it < NH ? hb : NB - nb0;
+            const int nbi = left < VX_AV_SMALL_NB || it < NH ? (int)left : VX_AV_SMALL_NB;
+            for (int g0 = 0; g0 < nbi; g0 += 4) {  /* four C tiles at a time */
+                const uint32_t* b = wp + (nb0 + g0) * KC * 256;
+                const int nbn = nbi - g0 < 4 ? nbi - g0 : 4;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                if (nbn == 4) {
+                    for (int64_t kc = 0; kc < KC; kc++) {
+                        _tile_loadd(4, x + kc * 32, x_st * 2);
+                        VX_AV_B(0, 5, 0) VX_AV_B(1, 6, 1) VX_AV_B(2, 7, 2) VX_AV_B(3, 5, 3)
+                    }
+                } else {
+                    for (int64_t kc = 0; kc < KC; kc++) {
+                        _tile_loadd(4, x + kc * 32, x_st * 2);
+                        VX_AV_B(0, 5, 0)
+                        if (nbn > 1) { VX_AV_B(1, 6, 1) }
+                        if (nbn > 2) { VX_AV_B(2, 7, 2) }
+                    }
+                }
+                float* c = cb[g0 / 2];  /* blocks (0, 1) and (2, 3): M rows of 32 columns */
+                _tile_stored(0, c, 128);
+                if (nbn > 1) _tile_stored(1, c + 16, 128);
+                if (nbn > 2) _tile_stored(2, c + 1024, 128);
+                if (nbn > 3) _tile_stored(3, c + 1040, 128);
+            }
+            if (it < NH) {
+                vx_av_emit(cb[0], y, y_st, 0, M, nb0 * 16, 2, epi, 0, M);
+            } else {
+                vx_av_emit(cb[0], y, y_st, 0, M, nb0 * 16, nbi > 1 ? 2 : 1, epi, 0, M);
+                if (nbi > 2)
+                    vx_av_emit(cb[1], y, y_st, 0, M, nb0 * 16 + 32, nbi > 3 ? 2 : 1, epi, 0, M);
+            }
+        }
+        _tile_release();
+    }
+}
 /* rope_n > 0: columns [0, rope_n) are heads of D columns to rotate (D % 32 == 0, D <=
    32 VX_AV_RG, rope_n % D == 0), with cos/sin [M, D / 2] */
 static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
@@ -143,6 +224,10 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                    || !rcos || !rsin))
         return -2;
     const vx_av_epi epi = {bias, rcos, rsin, rope_n, silu, D};
+    if (M <= VX_AV_SMALL_ROWS) {
+        vx_av_small(x, x_st, M, wp, &epi, y, y_st, N, K);
+        return 0;
+    }
     const int g = rope_n ? D / 32 : 1;  /* 32-column blocks a rotated head takes */
     const int64_t rope_b = rope_n / 32;  /* the blocks of the rotated columns */
     const int64_t KC = K / 32, NB = N / 16, NB2 = (NB + 1) / 2;

@@ -17,8 +17,8 @@
    Invariant: the same kernels on the same rows as `LlamaModel.forward` and `greedy_ids` (the
    embedding rows, `vx_llama_decode_bf16`, `vx_add_rms_norm_bf16`, then `vx_argmax_vnni_bf16` on
    the VNNI copy, or for one row the int8 screen, `vx_screen_i8` (`vx_screen_i8_avx2`) and
-   `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`) on
-   its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
+   `vx_screen_select`, with each candidate's logit from `vx_gemv_bf16` (`vx_gemv_bf16_avx2`;
+   `vx_gemm_amx_bf16` where AMX is on) on its bf16 head row, as `ScreenedHead.argmax` computes them: a row's dot product does not depend
    on the rows computed beside it), so the same tokens. */
 #include "vx_kernels.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -55,6 +55,28 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
                                        sh->cap);
     int64_t arg = -1;
     float best = 0.f;
+#if defined(VX_HAS_AMX)
+    /* with AMX on, the logits path's GEMM is the AMX one at every row count: the candidates'
+       weight rows gathered 16 a block (zero rows past u), each output the full product's */
+    static vx_bf16 rows[16 * VX_GEMV_MAX_K] __attribute__((aligned(64)));
+    vx_bf16 ys[16];
+    if (vx_amx_on && H <= VX_GEMV_MAX_K) {
+        for (int64_t j0 = 0; j0 < u; j0 += 16) {
+            const int64_t nj = u - j0 < 16 ? u - j0 : 16;
+            for (int64_t j = 0; j < 16; j++) {
+                if (j < nj) memcpy(rows + j * H, sh->w + sh->idx[j0 + j] * H, (size_t)H * 2);
+                else memset(rows + j * H, 0, (size_t)H * 2);
+            }
+            if (vx_gemm_amx_bf16(x, H, 1, rows, NULL, ys, 16, 16, H)) return -1;
+            for (int64_t j = 0; j < nj; j++) {
+                const float v = ld_bf16(ys[j]);
+                if (!isfinite(v)) return -1;
+                if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
+            }
+        }
+        return arg;
+    }
+#endif
     for (int64_t j = 0; j < u; j++) {
         vx_bf16 y;
         if (VX_EXACT_ROW(x, H, sh->w + sh->idx[j] * H, &y)) return -1;
