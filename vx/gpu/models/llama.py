@@ -241,12 +241,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`keep`: the rows (of T) to carry past the attention; the others' K/V are written,
         and nothing after the attention needs them (the last layer of a step)."""
-        # The residual add of the previous block is fused into this block's first norm.
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self._input_norm(x, residual)
         h = self.self_attn(rope, h, kv_cache, attn_metadata, keep)
         if keep is not None:
             residual = residual[keep]
@@ -265,12 +260,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` up to the attention's output before `o_proj`: (that [T, Hq * D], the
         residual [T, hidden]); `finish` completes the layer."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self._input_norm(x, residual)
         return self.self_attn.attend(rope, h, kv_cache, attn_metadata), residual
+
+    def _input_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first norm: (normed, residual); the previous block's residual add is fused
+        into it (the first block's residual is its input)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
 
     def finish(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of `forward` after `attend`: (MLP output, residual), [T, hidden] each."""
