@@ -12,14 +12,10 @@ at the last scheduled token of each request whose chunk reaches the end of its k
 the persistent rows (so the next step, even one scheduled before this output arrived, finds
 them there); and answer with the tokens (and logprobs when asked).
 
-Pipeline parallel (`vx.gpu.parallel_state`): a stage runs its own layers only, on the module
-path (neither the fused C step nor CUDA graphs, which take the whole stack). The first stage
-embeds; every stage but the first receives the hidden states and the residual of the previous
-one, and every stage but the last sends its own on; the last stage samples as above. The
-earlier stages learn the sampled tokens from the next SchedulerOutput
-(`CachedRequestData.new_token_ids`). A step with prompt tokens has each stage but the last
-send its last layer's attention output instead, and the next stage finishes that layer first
-(`parallel_state.hand_off_min_tokens`).
+Pipeline parallel: `vx.gpu.pipeline_stage` runs this stage's layers in place of the model's
+forward (receiving from the stage before, sending to the next); the last stage samples as
+above. The earlier stages learn the sampled tokens from the next SchedulerOutput
+(`CachedRequestData.new_token_ids`).
 """
 
 from __future__ import annotations
@@ -48,6 +44,7 @@ from vx.gpu.kv_cache import (
     num_cpu_blocks,
     num_gpu_blocks,
 )
+from vx.gpu.pipeline_stage import PipelineStage
 from vx.gpu.sample.greedy import fused_greedy_step
 from vx.gpu.sample.step_sampler import StepSampler
 from vx.gpu.spec_decode.draft_model import DraftModelProposer
@@ -110,11 +107,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_model_len = config.model.max_model_len or 0
         self.input_batch: InputBatch | None = None
-        #: Pipeline parallel: the fewest prompt tokens of a step that hands each stage's last
-        #: layer's o_proj, norm and MLP on to the next stage (`load_model`; None: never), and
-        #: the width of the attention output a later stage then receives.
-        self.hand_off_tokens: int | None = None
-        self.hand_off_width = 0
+        #: Pipeline parallel: this stage's part of a forward (`load_model`); None: one stage.
+        self.stage: PipelineStage | None = None
         #: The step's sampling (`vx.gpu.sample.step_sampler`), built by `load_model`.
         self.sampling: StepSampler | None = None
         #: The grammar state of the constrained requests (`vx.gpu.sample.matchers`).
@@ -155,12 +149,8 @@ class ModelRunner:
         set_batch_invariant(self.config.batch_invariant)
         self.model = self._load_weights(m.path)
         self.dtype = next(self.model.parameters()).dtype
-        hands_off = getattr(self.model, "hands_off_tails", None)
-        if self.pp_size > 1 and hands_off is not None and hands_off():
-            self.hand_off_tokens = parallel_state.hand_off_min_tokens()
-            inner = self.model.model
-            if inner.tail_layer is not None:
-                self.hand_off_width = inner.layers[inner.tail_layer].self_attn.q_size
+        if self.pp_size > 1:
+            self.stage = PipelineStage(self.model, self.dtype, self.device)
         # Batch-invariant fp32 (no C prefill attention for fp32; SDPA's arithmetic follows the
         # chunk and the cached prefix): every token is a decode row of the decode kernel, with
         # its own position as its length, so prompts, outputs and recomputes all take one
@@ -326,7 +316,10 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
-            hidden = self._stage_forward(ids, pos, caches, md, None, num_tokens, profile=True)
+            if self.stage is None:
+                hidden = m(ids, pos, caches, md, None)
+            else:
+                hidden = self.stage.forward(ids, pos, caches, md, None, num_tokens, profile=True)
             if hidden is not None:  # the last stage
                 n = min(sched.max_num_seqs, num_tokens)
                 m.compute_logits(hidden[:n]).argmax(dim=-1)
@@ -423,9 +416,9 @@ class ModelRunner:
             fused = fused_greedy_step(self.fused_step, model, batch, inputs, self.kv_caches)
         if fused is not None:  # a greedy decode step, its tokens included, in one C call
             hidden, sampled = fused
-        elif self.pp_size > 1:
+        elif self.stage is not None:
             ql = inputs.query_lens
-            stage = self._stage_forward(
+            stage = self.stage.forward(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, keep,
                 int(ql[ql > 1].sum()),
             )  # fmt: skip
@@ -506,56 +499,6 @@ class ModelRunner:
             spec_token_ids=self._propose(inputs, sampled_lists),
             spec_num_scored=num_scored,
         )
-
-    def _stage_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list,
-        attn_metadata: AttentionMetadata,
-        keep: torch.Tensor | None,
-        num_prompt_tokens: int,
-        *,
-        profile: bool = False,
-    ) -> torch.Tensor | None:
-        """This pipeline stage's part of a forward: the final hidden states on the last stage
-        (rows `keep` only, if given); None on the others, which send theirs on. With
-        `profile` (the start-up's memory profile) nothing is sent or received: a later
-        stage runs on zeros. `num_prompt_tokens`: the step's tokens in rows of more than one
-        (every stage counts the same), which decide the hand-off."""
-        inner = self._model.model
-        g = self.grid
-        if self.pp_size == 1:
-            return self._model(input_ids, positions, kv_caches, attn_metadata, keep)
-        residual = None
-        # This step's hand-off (`parallel_state.hand_off_min_tokens`): each stage but the last
-        # sends its last layer's (attention output, residual), which the next one finishes.
-        hand_off = self.hand_off_tokens is not None and num_prompt_tokens >= self.hand_off_tokens
-        finish_prev = hand_off and not g.is_first_stage
-        hand_off = hand_off and not g.is_last_stage
-        if g.is_first_stage:
-            x, rope = inner.embed(input_ids, positions)
-        else:
-            rope = inner.rope(positions)
-            t = input_ids.shape[0]
-            shape = (t, self._model.args.hidden_size)
-            width = self.hand_off_width if finish_prev else shape[1]
-            if profile:
-                x = torch.zeros((t, width), dtype=self.dtype, device=self.device)
-                residual = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            else:
-                x, residual = parallel_state.recv_from_prev(
-                    [(t, width), shape], self.dtype, self.device
-                )
-        if not g.is_last_stage:
-            x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, None, residual,
-                                           finish_prev=finish_prev, hand_off=hand_off)  # fmt: skip
-            if not profile:
-                parallel_state.send_to_next([x, residual])
-            return None
-        x, residual = inner.run_layers(x, rope, kv_caches, attn_metadata, keep, residual,
-                                       finish_prev=finish_prev)  # fmt: skip
-        return inner.final_norm(x, residual)
 
     def _propose(
         self, inputs: StepInputs, sampled: list[list[int]]
