@@ -6,7 +6,7 @@ Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
         [--hand-off off|N]
         [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
-        [--serve-args '--max-num-batched-tokens 80']
+        [--serve-args '--max-num-batched-tokens 80'] [--period 12]
 
 `--make` first writes the model to DIR (16 layers, hidden 2,048, 32 / 8 heads, intermediate
 8,192, a tied 128,256-token head: Llama-3.2-1B's shapes; SmolLM2-135M's tokenizer, which skips
@@ -19,6 +19,9 @@ stage 1, which waits more than stage 0: node 0's core also runs the front and th
 With `--profile-steps` each stage logs one line per busy period (`vx/gpu/worker.py`,
 `_StageProfile`), so the lines after the start-up are the phases, in order; this prints each
 phase's output tok/s and, for PP, each stage's compute / wait-on-previous / idle shares.
+`--period N` makes each stage log every N steps (`VX_PP_PROFILE_STEPS`) and prints the stages'
+lines side by side instead, in order: how the bubble moves between a load phase's prompt-heavy
+and decode-only stretches.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def main() -> int:
     ap.add_argument("--serve-args", default="",
                     help="more `vx serve` arguments for every node, "
                          "e.g. '--max-num-batched-tokens 80'")
+    ap.add_argument("--period", type=int, default=None,
+                    help="steps per stage profile line (VX_PP_PROFILE_STEPS); prints them all")
     args = ap.parse_args()
     if args.make and not os.path.exists(os.path.join(args.model, "config.json")):
         make_model(args.model)
@@ -112,6 +117,8 @@ def main() -> int:
         env["VX_PP_LAYER_PARTITION"] = args.partition
     if args.hand_off is not None:
         env["VX_PP_HAND_OFF_TOKENS"] = "" if args.hand_off == "off" else args.hand_off
+    if args.period:
+        env["VX_PP_PROFILE_STEPS"] = str(args.period)
     serve = [py, "-m", "vx", "serve", args.model, "--num-threads", "1", "--profile-steps",
              *shlex.split(args.serve_args)]
     logs = [tempfile.NamedTemporaryFile("w+b", suffix=f"-node{i}.log") for i in range(2)]
@@ -178,13 +185,18 @@ def main() -> int:
         row = res[0] if isinstance(res, list) else res
         print(f"c = {c}, {n} prompts: output {row['output_throughput']:.1f} tok/s, TTFT p50 "
               f"{row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.0f} ms")
-        for stage, lines in sorted(stage_lines.items()):
+        for stage, lines in [] if args.period else sorted(stage_lines.items()):
             phase = lines[len(lines) - len(results) + i]  # the last lines are the phases
             steps, wall, comp, wait_prev, idle, bubble, delivery = phase
             print(f"  stage {stage}: {int(steps)} steps over {wall:.1f} s: compute {comp:.1f}%, "
                   f"waiting on the stage before {wait_prev:.1f}%, waiting for steps "
                   f"{idle:.1f}% (bubble {bubble:.1f}%); step delivery {delivery:.2f} ms, "
                   f"{1e3 * wall * comp / 100 / steps:.1f} ms of compute a step")  # fmt: skip
+    if args.period and len(stage_lines) == 2:
+        print("stage 0 | stage 1, every line: steps, seconds, compute %, bubble %")
+        for a, b in zip(stage_lines[0], stage_lines[1], strict=False):
+            print(f"  {int(a[0]):4d} {a[1]:6.2f} s {a[2]:5.1f} {a[5]:5.1f} | "
+                  f"{int(b[0]):4d} {b[1]:6.2f} s {b[2]:5.1f} {b[5]:5.1f}")
     for line in engine_lines[-4:]:  # the EngineCore's own lines, every 200 steps
         print(f"  EngineCore {line}")
     return 0

@@ -118,6 +118,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "every node); empty: vx's split, which counts the last stage's LM head as layers (an "
           "even split for MoE models).",
           "operator"),
+    EnvVar(name="VX_PP_PROFILE_STEPS", type="integer", parse=int, default=2000,
+           shown_default="`2000`",
+           doc="Pipeline parallel with `--profile-steps`: the most steps one profile line of a "
+               "stage covers (a smaller count shows how the bubble moves within a load phase).",
+           set_by="bench/pipeline.py (`--period`)"),
     EnvVar(name="VX_PP_HAND_OFF_TOKENS", type="integer", parse=_int_or_none, default=1,
            shown_default="`1`",
            doc="Pipeline parallel: a step with at least this many prompt tokens has each stage "

@@ -136,14 +136,15 @@ class _StageProfile:
     stage's share of the pipeline's bubble.
 
     A busy period ends when no step came for `IDLE_GAP_S` (the engine had no requests), at
-    shutdown, or after `MAX_STEPS` steps; the idle gap itself is not counted. So one load phase
-    (a `vx bench serve` run at one concurrency) gives its own line, over exactly its steps."""
+    shutdown, or after `max_steps` steps (`VX_PP_PROFILE_STEPS`); the idle gap itself is not
+    counted. So one load phase (a `vx bench serve` run at one concurrency) gives its own line,
+    over exactly its steps, unless it is longer than `max_steps`."""
 
     IDLE_GAP_S = 1.0
-    MAX_STEPS = 2000
 
     def __init__(self, grid) -> None:
         self.grid = grid
+        self.max_steps = max(envs.VX_PP_PROFILE_STEPS, 1)
         self.steps = 0
         self.exec_s = 0.0
         self.t_start = self.t0 = self.t_end = time.perf_counter()
@@ -169,7 +170,7 @@ class _StageProfile:
         self.t_end = time.perf_counter()
         self.exec_s += self.t_end - self.t0
         self.steps += 1
-        if self.steps >= self.MAX_STEPS:
+        if self.steps >= self.max_steps:
             self.flush()
 
     def flush(self) -> None:
