@@ -169,7 +169,8 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
             and self.plain is not None
             and screen_wanted(self.plain)
         ):
-            self.screen = ScreenedHead(self.plain)
+            # the candidates by the GEMM the logits take at one row: the VNNI copy's if any
+            self.screen = ScreenedHead(self.plain, vnni=self.vnni is not None)
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),
