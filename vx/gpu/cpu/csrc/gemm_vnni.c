@@ -139,14 +139,16 @@ static int vx_vnni_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp
 /* The small-row loop: M <= VX_VN_SMALL rows (a decode step's one row, a few verify rows),
    where the general loop's 8-row tile and 48-output panels left the cores waiting on memory
    (one row: twice the VDPBF16PS GEMV's time; the matrices below its parallel threshold ran on
-   one thread). Items of VX_VN_SV vectors (64 outputs), parallel from the GEMV's size, each
-   vector's line VX_VN_SPD dwords ahead prefetched into L2 (the packed copy is one contiguous
-   stream per thread's range). Each output's sum is the general loop's, operation for
-   operation: zero, then `vdpbf16ps` over k pairs in order, the bias (or +0) added in fp32,
-   one rounding; so a row's bits do not depend on the rows beside it or on which loop ran. */
+   one thread). Items of up to VX_VN_SV vectors (16 outputs each; as many as keep the threads'
+   shares even), parallel from the GEMV's size, each vector's line VX_VN_SPD dwords ahead
+   prefetched into L2 (measured: 2 KB ahead was ahead of 8 and 16 KB, SmolLM2's 120 matrices
+   at one row, 2-core Sapphire Rapids with AMX off: level with the GEMV). Each output's sum is
+   the general loop's, operation for operation: zero, then `vdpbf16ps` over k pairs in order,
+   the bias (or +0) added in fp32, one rounding; so a row's bits do not depend on the rows
+   beside it or on which loop ran. */
 #define VX_VN_SMALL 4
-#define VX_VN_SV 2
-#define VX_VN_SPD 4096
+#define VX_VN_SV 6        /* most vectors (16 outputs each) a tile: one sum chain each a row */
+#define VX_VN_SPD 512  /* dwords: 32 lines ahead in each vector's stream */
 VX_INLINE void vx_vnni_small_tile(const vx_bf16* x, int64_t x_st, const int M, const uint32_t* w,
                                   int64_t bs, int64_t KP, const vx_bf16* bias, vx_bf16* y,
                                   int64_t y_st, const int NV) {
@@ -177,21 +179,37 @@ VX_INLINE void vx_vnni_small_tile(const vx_bf16* x, int64_t x_st, const int M, c
 static void vx_vnni_small(const vx_bf16* x, int64_t x_st, const int M, const uint32_t* wp,
                           const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K) {
     const int64_t KP = K / 2, bs = KP * 16, NV = N / 16;
-    const int64_t nit = (NV + VX_VN_SV - 1) / VX_VN_SV;
     const int par = N * K >= 262144;
+    const int nt = par ? (omp_get_max_threads() < 1 ? 1 : omp_get_max_threads()) : 1;
+    /* vectors an item: of those a tile holds (M <= 2: six; else four, so the accumulators
+       and weights stay in registers), the one whose busiest thread has the fewest vectors,
+       the larger on a tie (more chains in flight) */
+    int sv = M <= 2 ? 6 : 4;
+    int64_t best = INT64_MAX;
+    for (int c = M <= 2 ? 6 : 4; c >= 2; c--) {
+        const int64_t items = (NV + c - 1) / c, load = (items + nt - 1) / nt * c;
+        if (load < best) { best = load; sv = c; }
+    }
+    const int64_t nit = (NV + sv - 1) / sv;
     vx_ws ws;
     vx_ws_init(&ws, nit, par);
     _Pragma("omp parallel if (par)")
     for (int64_t it; (it = vx_ws_next(&ws, omp_get_thread_num())) >= 0;) {
-        const int64_t v0 = it * VX_VN_SV;
-        const int nv = NV - v0 < VX_VN_SV ? (int)(NV - v0) : VX_VN_SV;
+        const int64_t v0 = it * sv;
+        const int nv = NV - v0 < sv ? (int)(NV - v0) : sv;
         const uint32_t* w = wp + v0 * bs;
         const vx_bf16* bp = bias ? bias + 16 * v0 : 0;
         vx_bf16* yv = y + 16 * v0;
+#define VX_VN_ST(C) vx_vnni_small_tile(x, x_st, M, w, bs, KP, bp, yv, y_st, C)
         switch (nv) {  /* constant trip counts, so the accumulators stay in registers */
-        case 2: vx_vnni_small_tile(x, x_st, M, w, bs, KP, bp, yv, y_st, 2); break;
-        default: vx_vnni_small_tile(x, x_st, M, w, bs, KP, bp, yv, y_st, 1); break;
+        case 6: if (M <= 2) { VX_VN_ST(6); break; } /* fall through (not reached) */
+        case 5: if (M <= 2) { VX_VN_ST(5); break; } /* fall through (not reached) */
+        case 4: VX_VN_ST(4); break;
+        case 3: VX_VN_ST(3); break;
+        case 2: VX_VN_ST(2); break;
+        default: VX_VN_ST(1); break;
         }
+#undef VX_VN_ST
     }
 }
 /* Rows up to which vx_gemm_vnni_bf16 takes the small-row loop (the same bits either way):
