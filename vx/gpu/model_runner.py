@@ -593,8 +593,7 @@ class ModelRunner:
             # prefix hit, a chunk of one), as it does cold: its bits do not depend on how
             # the prompt was cut (speculation moves the cuts; `--batch-invariant` too).
             outputs = req_id not in index or (
-                batch.num_computed_tokens[index[req_id]]
-                >= batch.num_prompt_tokens[index[req_id]]
+                batch.num_computed_tokens[index[req_id]] >= batch.num_prompt_tokens[index[req_id]]
             )
             if outputs and n > 1:  # recomputed outputs (the scheduler cut the prompt before)
                 drafting.append(req_id)

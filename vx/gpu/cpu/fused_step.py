@@ -401,9 +401,8 @@ class FusedDecode:
         if screen is not None:
             # the C tail computes the candidates as the screen does: the AMX GEMM where AMX
             # is on (`vx_screen_argmax`), else the VNNI GEMM or VDPBF16PS, as it says
-            return t == 1 and screen.exact_kernel() in (
-                "vx_gemv_bf16", "vx_gemm_vnni_bf16", "vx_gemm_amx_bf16"
-            )
+            exact = ("vx_gemv_bf16", "vx_gemm_vnni_bf16", "vx_gemm_amx_bf16")
+            return t == 1 and screen.exact_kernel() in exact
         return head is not None
 
     def greedy_step(
