@@ -127,7 +127,9 @@ def test_preemption_takes_the_tail_and_resumes_it_first() -> None:
     (resumed,) = out.scheduled_new_reqs
     assert resumed.req_id == "c" and resumed.output_token_ids == [5]
     assert resumed.prompt_token_ids == list(range(80, 90))
-    assert out.num_scheduled_tokens["c"] == 11  # prompt + its one output, recomputed
+    # its prompt; its one output is recomputed in a step of its own, as the decode row it was
+    # (`_prompt_end_cap`)
+    assert out.num_scheduled_tokens["c"] == 10
     assert out.finished_req_ids == ["a"]
     check(s)
 

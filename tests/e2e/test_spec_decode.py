@@ -4,9 +4,10 @@ real engine on the default model (bf16), with async scheduling (the default) unl
 With `--batch-invariant` a row's logits do not depend on the rows beside it, so speculation
 must give the very tokens and logprobs of the run without it: greedy and seeded, batched, at a
 16-token chunk budget, after prefix hits, and under preemption. On the default path with AMX
-every row count takes the AMX GEMM too, so greedy output is the same there as well (the same
-cases); on CPUs without AMX the check is that drafts are accepted and the output stays the
-target's (greedy: each emitted token is the argmax the engine computed). Served: the official client streams the same text as without
+every row count takes the AMX GEMM too, and on AVX512-BF16 without AMX the VNNI GEMM, so
+greedy output is the same there as well (the same cases); on AVX2 CPUs the check is that drafts
+are accepted and the output stays the target's (greedy: each emitted token is the argmax the
+engine computed). Served: the official client streams the same text as without
 speculation, stops at a stop string inside an accepted run, and /metrics counts the drafts.
 """
 
@@ -115,16 +116,23 @@ def _greedy(llm: LLM) -> list[Any]:
             for params in GREEDY for r in llm.generate(PROMPTS, params, use_tqdm=False)]  # fmt: skip
 
 
-def test_default_path_greedy_outputs_are_the_same_with_drafts() -> None:
-    """The default bf16 path (no `--batch-invariant`): on AMX every row count takes the AMX
-    GEMM, so a scored row's bits are a one-row step's, and greedy output with n-gram drafts is
-    the output without them: batched, at a 16-token chunk budget, after prefix hits, and
-    under preemption."""
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+def test_default_path_greedy_outputs_are_the_same_with_drafts(isa: str, monkeypatch) -> None:
+    """The default bf16 path (no `--batch-invariant`): every row count takes one GEMM, whose
+    sums run over k in one order whatever the rows (the AMX GEMM on AMX; without it, on
+    AVX512-BF16, the VNNI GEMM, here with ``VX_CPU_ATTENTION_AMX=0`` on an AMX CPU), and the
+    decode attention gives each verify row its own bits, so a scored row's bits are a one-row
+    step's, and greedy output with n-gram drafts is the output without them: batched, at a
+    16-token chunk budget, after prefix hits, and under preemption."""
     from vx.gpu.cpu import library
 
     lib = library.load_cpu_kernels()
-    if lib is None or not lib.vx_fast_amx(-1):
-        pytest.skip("row-invariant on AMX only (AVX512-BF16 and AVX2 paths: not yet)")
+    if isa == "amx" and (lib is None or not lib.vx_fast_amx(-1)):
+        pytest.skip("no AMX here")
+    if isa == "avx512_bf16":
+        if lib is None or not lib.vx_has_fast_bf16() or not lib.vx_has_gemm_vnni():
+            pytest.skip("no AVX512-BF16 here")
+        monkeypatch.setenv("VX_CPU_ATTENTION_AMX", "0")  # the Workers' paths: AMX off
     with LLM(num_threads=2, async_scheduling=False) as llm:
         want = _greedy(llm)
     for kwargs in (

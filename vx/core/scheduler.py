@@ -255,8 +255,9 @@ class Scheduler:
                 num_new = budget
             if 0 < threshold < num_new:
                 num_new = threshold
-            if self.batch_invariant:
-                num_new = _invariant_cap(request, num_computed, num_new)
+            num_new = (_invariant_cap if self.batch_invariant else _prompt_end_cap)(
+                request, num_computed, num_new
+            )
             drafts = request.spec_token_ids
             if drafts or (is_async and request.drafting):
                 request.spec_token_ids = []
@@ -368,8 +369,9 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
-            if self.batch_invariant:
-                num_new = _invariant_cap(request, num_hit, num_new)
+            num_new = (_invariant_cap if self.batch_invariant else _prompt_end_cap)(
+                request, num_hit, num_new
+            )
             if (
                 kv.allocate_slots(
                     request, num_new, num_hit, hit_blocks, full_sequence_must_fit=True
@@ -668,6 +670,18 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
         }
+
+
+def _prompt_end_cap(request: Request, num_computed: int, num_new: int) -> int:
+    """`num_new` tokens of `request` from `num_computed`, a chunk in the prompt cut at its end:
+    recomputed output tokens (after preemption, or a prefix hit inside the outputs) then come
+    in a step of their own, where each is a decode row of the attention, as when it was first
+    computed (`vx.gpu.model_runner.ModelRunner.prepare_inputs`), never a row of a prefill
+    chunk, whose attention rounds otherwise: with every row count on one GEMM, a request's
+    greedy tokens then do not depend on whether it was preempted (nor, with speculative
+    decoding, on its drafts). Costs one step more per recompute that reaches the outputs."""
+    p = request.num_prompt_tokens
+    return min(num_new, p - num_computed) if num_computed < p else num_new
 
 
 def _invariant_cap(request: Request, num_computed: int, num_new: int) -> int:

@@ -535,14 +535,16 @@ class ModelRunner:
             # A prompt token takes the prefill attention even alone (the last one after a
             # prefix hit, a chunk of one), as it does cold: its bits do not depend on how
             # the prompt was cut (speculation moves the cuts; `--batch-invariant` too).
-            decode = n == 1 and (
-                req_id not in index
-                or batch.num_computed_tokens[index[req_id]]
-                >= batch.num_prompt_tokens[index[req_id]]
+            outputs = req_id not in index or (
+                batch.num_computed_tokens[index[req_id]] >= batch.num_prompt_tokens[index[req_id]]
             )
-            (decodes if decode else prefills).append(req_id)
-        # A drafting request's 1 + k tokens are each a decode row of the attention (its
-        # position + 1 keys): the decode attention's arithmetic, as without drafts.
+            if outputs and n > 1:  # recomputed outputs (the scheduler cut the prompt before)
+                drafting.append(req_id)
+                continue
+            (decodes if outputs else prefills).append(req_id)
+        # A drafting request's 1 + k tokens, and a run of recomputed output tokens, are each
+        # a decode row of the attention (its position + 1 keys): the decode attention's
+        # arithmetic, as without drafts and when they were first computed.
         req_ids = decodes + drafting + prefills
         num_reqs = len(req_ids)
         try:

@@ -463,6 +463,32 @@ def test_batch_invariant_step_gives_a_row_the_same_bits_in_any_batch(
     check_batch_invariant_step(model, fused)
 
 
+@pytest.mark.parametrize("case", ["llama-d64", "qwen2-bias"])
+def test_default_vnni_step_gives_a_row_the_same_bits_in_any_batch(tmp_path, case: str) -> None:
+    """The default path (no `--batch-invariant`) on AVX512-BF16 without AMX: every linear's
+    VNNI copy takes every row count (its small-row loop at 1-4 rows, the general loop past
+    them: each output's sums in one order), so a request's logits are the same bits alone as
+    in any batch, through the fused step and the module path (`check_batch_invariant_step`).
+    (With AMX: the AMX GEMM up to 192 rows, tests/e2e/test_spec_decode.py; this file runs with
+    AMX off natively and emulated in tests/gpu/cpu/test_emulated_isa.py.)"""
+    from vx.gpu.cpu import vnni as cpu_vnni
+
+    lib = load_cpu_kernels()
+    if lib is None or not lib.vx_has_gemm_vnni() or lib.vx_fast_amx(-1):
+        pytest.skip("the VNNI GEMM's default path: AVX512-BF16 with AMX off")
+    arch, overrides, _ = CASES[case]
+    path = make_tiny_model(tmp_path, arch, vocab_size=512, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.vnni is not None and not qkv.vnni.all_rows and not qkv.packed
+    x = torch.randn(1, qkv.weight.shape[1]).bfloat16()
+    assert cpu_vnni.vnni_takes(qkv.vnni, x, qkv.plain)  # one row too
+    fused = FusedDecode.build(model.model)
+    if fused is None:
+        pytest.skip("no fused CPU decode step here")
+    check_batch_invariant_step(model, fused)
+
+
 # the MoE families (8 experts, top-2): Qwen3-MoE's bf16 renormalised weights, Mixtral's fp32 ones
 MOE_CASES = {
     "qwen3_moe": ("qwen3_moe", {"hidden_size": 128, "num_attention_heads": 4,

@@ -70,9 +70,10 @@ def test_declines_what_it_cannot_pack(vnni) -> None:
     assert rc == -2
 
 
-def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
-    """A linear built here keeps the plain weight (skinny GEMM, one row) and the VNNI copy
-    (every row count from `VNNI_MIN_ROWS`), and no oneDNN copy; both give the product."""
+def test_linears_take_it_at_every_row_count(vnni, monkeypatch) -> None:
+    """A linear built here keeps the plain weight and the VNNI copy (every row count from
+    `VNNI_MIN_ROWS`, one: a row's bits never depend on the step's rows), and no oneDNN copy;
+    both give the product."""
     from vx.gpu.layers.linear import ColumnParallelLinear
     from vx.gpu.layers.vocab import ParallelLMHead
 
@@ -92,7 +93,8 @@ def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
     for rows in sizes:
         x = torch.randn(rows, 96, generator=g).bfloat16()
         _check(lin(x), x, lin.weight, lin.bias)
-    # one row on the skinny GEMM (the plain weight), from VNNI_MIN_ROWS on the VNNI copy
+    # every row count on the VNNI copy (from VNNI_MIN_ROWS, which is one)
+    assert cpu_vnni.VNNI_MIN_ROWS == 1
     assert calls == [r for r in sizes if r >= cpu_vnni.VNNI_MIN_ROWS]
     head = ParallelLMHead(64, 96, dtype=torch.bfloat16, device=torch.device("cpu"))
     head.weight.data.copy_(torch.randn(64, 96, generator=g))
@@ -100,6 +102,76 @@ def test_linears_take_it_from_two_rows(vnni, monkeypatch) -> None:
     assert head.vnni is not None and head.packed_copy is None
     h = torch.randn(30, 96, generator=g).bfloat16()
     _check(head.compute_logits(h), h, head.weight, None)
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (80, 96), (16, 32), (3072, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_vnni_rows_do_not_depend_on_the_rows_beside_them(vnni, n, k, bias) -> None:
+    """Row invariance without AMX: each row of a 1-17-row call (1-4 rows: the small-row loop;
+    past them the general loop's 8-row tiles and their remainders) is bit-identical to the
+    same row of a 40-row call, with the small-row loop on or off and whichever thread takes
+    an item; so speculation's verify rows score as one-row steps do."""
+    from vx.gpu.cpu.library import set_work_stealing
+
+    g = torch.Generator().manual_seed(n + k + bias)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    vw = cpu_vnni.VnniWeight(w)
+    x = torch.randn(40, k + 32, generator=g).bfloat16()[:, 16 : 16 + k]  # a row stride past k
+    x[3, :5] = 0.0  # a row with zero products (signed zeros), as padding gives
+    ref = vw.apply(x, b)
+    _check(ref, x, w, b)
+    small = vnni.vx_vnni_small_loop(-1)
+    assert small >= 1
+    try:
+        for loop in (small, 0):
+            vnni.vx_vnni_small_loop(loop)
+            for mode in (1, 0, 3):
+                set_work_stealing(mode)
+                for rows in range(1, 18):
+                    for at in {0, 40 - rows}:
+                        got = vw.apply(x[at : at + rows], b)
+                        assert torch.equal(got, ref[at : at + rows]), (loop, mode, rows, at)
+    finally:
+        vnni.vx_vnni_small_loop(small)
+        set_work_stealing(1)
+
+
+def test_screen_candidates_take_the_vnni_gemm(vnni, monkeypatch) -> None:
+    """A head with a VNNI copy takes it at one row too, so its int8 screen computes the
+    candidates by the VNNI GEMM (`vx_gemm_vnni_bf16` on their rows, packed): the screen's token
+    is the argmax of the one-row logits, and of that row in a many-row step."""
+    from vx.gpu.cpu import screen as cpu_screen
+    from vx.gpu.layers.vocab import ParallelLMHead
+
+    lib = load_cpu_kernels()
+    if lib.vx_fast_amx(-1) or lib.vx_has_screen() != 1:
+        pytest.skip("AMX on (its own GEMM), or no VDPBF16PS screen here")
+    monkeypatch.setattr(cpu_vnni, "_state", {"lib": vnni})
+    g = torch.Generator().manual_seed(11)
+    head = ParallelLMHead(4000, 576, dtype=torch.bfloat16, device=torch.device("cpu"))
+    w = torch.randn(4000, 576, generator=g) * 0.05
+    w[7] = w[3]  # a tie: the first index wins on every path
+    head.weight.data.copy_(w)
+    head.process_weights_after_loading()
+    assert head.vnni is not None and head.screen is not None
+    assert head.screen.exact_kernel() == "vx_gemm_vnni_bf16"
+    x = torch.randn(24, 576, generator=g).bfloat16()
+    x[5] = head.weight[3].float().bfloat16() * 4  # its argmax is the tied pair
+    many = head.compute_logits(x)
+    assert (head.vnni.argmax(x) == many.argmax(-1).numpy()).all()
+    for i in range(x.shape[0]):
+        row = x[i : i + 1]
+        one = head.compute_logits(row)
+        assert torch.equal(one, many[i : i + 1]), i
+        got = head.greedy_ids(row)
+        assert got is not None and got[0] == int(one.argmax(-1)), i
+        ys = torch.empty(1, 37, dtype=torch.bfloat16)
+        sub = head.weight[100:137]
+        assert head.screen._kernels.gemv(row, sub, ys) == 0
+        assert torch.equal(ys, many[i : i + 1, 100:137]), i
+    assert int(head.greedy_ids(x[5:6])[0]) == 3
+    assert cpu_screen.MAX_ROWS == 1  # more rows: the VNNI argmax, the same GEMM
 
 
 @pytest.mark.parametrize("rows", [9, 64, 200])

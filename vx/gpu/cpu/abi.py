@@ -71,6 +71,7 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_pack_vnni_bf16": (_I32, [_P, _I64, _I64, _P]),
     "vx_gemm_vnni_bf16": _GEMM,
     "vx_argmax_vnni_bf16": (_I32, [_P, _I64, _I32, _P, _I64, _I64, _P]),
+    "vx_vnni_small_loop": (_I32, [_I32]),
     # gemm_amx_vnni.c
     "vx_has_gemm_amx_vnni": _QUERY,
     "vx_amx_vnni_rows": (_I32, [_I32]),

@@ -389,7 +389,8 @@ class FusedDecode:
         """Whether `greedy_step` may take a decode-only step of t rows with this head: as the
         split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`:
         on AVX-512 builds `head`, or for one row `screen`, a `ScreenedHead` whose exact rows
-        go through `vx_gemv_bf16` or `vx_gemm_amx_bf16`; on AVX2 builds one row by `screen`, its exact rows through
+        go through `vx_gemv_bf16`, `vx_gemm_vnni_bf16` or `vx_gemm_amx_bf16`; on AVX2 builds one
+        row by `screen`, its exact rows through
         `vx_gemv_bf16_avx2`)."""
         if self._gemma:  # its embedding is scaled, its final norm Gemma's: not the tail's
             return False
@@ -399,8 +400,9 @@ class FusedDecode:
             return t == 1 and screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
         if screen is not None:
             # the C tail computes the candidates as the screen does: the AMX GEMM where AMX
-            # is on (`vx_screen_argmax`), else VDPBF16PS
-            return t == 1 and screen.exact_kernel() in ("vx_gemv_bf16", "vx_gemm_amx_bf16")
+            # is on (`vx_screen_argmax`), else the VNNI GEMM or VDPBF16PS, as it says
+            exact = ("vx_gemv_bf16", "vx_gemm_vnni_bf16", "vx_gemm_amx_bf16")
+            return t == 1 and screen.exact_kernel() in exact
         return head is not None
 
     def greedy_step(

@@ -88,7 +88,8 @@ def advise_huge(t: torch.Tensor) -> int:
 
 
 def collapse_weights(model: torch.nn.Module) -> int:
-    """Moves the CPU model's weights (parameters, buffers, fp32 copies) into huge pages."""
+    """Moves the CPU model's weights (parameters, buffers, fp32 copies, VNNI-packed copies)
+    into huge pages."""
     if not envs.VX_CPU_HUGE_PAGES:
         return 0
     seen: dict[int, int] = {}
@@ -97,6 +98,11 @@ def collapse_weights(model: torch.nn.Module) -> int:
         wide = getattr(module, "wide", None)
         if wide is not None:
             tensors.append(wide.weight)
+        # the VNNI GEMMs' copies, which the linears read at every row count where they exist
+        # (4 KiB pages: a one-row step ran ~12% longer on them, 2-core Sapphire Rapids, AMX off)
+        vnni = getattr(module, "vnni", None)
+        if vnni is not None:
+            tensors.append(vnni.packed)
         for t in tensors:
             if t.device.type != "cpu" or t.is_mkldnn:
                 continue

@@ -10,7 +10,9 @@ scale per vocab row) is half the bytes and gives every logit to within a bound; 
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
 kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`
 beside `vx_screen_i8_avx2` (AVX2 builds), `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
-`vx/gpu/cpu/csrc/screen.c`), `vx_gemm_amx_bf16` beside it where AMX is on. SmolLM2 on real text: a median of 6 candidate rows, at most 88.
+`vx/gpu/cpu/csrc/screen.c`), `vx_gemm_amx_bf16` beside it where AMX is on, and on AVX512-BF16
+without AMX `vx_gemm_vnni_bf16` (on the candidates' rows packed for it) where the head has a
+VNNI copy, which takes its every row count. SmolLM2 on real text: a median of 6 candidate rows, at most 88.
 
 Invariant: `ScreenedHead.argmax(x)` is the argmax (first maximum) of the bf16 logits that path
 gives for every x; or None, and the caller forms the logits. Why:
@@ -58,6 +60,20 @@ class ScreenKernels(NamedTuple):
         head = (x.data_ptr(), x.stride(0), m, w.data_ptr())
         if self.exact == "vx_gemv_bf16":  # it takes a scale before the bias
             return self.lib.vx_gemv_bf16(*head, None, None, y.data_ptr(), n, n, k)
+        if self.exact == "vx_gemm_vnni_bf16":  # on the rows packed, 16 a block
+            pad = -n % 16
+            wp = torch.cat([w, w.new_zeros(pad, k)]) if pad else w.contiguous()
+            packed = torch.empty((n + pad) // 16, k // 2, 16, dtype=torch.int32)
+            if self.lib.vx_pack_vnni_bf16(wp.data_ptr(), n + pad, k, packed.data_ptr()) != 0:
+                return -2
+            yp = torch.empty(m, n + pad, dtype=torch.bfloat16) if pad else y
+            if x.stride(0) % 2 or x.data_ptr() % 4:
+                x = x.contiguous()
+            rc = self.lib.vx_gemm_vnni_bf16(x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+                                            None, yp.data_ptr(), n + pad, n + pad, k)  # fmt: skip
+            if pad:
+                y.copy_(yp[:, :n])
+            return rc
         if self.exact == "vx_gemm_amx_bf16" and n % 16:  # it takes 16 rows a block
             pad = -n % 16
             wp = torch.cat([w, w.new_zeros(pad, k)])
@@ -106,7 +122,9 @@ def screen_wanted(weight: torch.Tensor) -> bool:
 class ScreenedHead:
     """An int8 copy of a bf16 [N, K] LM head, with the per-row bounds of the search above."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, vnni: bool = False) -> None:
+        """vnni: the head's logits come from its VNNI copy at every row count (AVX512-BF16
+        without AMX, `vx.gpu.cpu.vnni`), so the candidates' do too (`vx_gemm_vnni_bf16`)."""
         w = weight.detach()
         n, k = w.shape
         self.weight = w
@@ -128,6 +146,8 @@ class ScreenedHead:
         self.bound = ((err + gamma * (2 * wmax + err)) * (1 + 1e-6)).numpy()
         self._bound_ptr = self.bound.ctypes.data
         self._kernels = _kernels()  # the build's pair, looked up once
+        if vnni and self._kernels is not None and self._kernels.exact == "vx_gemv_bf16":
+            self._kernels = self._kernels._replace(exact="vx_gemm_vnni_bf16")
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def argmax(self, x: torch.Tensor) -> np.ndarray | None:

@@ -62,7 +62,7 @@ class ScreenHeadDesc(ctypes.Structure):
 
     _fields_ = [
         ("q", _P), ("s", _P), ("bound", _P), ("w", _P), ("a", _P), ("idx", _P), ("cand", _P),
-        ("cap", _I64),
+        ("cap", _I64), ("vnni", _I64),
     ]  # fmt: skip
 
 
@@ -236,7 +236,7 @@ def screen_head(screen: Any) -> int | None:
         desc = ScreenHeadDesc(
             screen.q.data_ptr(), screen.s.data_ptr(), screen.bound.ctypes.data,
             screen.weight.data_ptr(), a.data_ptr(), idx.data_ptr(), cand.data_ptr(),
-            idx.shape[0],
+            idx.shape[0], int(screen.exact_kernel() == "vx_gemm_vnni_bf16"),
         )  # fmt: skip
         screen._c_desc = desc
     return ctypes.addressof(desc)

@@ -6,10 +6,13 @@ Runs in: each Worker process.
 Why: on such a CPU oneDNN's bf16 GEMM (the prepacked one included) ran SmolLM2's 120
 matrices well below `vdpbf16ps`'s peak on two Zen 5 cores from 16 to 128 rows; vx's kernel
 (`vx/gpu/cpu/csrc/gemm_vnni.c`), on weights laid out once at load time, was ahead of it
-there and level from 256 rows up (measured on those matrices). It is ahead of the skinny
-GEMM (plain weights, `vdpbf16ps` with a reduction per output) from 2 rows too, so it takes
-every row count from `VNNI_MIN_ROWS`, and a layer with the VNNI copy needs no oneDNN copy:
-the memory is what it was (the plain weight, for one row, and one packed copy).
+there and level from 256 rows up (measured on those matrices). With its small-row loop it is
+level with the skinny GEMM (plain weights, `vdpbf16ps` with a reduction per output) at 1-2
+rows too, so it takes every row count (`VNNI_MIN_ROWS`): each output's sum runs over k in one
+order whatever the rows, so a row's bits never depend on the rows beside it (speculative
+decoding's scored rows against one-row steps), as on AMX. A layer with the VNNI copy needs no
+oneDNN copy: the memory is what it was (the plain weight, for the screen and the weights the
+copy does not take, and one packed copy).
 
 The results are the GEMM's up to the order of the fp32 sums (bf16 products are exact in fp32,
 one rounding to bf16 at the end). `VX_CPU_PREPACK=0` leaves both out (plain weights,
@@ -54,9 +57,11 @@ __all__ = [
 ]
 
 #: Rows from which a layer with a VNNI copy takes it rather than the skinny GEMM on its plain
-#: weight (measured with `bench/gemm.py` on a 2-core Zen 5, SmolLM2's 120 matrices: the
-#: skinny GEMM wins at 1 row, the VNNI GEMM from 2 rows up).
-VNNI_MIN_ROWS = 2
+#: weight: every row count, so that a row's bits do not depend on the step's rows (the GEMM's
+#: small-row loop, `vx/gpu/cpu/csrc/gemm_vnni.c`, is level with the skinny GEMM at one row:
+#: `bench/vnni_rows.py`, SmolLM2's matrices with cold weights, 2-core Sapphire Rapids with AMX
+#: off; before it, a 2-core Zen 5 had the skinny GEMM ahead at one row).
+VNNI_MIN_ROWS = 1
 
 _state: dict[str, object] = {}
 

@@ -286,8 +286,9 @@ def select_linear_method(
     `silu_and_mul`, `silu_pairs`. The forms kept, by machine:
     - weight-only quantization: the quantized copy first (few rows), then the dense chain;
     - no bf16 arithmetic (AVX2): the fp32 copies (`widen_wanted`), then the weight as it is;
-    - AVX512-BF16 without AMX: the VNNI copy, the skinny GEMM on the plain weight for one row;
-      no oneDNN copy;
+    - AVX512-BF16 without AMX: the VNNI copy for every row count (a row's bits whatever the
+      rows beside it), the skinny GEMM on the plain weight only where the copy declines x; no
+      oneDNN copy;
     - AMX: vx's AMX GEMM over a VNNI copy from one row (the skinny GEMM, also AMX tiles on
       AMX, only where it refuses) and oneDNN for the most; a gate-up's copy is the GEMM with the SiLU-mul in its
       epilogue (`VnniWeight(silu=True)`, asked by `silu_and_mul`) and no oneDNN copy;

@@ -159,9 +159,10 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
             self._screen_plain()
 
     def _screen_plain(self) -> None:
-        """Where one row's logits come from the AVX-512 skinny GEMM on `plain` (`compute_logits`
-        below: up to SCREEN_MAX_ROWS rows, past no quantized weight), its greedy token can come
-        from the int8 screen (vx.gpu.cpu.screen), whose exact rows go through that GEMM."""
+        """Where one row's logits come from an AVX-512 GEMM (`compute_logits` below: up to
+        SCREEN_MAX_ROWS rows, past no quantized weight; the skinny GEMM on `plain`, or the VNNI
+        copy, which takes every row count where it exists), its greedy token can come from the
+        int8 screen (vx.gpu.cpu.screen), whose exact rows go through that GEMM."""
         if (
             self.screen is None
             and self.quant is None
@@ -169,7 +170,8 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
             and self.plain is not None
             and screen_wanted(self.plain)
         ):
-            self.screen = ScreenedHead(self.plain)
+            # the candidates by the GEMM the logits take at one row: the VNNI copy's if any
+            self.screen = ScreenedHead(self.plain, vnni=self.vnni is not None)
 
     def greedy_ids(self, hidden: torch.Tensor) -> np.ndarray | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (the first maximum),

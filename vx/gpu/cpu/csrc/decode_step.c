@@ -20,7 +20,8 @@
 
    GEMM routing is `vx.gpu.cpu.ops.skinny_gemm`'s: int8 weights (with per-channel scales) up to
    `quant_rows` rows, AMX tiles for 1-192 rows (one call; the AMX VNNI copy where there is one); without AMX,
-   VDPBF16PS up to `skinny_rows` (one row where the VNNI copies exist) and past them the
+   VDPBF16PS up to `skinny_rows` (none where the VNNI copies exist: their GEMM takes every
+   row count, so a row's bits do not depend on the step's rows) and past them the
    VNNI-layout GEMM (`vx.gpu.cpu.vnni`, the linears' packed copies), any number of rows, as
    the linear's method chain routes them (`vx.gpu.layers.linear_method`). With `skinny_rows` 0
    (`--batch-invariant`) the VNNI or AMX copies take every row count. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module

@@ -43,6 +43,8 @@ typedef struct vx_screen_head {
     int64_t* idx;               /* scratch [cap] */
     uint8_t* cand;              /* scratch [cap] */
     int64_t cap;
+    int64_t vnni;               /* 1: the candidates by the VNNI GEMM (the head's logits take
+                                   its VNNI copy at every row count), 0: by VX_EXACT_ROW */
 } vx_screen_head;
 /* The first maximum of one row's bf16 logits over the screen's candidates (ascending), each
    computed by the exact GEMM alone (each output row's sum is over its own weight row in the
@@ -70,6 +72,29 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
             if (vx_gemm_amx_bf16(x, H, 1, rows, NULL, ys, 16, 16, H)) return -1;
             for (int64_t j = 0; j < nj; j++) {
                 const float v = ld_bf16(ys[j]);
+                if (!isfinite(v)) return -1;
+                if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
+            }
+        }
+        return arg;
+    }
+#endif
+#if defined(VX_HAS_FAST_BF16)
+    /* without AMX, a head with a VNNI copy: the candidates' weight rows packed 16 a block (zero
+       rows past u) as `vx_pack_vnni_bf16` packs them, each output the VNNI GEMM's sum */
+    static uint32_t packed[8 * VX_GEMV_MAX_K] __attribute__((aligned(64)));
+    vx_bf16 yv[16];
+    if (sh->vnni && H % 2 == 0 && H <= VX_GEMV_MAX_K) {
+        const uint32_t* w32 = (const uint32_t*)sh->w;
+        const int64_t KP = H / 2;
+        for (int64_t j0 = 0; j0 < u; j0 += 16) {
+            const int64_t nj = u - j0 < 16 ? u - j0 : 16;
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t p = 0; p < KP; p++)
+                    packed[p * 16 + j] = j < nj ? w32[sh->idx[j0 + j] * KP + p] : 0;
+            if (vx_gemm_vnni_bf16(x, H, 1, packed, NULL, yv, 16, 16, H)) return -1;
+            for (int64_t j = 0; j < nj; j++) {
+                const float v = ld_bf16(yv[j]);
                 if (!isfinite(v)) return -1;
                 if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
             }

@@ -107,6 +107,7 @@ int vx_has_gemm_vnni(void);
 int vx_pack_vnni_bf16(const vx_bf16* w, int64_t N, int64_t K, uint32_t* wp);
 int vx_gemm_vnni_bf16(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K);
 int vx_argmax_vnni_bf16(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp, int64_t N, int64_t K, int64_t* out);
+int vx_vnni_small_loop(int n);
 
 /* gemm_amx_vnni.c */
 int vx_has_gemm_amx_vnni(void);
