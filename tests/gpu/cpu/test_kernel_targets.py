@@ -527,3 +527,34 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
 
     calls = _whole_steps_both_ways(tmp_path, monkeypatch, 1, 10, prepare, here=lambda: True)
     assert calls and all(c == (1 if screened else 0) for c in calls)
+
+
+@pytest.mark.timeout(240)
+def test_avx2_rows_do_not_depend_on_the_rows_beside_them(tmp_path, monkeypatch) -> None:
+    """Row invariance on the AVX2 build (x86-64-v3, on any AVX2 CPU): a bf16 layer's
+    `WideWeight.apply` gives each row of a 1-17-row call (1-2 rows: the compact copy, 3-4: the
+    small-row loop, past them the panels) the same bits as that row of a 40-row call (the
+    panels, as prompts take them), with and without bias, so speculation's verify rows score
+    as one-row steps do."""
+    import torch
+
+    from vx.gpu.cpu import widen as cpu_widen
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(96, 576), (48, 1536)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        w[0, :3] = 0.0  # a block the compact copy stores raw
+        ww = cpu_widen.WideWeight(w)
+        assert ww.panels is not None and ww.compact is not None
+        x = torch.randn(40, k + 32, generator=g).bfloat16()[:, 16 : 16 + k]  # a row stride
+        x[3, :5] = 0.0
+        for b in (torch.randn(n, generator=g).bfloat16(), None):
+            ref = ww.apply(x, b)
+            for rows in range(1, 18):
+                for at in {0, 40 - rows}:
+                    got = ww.apply(x[at : at + rows], b)
+                    assert torch.equal(
+                        got.view(torch.int16), ref[at : at + rows].view(torch.int16)
+                    ), (n, k, rows, at)
