@@ -100,10 +100,11 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
+def test_avx2_compact_gemm_is_the_panel_gemm(tmp_path, monkeypatch) -> None:
     """The compact GEMM (`vx_gemv_compact_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
-    compact copy gives `vx_gemv_bf16_avx2`'s outputs bit for bit, at one and two rows, with
-    and without bias, raw blocks and odd values included; more rows and K % 32 refused."""
+    compact copy in panel order gives `vx_gemm_panels_avx2`'s outputs bit for bit, at one to
+    four rows, with and without bias, raw blocks and odd values included; more rows, N % 16 and
+    odd K refused."""
     import torch
 
     from vx.gpu.cpu import widen as cpu_widen
@@ -111,33 +112,35 @@ def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
 
     lib = _avx2_build(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
-    assert lib.vx_compact_max_rows() == 2
+    assert lib.vx_compact_max_rows() == 4
     g = torch.Generator().manual_seed(0)
-    for n, k in [(1, 32), (7, 64), (97, 576), (40, 1536)]:
+    # one panel, a last item of fewer panels than one-row items take (4), K % 32 != 0
+    for n, k in [(16, 32), (112, 64), (96, 578), (48, 1536)]:
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
         w[0, :3] = 0.0  # a raw block
         w[-1, k // 2] = 40.0  # another
-        if n > 1:
-            w[1, 5] = float("nan")
+        w[1, 5] = float("nan")
         c = CompactWeight.maybe(lib, w)
-        assert c is not None and c.raw.shape[0] >= (1 if k == 32 else 2)
-        for m in (1, 2):
+        assert c is not None and c.raw.shape[0] >= 2
+        panels = cpu_widen.pack_panels(w)
+        for m in (1, 2, 3, 4):
             x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
             for b in (torch.randn(n, generator=g).bfloat16(), None):
                 want = torch.empty(m, n, dtype=torch.bfloat16)
-                ptrs = (w.data_ptr(), None if b is None else b.data_ptr(), want.data_ptr())
-                assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), m, *ptrs, n, n, k) == 0
+                ptrs = (panels.data_ptr(), None if b is None else b.data_ptr(), want.data_ptr())
+                assert lib.vx_gemm_panels_avx2(x.data_ptr(), x.stride(0), m, *ptrs, n, n, k) == 0
                 got = c.apply(x, b)
                 assert got is not None and got.shape == (m, n)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m)
-    x = torch.randn(3, k, generator=g).bfloat16()
-    assert c.apply(x, None) is None  # three rows: the bf16 kernel's
-    y = torch.empty(3, n, dtype=torch.bfloat16)
-    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 3, c.blocks.data_ptr(), c.hb.data_ptr(),
+    x = torch.randn(5, k, generator=g).bfloat16()
+    assert c.apply(x, None) is None  # five rows: the panels'
+    y = torch.empty(5, n, dtype=torch.bfloat16)
+    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 5, c.blocks.data_ptr(), c.hb.data_ptr(),
                                     c.raw.data_ptr(), None, y.data_ptr(), n, n, k) == -1  # fmt: skip
     assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 1, c.blocks.data_ptr(), c.hb.data_ptr(),
-                                    c.raw.data_ptr(), None, y.data_ptr(), n, n, 48) == -1  # fmt: skip
-    assert CompactWeight.maybe(lib, torch.zeros(4, 48, dtype=torch.bfloat16)) is None
+                                    c.raw.data_ptr(), None, y.data_ptr(), 40, 40, k) == -1  # fmt: skip
+    assert CompactWeight.maybe(lib, torch.zeros(40, 48, dtype=torch.bfloat16)) is None
+    assert CompactWeight.maybe(lib, torch.zeros(16, 47, dtype=torch.bfloat16)) is None
     monkeypatch.setenv("VX_CPU_COMPACT", "0")
     assert CompactWeight.maybe(lib, w) is None
 
@@ -543,7 +546,7 @@ def test_avx2_rows_do_not_depend_on_the_rows_beside_them(tmp_path, monkeypatch) 
     lib = _avx2_build(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
     g = torch.Generator().manual_seed(0)
-    for n, k in [(96, 576), (48, 1536)]:
+    for n, k in [(512, 1536), (96, 576)]:
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
         w[0, :3] = 0.0  # a block the compact copy stores raw
         ww = cpu_widen.WideWeight(w)

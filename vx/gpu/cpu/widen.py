@@ -13,9 +13,11 @@ bf16 once, so only the order of the fp32 sums differs.
 Up to a few rows (decode at small batch) a step only streams weights. Those rows go to vx's
 AVX2 skinny GEMM on the layer's own bf16 weight (`vx/gpu/cpu/csrc/gemv_avx2.c`: at one row
 ahead of torch's bf16 GEMV and of an fp32 copy, which reads twice the bytes; measured on
-SmolLM2's layers), or where it is not built, one row to torch's bf16 GEMV. One and two rows
-take the same kernel's sums from the weight's compact copy (`vx.gpu.cpu.compact`: the bf16
-values in a quarter fewer bytes).
+SmolLM2's layers), or where it is not built, one row to torch's bf16 GEMV. Where the weight
+has panels (below), one to four rows take the panel GEMM's sums, bit for bit, from its compact
+copy (`vx.gpu.cpu.compact`: the bf16 values in a quarter fewer bytes, in panel order), so a
+row's outputs do not depend on its step's row count (speculation's verify rows score as one-row
+steps and prompts do).
 
 Where vx's AVX2 panel GEMM is built (`vx/gpu/cpu/csrc/gemm_avx2.c`), N % 16 == 0 and K is
 even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
@@ -210,7 +212,7 @@ def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
 
 class WideWeight:
     """The copies of one bf16 [N, K] weight that fp32 GEMMs read (the panel GEMM's bf16 panels,
-    else an fp32 copy; and the compact copy for one and two rows), and its matmul with bf16 rows.
+    else an fp32 copy; and the compact copy for one to four rows), and its matmul with bf16 rows.
 
     Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
     and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
@@ -237,7 +239,7 @@ class WideWeight:
             raise ValueError("every row count on the panel GEMM, which does not take this weight")
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
         self.min_rows = 1 if self.skinny_rows or all_rows else WIDE_MIN_ROWS
-        # one and two rows: the same outputs from the compact copy's fewer bytes (`compact`
+        # one to four rows: the panels' outputs from the compact copy's fewer bytes (`compact`
         # False: none, as for the LM head, whose rows the int8 screen serves)
         self.compact = (
             CompactWeight.maybe(_state["lib"], self.bf16) if compact and self.skinny_rows else None
