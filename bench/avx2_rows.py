@@ -8,7 +8,8 @@ Usage (always under the exclusive benchmark lock, from a neutral cwd):
 
 Kernels, per row count: "compact", `vx_gemv_compact_avx2` on the compact copy in panel order
 (the default path for 1-4 rows: the panel GEMM's bits); "skinny", `vx_gemv_bf16_avx2` on the
-bf16 weight; "panels", `vx_gemm_panels_avx2`; with `--old-csrc` (an older tree's kernel
+bf16 weight; "panels", `vx_gemm_panels_avx2` (its small-row loop up to 4 rows), "panels general" the same
+with that loop off (`vx_panel_small_loop(0)`); with `--old-csrc` (an older tree's kernel
 sources, e.g. from `git archive`), "old compact": that tree's `vx_gemv_compact_avx2` on the
 row-major compact copy (`pack_compact(W)`, its 1-2 rows). Shapes: qkv 960 x 576, o 576 x 576,
 gate-up 3072 x 576, down 576 x 1536, 30 layers' own random weights (they stream from memory, as
@@ -48,6 +49,8 @@ def build(csrc: str, out: str) -> ctypes.CDLL:
     lib.vx_gemv_compact_avx2.argtypes = [_P, _I64, _I, _P, _P, _P, _P, _P, _I64, _I64, _I64]
     lib.vx_gemv_bf16_avx2.argtypes = [_P, _I64, _I, _P, _P, _P, _I64, _I64, _I64]
     lib.vx_gemm_panels_avx2.argtypes = lib.vx_gemv_bf16_avx2.argtypes
+    if hasattr(lib, "vx_panel_small_loop"):
+        lib.vx_panel_small_loop.argtypes = [_I]
     return lib
 
 
@@ -85,14 +88,16 @@ def main() -> None:
             elif kernel == "skinny":
                 rc = lib.vx_gemv_bf16_avx2(x.data_ptr(), k, m, w.data_ptr(), None, y.data_ptr(),
                                            n, n, k)  # fmt: skip
-            else:
+            else:  # "panels" (the small-row loop up to 4 rows), "panels general" (without)
+                lib.vx_panel_small_loop(int(kernel == "panels"))
                 rc = lib.vx_gemm_panels_avx2(x.data_ptr(), k, m, panels[i].data_ptr(), None,
                                              y.data_ptr(), n, n, k)  # fmt: skip
             assert rc == 0, (kernel, rc)
         return time.perf_counter() - t
 
     for m in (int(r) for r in args.rows.split(",")):
-        kernels = ["compact", "skinny", "panels"] + (["old compact"] if old and m <= 2 else [])
+        kernels = ["compact", "skinny", "panels", "panels general"]
+        kernels += ["old compact"] if old and m <= 2 else []
         xk = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
         ys = {kn: [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in SHAPES] for kn in kernels}
         times: dict[str, list[float]] = {kn: [] for kn in kernels}

@@ -80,11 +80,12 @@ def test_wide_gemm_takes_the_panel_kernel_where_built(monkeypatch, panels: str) 
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
     assert WideWeight(w[:40]).panels is None  # N % 16: oneDNN's copy
     assert WideWeight(w[:, :95].contiguous()).panels is None  # odd K: oneDNN's copy
-    # the skinny GEMM's rows end where the panels overtake it
-    for rows in (cpu_widen.PANEL_FROM_ROWS - 1, cpu_widen.PANEL_FROM_ROWS):
+    # with panels, no row count takes the skinny GEMM (the compact copy or the panels: the
+    # panels' bits); without, it takes its rows
+    for rows in (1, cpu_widen.PANEL_FROM_ROWS - 1, cpu_widen.PANEL_FROM_ROWS):
         x2 = x[0, :rows]
         got = ww.apply(x2, None)
-        skinny = ww.skinny_rows and (ww.panels is None or rows < cpu_widen.PANEL_FROM_ROWS)
+        skinny = ww.skinny_rows and ww.panels is None
         want = ww._skinny(x2, None) if skinny else ww.apply_wide(x2, None)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
 

@@ -38,8 +38,9 @@ _SLICE_VALUES = 1 << 18
 
 def pack_compact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 [N, K] (K % 32 == 0) in blocks of 32 values, as `vx_gemv_compact_avx2` reads
-    `pack_compact(panel_order(W))`: (blocks [N, K / 32, 48] uint8, hb [N, K / 32] uint8, raw [R, 32] bf16, at least one row). Every value, NaNs and
-    signed zeros included, decodes to its own bits."""
+    `pack_compact(panel_order(W))`: (blocks [N, K / 32, 48] uint8, hb [N, K / 32] uint8,
+    raw [R, 32] bf16, at least one row). Every value, NaNs and signed zeros included, decodes
+    to its own bits."""
     n, k = w.shape
     if w.dtype != torch.bfloat16 or k % 32:
         raise ValueError(f"pack_compact takes bf16 [N, K] with K % 32 == 0, not {w.dtype} {k}")

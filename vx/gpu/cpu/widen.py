@@ -22,8 +22,9 @@ steps and prompts do).
 Where vx's AVX2 panel GEMM is built (`vx/gpu/cpu/csrc/gemm_avx2.c`), N % 16 == 0 and K is
 even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
 kernel widens them in registers (a shift or a mask), so its sums are those of an fp32 copy
-in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, where it overtakes
-the skinny GEMM. Measured on a 2-core Zen 3, it is ahead of fp32 panels from 10 to 64 rows
+in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, and below it the
+rows a compact copy does not (its small-row loop), so that one order of sums serves every row
+count. Measured on a 2-core Zen 3, it is ahead of fp32 panels from 10 to 64 rows
 and level with them past 256, and those are ahead of oneDNN's packed fp32 GEMM from 25 to
 2,048 rows. Otherwise the copy is fp32 in oneDNN's packed layout and oneDNN takes those
 rows. `VX_CPU_PANEL_GEMM=0` keeps oneDNN's (A/B runs).
@@ -63,8 +64,10 @@ __all__ = [
 
 #: Rows from which the wide copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
-#: Rows from which the panel GEMM, where a weight has panels, takes the rows the skinny GEMM
-#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against the bf16 panels (ms,
+#: Rows from which the panel GEMM, where a weight has panels and a compact copy, takes the
+#: rows (below: the compact copy, the panels' bits; without a compact copy the panels take
+#: every row count, their small-row loop up to 4). Measured before, against the skinny GEMM
+#: (which no row count of a weight with panels takes now): SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against the bf16 panels (ms,
 #: medians of 9 and of 15, two runs): 3 rows 9.6 / 12.1 and 10.6 / 12.6, 4 rows 12.4 / 11.5
 #: and 12.1 / 12.2, 5 rows 12.7 / 11.7 and 16.3 / 13.8, 6 rows 14.0 / 15.6 and 18.7 / 17.8,
 #: 7-9 rows 16.4-19.2 / 15.5-18.1 and 17.5-21.9 / 15.9-17.4: level at 4-6 rows, the panels
@@ -253,9 +256,9 @@ class WideWeight:
             y = self.compact.apply(x, bias)
             if y is not None:
                 return y
-        skinny = (
-            self.skinny_rows if self.panels is None else min(self.skinny_rows, PANEL_FROM_ROWS - 1)
-        )
+        # with panels, every other row count takes them (their small-row loop up to 4 rows):
+        # one order of sums for every row count, so a row's bits do not depend on its step's
+        skinny = self.skinny_rows if self.panels is None else 0
         if 0 < m <= skinny and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
             return self._skinny(x, bias)
         return self.apply_wide(x, bias)

@@ -201,7 +201,10 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
                                  L->k);
     if (L->q && T <= quant_rows)
         return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
-    if (L->panels && T > skinny_rows)  /* past the skinny GEMM's rows: as `WideWeight` routes */
+    /* as `WideWeight` routes: the compact copy up to its rows, else the panels at every row
+       count (one order of sums for all of them) */
+    (void)skinny_rows;
+    if (L->panels && !(L->cw && T <= VX_COMPACT_MAX_ROWS))
         return vx_gemm_panels_avx2(x, L->k, (int)T, L->panels, L->bias, y, L->n, L->n, L->k);
     if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the panels' outputs from a quarter fewer bytes */
         return vx_gemv_compact_avx2(x, L->k, (int)T, L->cw, L->ch, L->craw, L->bias, y, L->n,
