@@ -13,7 +13,8 @@ with that loop off (`vx_panel_small_loop(0)`); with `--old-csrc` (an older tree'
 sources, e.g. from `git archive`), "old compact": that tree's `vx_gemv_compact_avx2` on the
 row-major compact copy (`pack_compact(W)`, its 1-2 rows). Shapes: qkv 960 x 576, o 576 x 576,
 gate-up 3072 x 576, down 576 x 1536, 30 layers' own random weights (they stream from memory, as
-in a decode step). A round runs one step (all 120 matrices) per kernel, in turn; each cell is
+in a decode step), or with `--safetensors` a model's own 2-D layer weights (N % 16, K % 32).
+A round runs one step (all 120 matrices) per kernel, in turn; each cell is
 the median over `--rounds` rounds of the step's time. Outputs are checked first: "compact"
 against "panels", bit for bit.
 """
@@ -59,13 +60,22 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--old-csrc", default=None)
+    ap.add_argument("--safetensors", default=None, help="a model's weights instead of random")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tmp = tempfile.mkdtemp(prefix="vx-avx2-rows-")
     lib = build(library.CSRC, os.path.join(tmp, "new.so"))
     old = build(args.old_csrc, os.path.join(tmp, "old.so")) if args.old_csrc else None
     g = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in SHAPES]
+    if args.safetensors:  # a model's own layer weights (their raw blocks as they come)
+        from safetensors.torch import load_file
+
+        ws = [w.bfloat16().contiguous() for name, w in load_file(args.safetensors).items()
+              if w.dim() == 2 and "embed" not in name and w.shape[0] % 16 == 0
+              and w.shape[1] % 32 == 0]  # fmt: skip
+        SHAPES[:] = [tuple(w.shape) for w in ws]
+    else:
+        ws = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in SHAPES]
     compact = [pack_compact(panel_order(w)) for w in ws]
     # `pack_panels`' layout (it asks this CPU's native build, which may have no panel GEMM)
     panels = [
@@ -98,7 +108,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         kernels = ["compact", "skinny", "panels", "panels general"]
         kernels += ["old compact"] if old and m <= 2 else []
-        xk = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
+        xk = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in SHAPES}}
         ys = {kn: [torch.empty(m, n, dtype=torch.bfloat16) for n, _ in SHAPES] for kn in kernels}
         times: dict[str, list[float]] = {kn: [] for kn in kernels}
         for r in range(args.rounds + 1):  # round 0 warms up
