@@ -10,7 +10,8 @@ scale per vocab row) is half the bytes and gives every logit to within a bound; 
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
 kernel the logits path uses for that row count, on the same rows of x: `vx_gemm_panels_avx2`
 (on the candidates' rows packed in its panels) beside `vx_screen_i8_avx2` where the head has
-panels (AVX2 builds; they take its every row count), else `vx_gemv_bf16_avx2`, `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
+panels (AVX2 builds; they take its every row count), else `vx_gemv_bf16_avx2` beside it;
+`vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
 `vx/gpu/cpu/csrc/screen.c`), `vx_gemm_amx_bf16` beside it where AMX is on, and on AVX512-BF16
 without AMX `vx_gemm_vnni_bf16` (on the candidates' rows packed for it) where the head has a
 VNNI copy, which takes its every row count. SmolLM2 on real text: a median of 6 candidate rows, at most 88.

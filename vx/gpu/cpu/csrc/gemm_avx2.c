@@ -3,8 +3,9 @@
    to fp32 in registers.
 
    Runs in: the Worker process (`vx.gpu.cpu.library` builds it into the kernel library;
-   `vx.gpu.cpu.widen.WideWeight` calls it for more rows than `vx_gemv_bf16_avx2` takes: decode
-   batches from 5 rows, prompts, the LM head's logits).
+   `vx.gpu.cpu.widen.WideWeight` calls it for decode batches from 5 rows, prompts, and every
+   row count of a weight without a compact copy, the LM head's logits among them: 1-4 rows in
+   its small-row loop; the screen's candidates, packed in a panel, `vx_screen_argmax`).
 
    Why it exists: on AVX2 machines the bf16 model's GEMMs run in fp32 (bf16 x bf16 products are
    exact there; `vx.gpu.cpu.widen`). From 25 to 2,048 rows on a 2-core Zen 3, this kernel with

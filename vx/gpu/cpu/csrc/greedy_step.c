@@ -10,7 +10,8 @@
    process: the model's forward around the fused layers, the embedding, the final norm and
    the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue).
    Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2 pair:
-   `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the one-row
+   `vx_screen_i8_avx2`, the exact rows on `vx_gemm_panels_avx2` where the head has panels, else
+   `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the one-row
    step was shorter than through the model's forward and `greedy_ids` in every one of 8
    alternated rounds.
 
