@@ -170,8 +170,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
             "The AVX2 panel GEMM on bf16 panels; `0`: the fp32 copy in oneDNN's layout instead.",
             "tests/gpu/cpu/test_widen.py"),
     _switch("VX_CPU_COMPACT",
-            "The compact weight copy for 1-2 row GEMMs on AVX2; `0`: the skinny GEMM on the bf16 "
-            "weight.",
+            "The compact weight copy for 1-4 row GEMMs on AVX2; `0`: the panel GEMM (or the "
+            "skinny GEMM, for a weight without panels) on the bf16 weight.",
             "tests/gpu/cpu/test_widen.py, tests/gpu/cpu/test_kernel_targets.py"),
     _switch("VX_CPU_AMX_VNNI",
             "The AMX VNNI GEMM on AMX CPUs; `0`: oneDNN's prepacked GEMM past the skinny rows.",
@@ -210,6 +210,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
           "CPU KV cache layout: `block` (block-major memory), anything else (`head`): "
           "head-major.",
           "tests/gpu/attention/test_paged_attention.py"),
+    _text("VX_CPU_MARCH", "",
+          "The -march the C kernel library is built with instead of `native` (e.g. `x86-64-v3`: "
+          "the AVX2 kernels on an AVX-512 CPU), in its own cache folder.",
+          "tests/e2e/test_spec_decode.py"),
     _text("VX_CPU_SANITIZE", "",
           "A sanitizer for the C kernel library (`address`, or any `-fsanitize=` value): a "
           "separate -O1 build with frame pointers and debug lines; the process needs the "

@@ -116,11 +116,13 @@ def _greedy(llm: LLM) -> list[Any]:
             for params in GREEDY for r in llm.generate(PROMPTS, params, use_tqdm=False)]  # fmt: skip
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16", "avx2"])
 def test_default_path_greedy_outputs_are_the_same_with_drafts(isa: str, monkeypatch) -> None:
     """The default bf16 path (no `--batch-invariant`): every row count takes one GEMM, whose
     sums run over k in one order whatever the rows (the AMX GEMM on AMX; without it, on
-    AVX512-BF16, the VNNI GEMM, here with ``VX_CPU_ATTENTION_AMX=0`` on an AMX CPU), and the
+    AVX512-BF16, the VNNI GEMM, here with ``VX_CPU_ATTENTION_AMX=0`` on an AMX CPU; on AVX2
+    only, the panel order: the compact copies' GEMM to 4 rows, the panels past them, here with
+    ``VX_CPU_MARCH=x86-64-v3``), and the
     decode attention gives each verify row its own bits, so a scored row's bits are a one-row
     step's, and greedy output with n-gram drafts is the output without them: batched, at a
     16-token chunk budget, after prefix hits, and under preemption."""
@@ -133,6 +135,12 @@ def test_default_path_greedy_outputs_are_the_same_with_drafts(isa: str, monkeypa
         if lib is None or not lib.vx_has_fast_bf16() or not lib.vx_has_gemm_vnni():
             pytest.skip("no AVX512-BF16 here")
         monkeypatch.setenv("VX_CPU_ATTENTION_AMX", "0")  # the Workers' paths: AMX off
+    if isa == "avx2":  # the Workers build for x86-64-v3 (AVX2 only), its widened copies
+        with open("/proc/cpuinfo") as f:
+            if "avx2" not in f.read():
+                pytest.skip("no AVX2 here")
+        monkeypatch.setenv("VX_CPU_MARCH", "x86-64-v3")
+        monkeypatch.setenv("VX_CPU_WIDEN", "1")
     with LLM(num_threads=2, async_scheduling=False) as llm:
         want = _greedy(llm)
     for kwargs in (

@@ -100,10 +100,11 @@ def test_avx2_skinny_gemm_is_the_bf16_gemm(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
+def test_avx2_compact_gemm_is_the_panel_gemm(tmp_path, monkeypatch) -> None:
     """The compact GEMM (`vx_gemv_compact_avx2`, x86-64-v3 build, on any AVX2 CPU) on W's
-    compact copy gives `vx_gemv_bf16_avx2`'s outputs bit for bit, at one and two rows, with
-    and without bias, raw blocks and odd values included; more rows and K % 32 refused."""
+    compact copy in panel order gives `vx_gemm_panels_avx2`'s outputs bit for bit, at one to
+    four rows, with and without bias, raw blocks and odd values included; more rows, N % 16 and
+    odd K refused."""
     import torch
 
     from vx.gpu.cpu import widen as cpu_widen
@@ -111,33 +112,35 @@ def test_avx2_compact_gemm_is_the_skinny_gemm(tmp_path, monkeypatch) -> None:
 
     lib = _avx2_build(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
-    assert lib.vx_compact_max_rows() == 2
+    assert lib.vx_compact_max_rows() == 4
     g = torch.Generator().manual_seed(0)
-    for n, k in [(1, 32), (7, 64), (97, 576), (40, 1536)]:
+    # one panel, a last item of fewer panels than one-row items take (4), K % 32 != 0
+    for n, k in [(16, 32), (112, 64), (96, 578), (48, 1536)]:
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
         w[0, :3] = 0.0  # a raw block
         w[-1, k // 2] = 40.0  # another
-        if n > 1:
-            w[1, 5] = float("nan")
+        w[1, 5] = float("nan")
         c = CompactWeight.maybe(lib, w)
-        assert c is not None and c.raw.shape[0] >= (1 if k == 32 else 2)
-        for m in (1, 2):
+        assert c is not None and c.raw.shape[0] >= 2
+        panels = cpu_widen.pack_panels(w)
+        for m in (1, 2, 3, 4):
             x = torch.randn(m, k + 8, generator=g).bfloat16()[:, :k]  # a row stride past k
             for b in (torch.randn(n, generator=g).bfloat16(), None):
                 want = torch.empty(m, n, dtype=torch.bfloat16)
-                ptrs = (w.data_ptr(), None if b is None else b.data_ptr(), want.data_ptr())
-                assert lib.vx_gemv_bf16_avx2(x.data_ptr(), x.stride(0), m, *ptrs, n, n, k) == 0
+                ptrs = (panels.data_ptr(), None if b is None else b.data_ptr(), want.data_ptr())
+                assert lib.vx_gemm_panels_avx2(x.data_ptr(), x.stride(0), m, *ptrs, n, n, k) == 0
                 got = c.apply(x, b)
                 assert got is not None and got.shape == (m, n)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m)
-    x = torch.randn(3, k, generator=g).bfloat16()
-    assert c.apply(x, None) is None  # three rows: the bf16 kernel's
-    y = torch.empty(3, n, dtype=torch.bfloat16)
-    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 3, c.blocks.data_ptr(), c.hb.data_ptr(),
+    x = torch.randn(5, k, generator=g).bfloat16()
+    assert c.apply(x, None) is None  # five rows: the panels'
+    y = torch.empty(5, n, dtype=torch.bfloat16)
+    assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 5, c.blocks.data_ptr(), c.hb.data_ptr(),
                                     c.raw.data_ptr(), None, y.data_ptr(), n, n, k) == -1  # fmt: skip
     assert lib.vx_gemv_compact_avx2(x.data_ptr(), k, 1, c.blocks.data_ptr(), c.hb.data_ptr(),
-                                    c.raw.data_ptr(), None, y.data_ptr(), n, n, 48) == -1  # fmt: skip
-    assert CompactWeight.maybe(lib, torch.zeros(4, 48, dtype=torch.bfloat16)) is None
+                                    c.raw.data_ptr(), None, y.data_ptr(), 40, 40, k) == -1  # fmt: skip
+    assert CompactWeight.maybe(lib, torch.zeros(40, 48, dtype=torch.bfloat16)) is None
+    assert CompactWeight.maybe(lib, torch.zeros(16, 47, dtype=torch.bfloat16)) is None
     monkeypatch.setenv("VX_CPU_COMPACT", "0")
     assert CompactWeight.maybe(lib, w) is None
 
@@ -425,7 +428,7 @@ def test_avx2_fused_step_equals_the_module_path(tmp_path, monkeypatch, case: str
     fused = FusedDecode.build(model.model)
     assert fused is not None and fused.max_rows() == 24
     assert fused._quant_rows == {None: 0, "int8": 8, "int4": 2}[quant]
-    # 1-2 rows: the compact copies; to 4 the skinny GEMM; 5-24 the bf16 panels
+    # 1-4 rows: the compact copies (the panels' bits); 5-24 the bf16 panels
     for batch in (1, 4, 5, 9, 17, 24, 25):
         assert _compare(model, fused, batch) == (3 if batch <= 24 else 0), batch
 
@@ -478,7 +481,8 @@ def test_avx2_batch_invariant_step(tmp_path, monkeypatch, case: str) -> None:
 @pytest.mark.timeout(240)
 def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch) -> None:
     """The int8 screen of the LM head (vx.gpu.cpu.screen, from the x86-64-v3 build): its
-    argmax is the argmax of the AVX2 skinny GEMM's bf16 logits, ties to the first index
+    argmax is the argmax of the AVX2 skinny GEMM's bf16 logits (the panel GEMM's for a head
+    with panels), ties to the first index
     included; the exact rows it recomputes are bit-identical to the full product's; it
     declines what it cannot decide cheaply (`tests/gpu/cpu/test_screen.check_screen`)."""
     import torch
@@ -491,6 +495,8 @@ def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_widen, "_state", {})
     monkeypatch.setattr(cpu_screen, "MAX_ROWS", 4)
     check_screen(lib, "vx_screen_i8_avx2", "vx_gemv_bf16_avx2", 4)
+    # a head with panels: its logits take them at every row count, so its candidates do too
+    check_screen(lib, "vx_screen_i8_avx2", "vx_gemm_panels_avx2", 4, panels=True)
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("VX_CPU_SCREEN_HEAD", "0")
     assert not cpu_screen.screen_wanted(w)
@@ -501,7 +507,8 @@ def test_avx2_screen_gives_the_logits_paths_greedy_tokens(tmp_path, monkeypatch)
 def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bool) -> None:
     """The x86-64-v3 build takes a one-row greedy decode step whole (`vx_llama_greedy_whole`:
     the embedding, every layer (its GEMMs on the compact copies), the final norm and the LM
-    head's int8 screen, its exact rows on `vx_gemv_bf16_avx2`): the forward path's tokens,
+    head's int8 screen, its exact rows on `vx_gemm_panels_avx2`, as the head's logits): the
+    forward path's tokens,
     every decode step in the one call.
     With every vocab row a candidate the screen gives no token: the layers still ran once and
     the logits path gives the same tokens."""
@@ -517,7 +524,7 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
 
     def prepare(runner):
         screen = runner._model.lm_head.argmax_screen(1)
-        assert screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
+        assert screen is not None and screen.exact_kernel() == "vx_gemm_panels_avx2"
         # the layers' one-row GEMMs run on their compact copies, in the call as in the forward
         lins = [m for m in runner._model.model.modules() if getattr(m, "wide", None) is not None]
         assert lins and all(m.wide.compact is not None for m in lins)
@@ -527,3 +534,35 @@ def test_avx2_one_row_greedy_step_runs_whole(tmp_path, monkeypatch, screened: bo
 
     calls = _whole_steps_both_ways(tmp_path, monkeypatch, 1, 10, prepare, here=lambda: True)
     assert calls and all(c == (1 if screened else 0) for c in calls)
+
+
+@pytest.mark.timeout(240)
+def test_avx2_rows_do_not_depend_on_the_rows_beside_them(tmp_path, monkeypatch) -> None:
+    """Row invariance on the AVX2 build (x86-64-v3, on any AVX2 CPU): a bf16 layer's
+    `WideWeight.apply` gives each row of a 1-17-row call (1-4 rows: the compact copy in panel
+    order, or without one (the LM head's) the panels' small-row loop; past them the panels)
+    the same bits as that row of a 40-row call (the panels, as prompts take them), with and
+    without bias, so speculation's verify rows score as one-row steps do."""
+    import torch
+
+    from vx.gpu.cpu import widen as cpu_widen
+
+    lib = _avx2_build(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_widen, "_state", {"skinny": 24, "lib": lib})
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(512, 1536), (96, 576)]:
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        w[0, :3] = 0.0  # a block the compact copy stores raw
+        ww = cpu_widen.WideWeight(w)
+        head = cpu_widen.WideWeight(w, compact=False)
+        assert ww.panels is not None and ww.compact is not None and head.compact is None
+        x = torch.randn(40, k + 32, generator=g).bfloat16()[:, 16 : 16 + k]  # a row stride
+        x[3, :5] = 0.0
+        for lin, b in [(ww, torch.randn(n, generator=g).bfloat16()), (ww, None), (head, None)]:
+            ref = lin.apply(x, b)
+            for rows in range(1, 18):
+                for at in {0, 40 - rows}:
+                    got = lin.apply(x[at : at + rows], b)
+                    assert torch.equal(
+                        got.view(torch.int16), ref[at : at + rows].view(torch.int16)
+                    ), (n, k, rows, at)

@@ -14,14 +14,12 @@ import torch
 from vx.gpu.cpu import screen as cpu_screen
 
 
-def check_screen(lib, screen_name: str, exact_name: str, max_rows: int) -> None:
+def check_screen(lib, screen_name: str, exact_name: str, max_rows: int, **head_kw) -> None:
     """`ScreenedHead.argmax` equals the argmax of the exact kernel's bf16 logits (ties to the
     first index included); the exact rows it recomputes are bit-identical to the full product's;
     every screened logit lies within the bound, which is not a loose one; it declines what it
     cannot decide cheaply. The caller has made `_kernels()` give this pair, and MAX_ROWS
-    `max_rows`."""
-    kernels = cpu_screen._kernels()
-    assert (kernels.screen, kernels.exact) == (screen_name, exact_name)
+    `max_rows`; `head_kw` go to `ScreenedHead` (its exact kernel then `exact_name`)."""
     g = torch.Generator().manual_seed(0)
     n, k = 3000, 192
     w = torch.randn(n, k, generator=g) * 0.05
@@ -29,7 +27,9 @@ def check_screen(lib, screen_name: str, exact_name: str, max_rows: int) -> None:
     w[2999] = w[700]
     w[11] = w[10] * (1 + 2**-8)  # near-ties: a bf16 step apart at most
     w = w.bfloat16()
-    screen = cpu_screen.ScreenedHead(w)
+    screen = cpu_screen.ScreenedHead(w, **head_kw)
+    kernels = screen._kernels
+    assert (kernels.screen, kernels.exact) == (screen_name, exact_name)
 
     def logits(x, rows):
         y = torch.empty(x.shape[0], rows.shape[0], dtype=torch.bfloat16)

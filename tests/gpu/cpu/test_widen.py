@@ -80,35 +80,35 @@ def test_wide_gemm_takes_the_panel_kernel_where_built(monkeypatch, panels: str) 
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
     assert WideWeight(w[:40]).panels is None  # N % 16: oneDNN's copy
     assert WideWeight(w[:, :95].contiguous()).panels is None  # odd K: oneDNN's copy
-    # the skinny GEMM's rows end where the panels overtake it
-    for rows in (cpu_widen.PANEL_FROM_ROWS - 1, cpu_widen.PANEL_FROM_ROWS):
+    # with panels, no row count takes the skinny GEMM (the compact copy or the panels: the
+    # panels' bits); without, it takes its rows
+    for rows in (1, cpu_widen.PANEL_FROM_ROWS - 1, cpu_widen.PANEL_FROM_ROWS):
         x2 = x[0, :rows]
         got = ww.apply(x2, None)
-        skinny = ww.skinny_rows and (ww.panels is None or rows < cpu_widen.PANEL_FROM_ROWS)
+        skinny = ww.skinny_rows and ww.panels is None
         want = ww._skinny(x2, None) if skinny else ww.apply_wide(x2, None)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
 
 
 @pytest.mark.parametrize("compact", ["1", "0"])
-def test_one_and_two_rows_take_the_compact_copy_where_built(monkeypatch, compact: str) -> None:
-    """Where the AVX2 kernels are built, a widened layer also holds its compact copy, and one or
-    two rows take it, with the skinny GEMM's very bits; `VX_CPU_COMPACT=0`, the LM head's
+def test_one_to_four_rows_take_the_compact_copy_where_built(monkeypatch, compact: str) -> None:
+    """Where the AVX2 kernels are built, a widened layer also holds its compact copy, and one
+    to four rows take it, with the panel GEMM's very bits; `VX_CPU_COMPACT=0`, the LM head's
     copy (`compact=False`) or a CPU without it: none."""
     monkeypatch.setenv("VX_CPU_COMPACT", compact)
     g = torch.Generator().manual_seed(2)
-    w = (torch.randn(40, 96, generator=g) * 0.05).bfloat16()
+    w = (torch.randn(48, 96, generator=g) * 0.05).bfloat16()
     ww = WideWeight(w)
     built = ww.skinny_rows > 0 and bool(cpu_widen._state["lib"].vx_compact_max_rows())
     assert (ww.compact is not None) == (built and compact == "1")
     assert WideWeight(w, compact=False).compact is None
-    bias = torch.randn(40, generator=g).bfloat16()
-    for rows in (1, 2, 3):
+    bias = torch.randn(48, generator=g).bfloat16()
+    for rows in (1, 2, 3, 4, 5):
         x = torch.randn(rows, 96, generator=g).bfloat16()
         got = ww.apply(x, bias)
-        if ww.skinny_rows:
-            assert torch.equal(got.view(torch.int16), ww._skinny(x, bias).view(torch.int16))
         if ww.compact is not None:
-            assert (ww.compact.apply(x, bias) is None) == (rows == 3)
+            assert torch.equal(got.view(torch.int16), ww._panels(x, bias).view(torch.int16))
+            assert (ww.compact.apply(x, bias) is None) == (rows == 5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

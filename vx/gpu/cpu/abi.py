@@ -90,6 +90,7 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_gemv_compact_avx2": (_I32, [_P, _I64, _I32, _P, _P, _P, _P, _P, _I64, _I64, _I64]),
     # gemm_avx2.c
     "vx_has_gemm_panels_avx2": _QUERY,
+    "vx_panel_small_loop": (_I32, [_I32]),
     "vx_gemm_panels_avx2": _GEMM,
     # gemm_f32.c
     "vx_has_gemm_f32_panels": _QUERY,

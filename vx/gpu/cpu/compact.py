@@ -1,5 +1,5 @@
 """The compact copy of a bf16 weight: the same values, exactly, in 12.25 bits each, for the
-one- and two-row GEMMs of CPUs with AVX2 and no AVX-512.
+one- to four-row GEMMs of CPUs with AVX2 and no AVX-512.
 
 Runs in: each Worker process (`vx.gpu.cpu.widen.WideWeight` makes one per widened layer; the
 fused step's `vx_linear` points at it, `vx.gpu.cpu.fused_step`).
@@ -9,12 +9,14 @@ the bf16 skinny GEMM reads them at this machine's read rate). bf16 spends 8 bits
 exponent, but within 32 neighbouring weights of a trained matrix the exponents span a few
 values: stored as a 3-bit distance from the block's largest, beside the sign, 99.7% of
 SmolLM2's blocks keep every value exactly in 4 bits of high byte instead of 8. The kernel
-(`vx/gpu/cpu/csrc/gemv_compact_avx2.c`, where the layout is written out) gives `vx_gemv_bf16_avx2`'s
-outputs bit for bit, so tokens do not change; at one row SmolLM2's 120 layer matrices save
-time in proportion to the bytes, at two rows part of that (measured on a 2-core Zen 3).
+(`vx/gpu/cpu/csrc/gemv_compact_avx2.c`, where the layout is written out) reads it in the panel
+GEMM's order and gives `vx_gemm_panels_avx2`'s outputs bit for bit, so a row's tokens do not
+depend on the rows beside it (prompts and batches from five rows take the panels); at one row
+SmolLM2's 120 layer matrices save time in proportion to the bytes (measured on a 2-core Zen 3,
+in the row-major order it had before; `bench/avx2_rows.py`).
 
-Memory: 0.77x the bf16 weight, beside it (the bf16 weight still serves 3-24 rows, the fp32
-copy the rest). `VX_CPU_COMPACT=0` leaves it out (A/B runs).
+Memory: 0.77x the bf16 weight, beside it (where the weight has no panels, the bf16 weight
+serves 1-24 rows, the fp32 copy the rest). `VX_CPU_COMPACT=0` leaves it out (A/B runs).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from vx import envs
 
-__all__ = ["CompactWeight", "pack_compact"]
+__all__ = ["CompactWeight", "pack_compact", "panel_order"]
 
 #: Byte j of a block holds column _COLUMN[j] (the kernel's unpacks work within 128-bit lanes).
 _COLUMN = torch.tensor([8 * ((j & 15) >> 2) + (j & 3) + 4 * (j >> 4) for j in range(32)])
@@ -35,9 +37,10 @@ _SLICE_VALUES = 1 << 18
 
 
 def pack_compact(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 [N, K] (K % 32 == 0) as `vx_gemv_compact_avx2` reads it: (blocks [N, K / 32, 48]
-    uint8, hb [N, K / 32] uint8, raw [R, 32] bf16, at least one row). Every value, NaNs and
-    signed zeros included, decodes to its own bits."""
+    """bf16 [N, K] (K % 32 == 0) in blocks of 32 values, as `vx_gemv_compact_avx2` reads
+    `pack_compact(panel_order(W))`: (blocks [N, K / 32, 48] uint8, hb [N, K / 32] uint8,
+    raw [R, 32] bf16, at least one row). Every value, NaNs and signed zeros included, decodes
+    to its own bits."""
     n, k = w.shape
     if w.dtype != torch.bfloat16 or k % 32:
         raise ValueError(f"pack_compact takes bf16 [N, K] with K % 32 == 0, not {w.dtype} {k}")
@@ -79,30 +82,43 @@ def _pack_rows(w: torch.Tensor, blocks: torch.Tensor, hb_out: torch.Tensor, base
     return w.reshape(n, k // 32, 32)[where[:, 0], where[:, 1]]
 
 
+def panel_order(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (N % 16 == 0, K even) in the panel GEMM's order, one row a panel of 16
+    outputs ([N / 16, 16 K]): per k pair, the 16 outputs' weights at k even, then at k odd.
+    `pack_compact` of it makes each block one k pair of one panel, which the kernel decodes
+    into the vectors `vx_gemm_panels_avx2` widens from its panel's words."""
+    n, k = w.shape
+    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 3, 1).reshape(n // 16, 16 * k)
+
+
 class CompactWeight:
     """The compact copy of one bf16 [N, K] weight and its GEMM with 1 to `max_rows` bf16 rows.
 
-    Invariant: `apply(x, bias)` is `vx_gemv_bf16_avx2(x, W, bias)`, bit for bit, or None
-    where the kernel declines (more rows, a strided or non-bf16 x: the caller's path then).
+    Invariant: `apply(x, bias)` is `vx_gemm_panels_avx2(x, W's panels, bias)`, bit for bit
+    (per output one fp32 FMA chain over k in order: a row's bits do not depend on the rows
+    beside it, at any row count of the panel GEMM), or None where the kernel declines (more
+    rows, a strided or non-bf16 x: the caller's path then).
     """
 
     def __init__(self, lib, weight: torch.Tensor) -> None:
         self._lib = lib
         self.n, self.k = weight.shape
-        self.blocks, self.hb, self.raw = pack_compact(weight)
+        self.blocks, self.hb, self.raw = pack_compact(panel_order(weight))
         self.max_rows = int(lib.vx_compact_max_rows())
 
     @staticmethod
     def _takes(lib, weight: torch.Tensor) -> bool:
         if lib is None or not envs.VX_CPU_COMPACT:
             return False
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return False
+        if weight.shape[0] % 16 or weight.shape[1] % 2:
             return False
         return weight.shape[1] <= 16384 and bool(lib.vx_compact_max_rows())
 
     @classmethod
     def maybe(cls, lib, weight: torch.Tensor) -> CompactWeight | None:
-        """The copy, or None where the kernel is not built here, K % 32, or
+        """The copy, or None where the kernel is not built here, N % 16, K odd, or
         `VX_CPU_COMPACT=0`."""
         return cls(lib, weight.detach()) if cls._takes(lib, weight) else None
 

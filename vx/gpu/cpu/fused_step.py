@@ -390,14 +390,16 @@ class FusedDecode:
         split's parts (`head` a `VnniWeight`), or whole on the pool (`vx_llama_greedy_whole`:
         on AVX-512 builds `head`, or for one row `screen`, a `ScreenedHead` whose exact rows
         go through `vx_gemv_bf16`, `vx_gemm_vnni_bf16` or `vx_gemm_amx_bf16`; on AVX2 builds one
-        row by `screen`, its exact rows through
+        row by `screen`, its exact rows through `vx_gemm_panels_avx2` or
         `vx_gemv_bf16_avx2`)."""
         if self._gemma:  # its embedding is scaled, its final norm Gemma's: not the tail's
             return False
         if self.split_parts and t >= self.split_parts * self.split_min_rows:
             return head is not None
         if self._avx2_rows:  # one row, by the screen whose exact rows take the AVX2 GEMM
-            return t == 1 and screen is not None and screen.exact_kernel() == "vx_gemv_bf16_avx2"
+            # (the panel GEMM where the head has panels, as `vx_screen_argmax` computes them)
+            exact = ("vx_gemv_bf16_avx2", "vx_gemm_panels_avx2")
+            return t == 1 and screen is not None and screen.exact_kernel() in exact
         if screen is not None:
             # the C tail computes the candidates as the screen does: the AMX GEMM where AMX
             # is on (`vx_screen_argmax`), else the VNNI GEMM or VDPBF16PS, as it says

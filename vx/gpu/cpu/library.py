@@ -230,9 +230,11 @@ def _build_kernels() -> ctypes.CDLL | None:
         cpu += " ".join(EMULATED_DEFINES).encode()
     flags = _build_flags()
     key = hashlib.sha256(_kernel_source_digest(csrc, sources) + " ".join(flags).encode() + cpu)
-    cache = os.path.join(envs.VX_CACHE, "kernels")
+    # VX_CPU_MARCH: another target's build, in its own folder beside this CPU's
+    march = envs.VX_CPU_MARCH
+    cache = os.path.join(envs.VX_CACHE, f"kernels-{march}" if march else "kernels")
     name = "decode_attention-emulated" if emulate else "decode_attention"
-    if flags != _CFLAGS:
+    if envs.VX_CPU_SANITIZE:
         name += "-" + envs.VX_CPU_SANITIZE
     path = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(path):
@@ -265,14 +267,18 @@ def _build_kernels() -> ctypes.CDLL | None:
 
 
 def _build_flags() -> list[str]:
-    """`_CFLAGS`, or with ``VX_CPU_SANITIZE=address`` (or another of the compiler's
+    """`_CFLAGS` (``-march=native`` replaced by ``VX_CPU_MARCH`` where it is set), or with
+    ``VX_CPU_SANITIZE=address`` (or another of the compiler's
     ``-fsanitize=`` values; `make check-c`) a sanitized build of the same code: -O1 for the
     sanitizer's speed, frame pointers and debug lines for its reports. A process that loads
     it needs the sanitizer's runtime first (``LD_PRELOAD``, as `make check-c` sets it)."""
-    sanitize = envs.VX_CPU_SANITIZE
+    sanitize, march = envs.VX_CPU_SANITIZE, envs.VX_CPU_MARCH
+    flags = (
+        [f"-march={march}" if f == "-march=native" else f for f in _CFLAGS] if march else _CFLAGS
+    )
     if not sanitize:
-        return _CFLAGS
-    return [f for f in _CFLAGS if not f.startswith("-O")] + [
+        return flags
+    return [f for f in flags if not f.startswith("-O")] + [
         "-O1", "-g", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"
     ]
 

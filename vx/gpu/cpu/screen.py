@@ -8,8 +8,10 @@ SmolLM2's LM head is a fifth of them (49,152 x 576 bf16, 57 MB). A greedy row ne
 argmax of its logits. An int8 copy of the head (one
 scale per vocab row) is half the bytes and gives every logit to within a bound; only the rows
 whose bound reaches the best lower bound are computed again from the bf16 weight, by the very
-kernel the logits path uses for that row count, on the same rows of x: `vx_gemv_bf16_avx2`
-beside `vx_screen_i8_avx2` (AVX2 builds), `vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
+kernel the logits path uses for that row count, on the same rows of x: `vx_gemm_panels_avx2`
+(on the candidates' rows packed in its panels) beside `vx_screen_i8_avx2` where the head has
+panels (AVX2 builds; they take its every row count), else `vx_gemv_bf16_avx2` beside it;
+`vx_gemv_bf16` beside `vx_screen_i8` (AVX512-BF16,
 `vx/gpu/cpu/csrc/screen.c`), `vx_gemm_amx_bf16` beside it where AMX is on, and on AVX512-BF16
 without AMX `vx_gemm_vnni_bf16` (on the candidates' rows packed for it) where the head has a
 VNNI copy, which takes its every row count. SmolLM2 on real text: a median of 6 candidate rows, at most 88.
@@ -74,6 +76,17 @@ class ScreenKernels(NamedTuple):
             if pad:
                 y.copy_(yp[:, :n])
             return rc
+        if self.exact == "vx_gemm_panels_avx2":  # on the rows in its panels, 16 a block
+            pad = -n % 16
+            wp = torch.cat([w, w.new_zeros(pad, k)]) if pad else w
+            # `vx.gpu.cpu.widen.pack_panels`' layout (a fresh tensor: 64-byte aligned)
+            panels = wp.view((n + pad) // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+            yp = torch.empty(m, n + pad, dtype=torch.bfloat16) if pad else y
+            rc = self.lib.vx_gemm_panels_avx2(x.data_ptr(), x.stride(0), m, panels.data_ptr(),
+                                              None, yp.data_ptr(), n + pad, n + pad, k)  # fmt: skip
+            if pad:
+                y.copy_(yp[:, :n])
+            return rc
         if self.exact == "vx_gemm_amx_bf16" and n % 16:  # it takes 16 rows a block
             pad = -n % 16
             wp = torch.cat([w, w.new_zeros(pad, k)])
@@ -122,9 +135,11 @@ def screen_wanted(weight: torch.Tensor) -> bool:
 class ScreenedHead:
     """An int8 copy of a bf16 [N, K] LM head, with the per-row bounds of the search above."""
 
-    def __init__(self, weight: torch.Tensor, vnni: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, vnni: bool = False, panels: bool = False) -> None:
         """vnni: the head's logits come from its VNNI copy at every row count (AVX512-BF16
-        without AMX, `vx.gpu.cpu.vnni`), so the candidates' do too (`vx_gemm_vnni_bf16`)."""
+        without AMX, `vx.gpu.cpu.vnni`), so the candidates' do too (`vx_gemm_vnni_bf16`).
+        panels: the same on AVX2 builds, from the panel GEMM (`vx_gemm_panels_avx2`: the head's
+        `WideWeight` has panels and no compact copy, so they take its every row count)."""
         w = weight.detach()
         n, k = w.shape
         self.weight = w
@@ -148,6 +163,9 @@ class ScreenedHead:
         self._kernels = _kernels()  # the build's pair, looked up once
         if vnni and self._kernels is not None and self._kernels.exact == "vx_gemv_bf16":
             self._kernels = self._kernels._replace(exact="vx_gemm_vnni_bf16")
+        if panels and self._kernels is not None and self._kernels.exact == "vx_gemv_bf16_avx2":
+            if k % 2 == 0:
+                self._kernels = self._kernels._replace(exact="vx_gemm_panels_avx2")
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def argmax(self, x: torch.Tensor) -> np.ndarray | None:

@@ -233,10 +233,12 @@ def screen_head(screen: Any) -> int | None:
     desc = getattr(screen, "_c_desc", None)
     if desc is None:
         a, idx, cand = screen.row_scratch()
+        # the candidates by the head's every-row GEMM on their packed rows (VNNI, AVX2 panels)
+        packed = screen.exact_kernel() in ("vx_gemm_vnni_bf16", "vx_gemm_panels_avx2")
         desc = ScreenHeadDesc(
             screen.q.data_ptr(), screen.s.data_ptr(), screen.bound.ctypes.data,
             screen.weight.data_ptr(), a.data_ptr(), idx.data_ptr(), cand.data_ptr(),
-            idx.shape[0], int(screen.exact_kernel() == "vx_gemm_vnni_bf16"),
+            idx.shape[0], int(packed),
         )  # fmt: skip
         screen._c_desc = desc
     return ctypes.addressof(desc)

@@ -13,15 +13,18 @@ bf16 once, so only the order of the fp32 sums differs.
 Up to a few rows (decode at small batch) a step only streams weights. Those rows go to vx's
 AVX2 skinny GEMM on the layer's own bf16 weight (`vx/gpu/cpu/csrc/gemv_avx2.c`: at one row
 ahead of torch's bf16 GEMV and of an fp32 copy, which reads twice the bytes; measured on
-SmolLM2's layers), or where it is not built, one row to torch's bf16 GEMV. One and two rows
-take the same kernel's sums from the weight's compact copy (`vx.gpu.cpu.compact`: the bf16
-values in a quarter fewer bytes).
+SmolLM2's layers), or where it is not built, one row to torch's bf16 GEMV. Where the weight
+has panels (below), one to four rows take the panel GEMM's sums, bit for bit, from its compact
+copy (`vx.gpu.cpu.compact`: the bf16 values in a quarter fewer bytes, in panel order), so a
+row's outputs do not depend on its step's row count (speculation's verify rows score as one-row
+steps and prompts do).
 
 Where vx's AVX2 panel GEMM is built (`vx/gpu/cpu/csrc/gemm_avx2.c`), N % 16 == 0 and K is
 even, a second copy holds the same bf16 values laid out in its panels of 16 columns; the
 kernel widens them in registers (a shift or a mask), so its sums are those of an fp32 copy
-in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, where it overtakes
-the skinny GEMM. Measured on a 2-core Zen 3, it is ahead of fp32 panels from 10 to 64 rows
+in half the bytes. It takes every row count from PANEL_FROM_ROWS (5) up, and below it the
+rows a compact copy does not (its small-row loop), so that one order of sums serves every row
+count. Measured on a 2-core Zen 3, it is ahead of fp32 panels from 10 to 64 rows
 and level with them past 256, and those are ahead of oneDNN's packed fp32 GEMM from 25 to
 2,048 rows. Otherwise the copy is fp32 in oneDNN's packed layout and oneDNN takes those
 rows. `VX_CPU_PANEL_GEMM=0` keeps oneDNN's (A/B runs).
@@ -61,8 +64,10 @@ __all__ = [
 
 #: Rows from which the wide copy is used without the AVX2 skinny GEMM (see above).
 WIDE_MIN_ROWS = 2
-#: Rows from which the panel GEMM, where a weight has panels, takes the rows the skinny GEMM
-#: could: SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against the bf16 panels (ms,
+#: Rows from which the panel GEMM, where a weight has panels and a compact copy, takes the
+#: rows (below: the compact copy, the panels' bits; without a compact copy the panels take
+#: every row count, their small-row loop up to 4). Measured before, against the skinny GEMM
+#: (which no row count of a weight with panels takes now): SmolLM2's 120 layer matrices on a 2-core Zen 3, skinny against the bf16 panels (ms,
 #: medians of 9 and of 15, two runs): 3 rows 9.6 / 12.1 and 10.6 / 12.6, 4 rows 12.4 / 11.5
 #: and 12.1 / 12.2, 5 rows 12.7 / 11.7 and 16.3 / 13.8, 6 rows 14.0 / 15.6 and 18.7 / 17.8,
 #: 7-9 rows 16.4-19.2 / 15.5-18.1 and 17.5-21.9 / 15.9-17.4: level at 4-6 rows, the panels
@@ -210,7 +215,7 @@ def widen_wanted(weight: torch.Tensor, *, compact: bool = True) -> bool:
 
 class WideWeight:
     """The copies of one bf16 [N, K] weight that fp32 GEMMs read (the panel GEMM's bf16 panels,
-    else an fp32 copy; and the compact copy for one and two rows), and its matmul with bf16 rows.
+    else an fp32 copy; and the compact copy for one to four rows), and its matmul with bf16 rows.
 
     Invariant: `apply(x, bias)` equals a bf16 GEMM of x and the bf16 weight (fp32 products
     and sums, one bf16 rounding), up to the order of the sums; `min_rows` is the fewest rows
@@ -237,7 +242,7 @@ class WideWeight:
             raise ValueError("every row count on the panel GEMM, which does not take this weight")
         self.skinny_rows = _skinny_rows() if self.bf16.is_contiguous() else 0
         self.min_rows = 1 if self.skinny_rows or all_rows else WIDE_MIN_ROWS
-        # one and two rows: the same outputs from the compact copy's fewer bytes (`compact`
+        # one to four rows: the panels' outputs from the compact copy's fewer bytes (`compact`
         # False: none, as for the LM head, whose rows the int8 screen serves)
         self.compact = (
             CompactWeight.maybe(_state["lib"], self.bf16) if compact and self.skinny_rows else None
@@ -251,9 +256,9 @@ class WideWeight:
             y = self.compact.apply(x, bias)
             if y is not None:
                 return y
-        skinny = (
-            self.skinny_rows if self.panels is None else min(self.skinny_rows, PANEL_FROM_ROWS - 1)
-        )
+        # with panels, every other row count takes them (their small-row loop up to 4 rows):
+        # one order of sums for every row count, so a row's bits do not depend on its step's
+        skinny = self.skinny_rows if self.panels is None else 0
         if 0 < m <= skinny and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
             return self._skinny(x, bias)
         return self.apply_wide(x, bias)

@@ -138,7 +138,8 @@ class ParallelLMHead(WeightForms, VocabParallelEmbedding):
                 and wide.skinny_rows >= SCREEN_MAX_ROWS
                 and screen_wanted(w)
             ):
-                self.screen = ScreenedHead(w.data)
+                # the logits take the panels at every row count, so the candidates do too
+                self.screen = ScreenedHead(w.data, panels=wide.panels is not None)
         plain = vnni = packed = None
         if quant is None and vnni_wanted(w):  # instead of a oneDNN copy
             plain = w.data if gemv_kernels() is not None else None

@@ -26,7 +26,7 @@
    the linear's method chain routes them (`vx.gpu.layers.linear_method`). With `skinny_rows` 0
    (`--batch-invariant`) the VNNI or AMX copies take every row count. Built for AVX2 without AVX-512 (`vx_has_decode_step() == 2`), it is the module
    path of `vx.gpu.cpu.widen.WideWeight` for 1-24 rows instead: the AVX2 skinny GEMM on the bf16
-   weights (1-2 rows on their compact copy, `vx.gpu.cpu.compact`), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
+   weights (1-4 rows on their compact copy, `vx.gpu.cpu.compact`: the panel GEMM's bits), the AVX2 decode attention (or the portable one), no int8 and no prefill chunks. The rotary has torch's roundings for `x1 * cos - x2 * sin` (three bf16
    roundings per output), as `vx.gpu.layers.rotary.apply_rotary`.
 
    Structs (mirrored by ctypes in `vx.gpu.cpu.fused_step`): a `vx_linear` per projection, a
@@ -201,9 +201,12 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
                                  L->k);
     if (L->q && T <= quant_rows)
         return vx_gemv_int8_avx2(x, L->k, (int)T, L->q, L->scale, L->bias, y, L->n, L->n, L->k);
-    if (L->panels && T > skinny_rows)  /* past the skinny GEMM's rows: as `WideWeight` routes */
+    /* as `WideWeight` routes: the compact copy up to its rows, else the panels at every row
+       count (one order of sums for all of them) */
+    (void)skinny_rows;
+    if (L->panels && !(L->cw && T <= VX_COMPACT_MAX_ROWS))
         return vx_gemm_panels_avx2(x, L->k, (int)T, L->panels, L->bias, y, L->n, L->n, L->k);
-    if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the same outputs from a quarter fewer bytes */
+    if (L->cw && T <= VX_COMPACT_MAX_ROWS)  /* the panels' outputs from a quarter fewer bytes */
         return vx_gemv_compact_avx2(x, L->k, (int)T, L->cw, L->ch, L->craw, L->bias, y, L->n,
                                     L->n, L->k);
     return vx_gemv_bf16_avx2(x, L->k, (int)T, L->w, L->bias, y, L->n, L->n, L->k);

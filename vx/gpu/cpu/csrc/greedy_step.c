@@ -10,7 +10,8 @@
    process: the model's forward around the fused layers, the embedding, the final norm and
    the head's screen as separate calls, and `ScreenedHead.argmax`'s torch and numpy glue).
    Here they are one call. AVX2 builds take one-row steps so too (the screen's AVX2 pair:
-   `vx_screen_i8_avx2`, the exact rows on `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the one-row
+   `vx_screen_i8_avx2`, the exact rows on `vx_gemm_panels_avx2` where the head has panels, else
+   `vx_gemv_bf16_avx2`): on a 2-core Zen 3 the one-row
    step was shorter than through the model's forward and `greedy_ids` in every one of 8
    alternated rounds.
 
@@ -44,7 +45,8 @@ typedef struct vx_screen_head {
     uint8_t* cand;              /* scratch [cap] */
     int64_t cap;
     int64_t vnni;               /* 1: the candidates by the VNNI GEMM (the head's logits take
-                                   its VNNI copy at every row count), 0: by VX_EXACT_ROW */
+                                   its VNNI copy at every row count; AVX2: the panel GEMM, the
+                                   head's panels), 0: by VX_EXACT_ROW */
 } vx_screen_head;
 /* The first maximum of one row's bf16 logits over the screen's candidates (ascending), each
    computed by the exact GEMM alone (each output row's sum is over its own weight row in the
@@ -95,6 +97,30 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
             if (vx_gemm_vnni_bf16(x, H, 1, packed, NULL, yv, 16, 16, H)) return -1;
             for (int64_t j = 0; j < nj; j++) {
                 const float v = ld_bf16(yv[j]);
+                if (!isfinite(v)) return -1;
+                if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
+            }
+        }
+        return arg;
+    }
+#endif
+#if !defined(__AVX512F__)
+    /* AVX2, a head with panels (the logits path's GEMM at every row count): the candidates'
+       weight rows in one panel 16 a block (zero rows past u), `pack_panels`' words (k pairs,
+       the VNNI packing's layout), each output the panel GEMM's sum */
+    static uint32_t panel[8 * VX_AVX2_MAX_K] __attribute__((aligned(64)));
+    vx_bf16 yp[16];
+    if (sh->vnni && H % 2 == 0 && H <= VX_AVX2_MAX_K) {
+        const uint32_t* w32 = (const uint32_t*)sh->w;
+        const int64_t KP = H / 2;
+        for (int64_t j0 = 0; j0 < u; j0 += 16) {
+            const int64_t nj = u - j0 < 16 ? u - j0 : 16;
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t p = 0; p < KP; p++)
+                    panel[p * 16 + j] = j < nj ? w32[sh->idx[j0 + j] * KP + p] : 0;
+            if (vx_gemm_panels_avx2(x, H, 1, panel, NULL, yp, 16, 16, H)) return -1;
+            for (int64_t j = 0; j < nj; j++) {
+                const float v = ld_bf16(yp[j]);
                 if (!isfinite(v)) return -1;
                 if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
             }

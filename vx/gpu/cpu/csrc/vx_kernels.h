@@ -131,6 +131,7 @@ int vx_gemv_compact_avx2(const vx_bf16* x, int64_t x_st, int M, const uint8_t* W
 
 /* gemm_avx2.c */
 int vx_has_gemm_panels_avx2(void);
+int vx_panel_small_loop(int on);
 int vx_gemm_panels_avx2(const vx_bf16* x, int64_t x_st, int M, const uint32_t* P, const vx_bf16* bias, vx_bf16* y, int64_t y_st, int64_t N, int64_t K);
 
 /* gemm_f32.c */
