@@ -48,6 +48,16 @@ typedef struct vx_screen_head {
                                    its VNNI copy at every row count; AVX2: the panel GEMM, the
                                    head's panels), 0: by VX_EXACT_ROW */
 } vx_screen_head;
+/* The GEMM a head's logits take at every row count without AMX where its copy is in k-pair
+   words, 16 rows a block (`vx_screen_head.vnni`): the VNNI GEMM on AVX512-BF16, the panel
+   GEMM on AVX2; none on AVX-512 without BF16. */
+#if defined(VX_HAS_FAST_BF16)
+#define VX_PAIRED_GEMM vx_gemm_vnni_bf16
+#define VX_PAIRED_MAX_K VX_GEMV_MAX_K
+#elif !defined(__AVX512F__)
+#define VX_PAIRED_GEMM vx_gemm_panels_avx2
+#define VX_PAIRED_MAX_K VX_AVX2_MAX_K
+#endif
 /* The first maximum of one row's bf16 logits over the screen's candidates (ascending), each
    computed by the exact GEMM alone (each output row's sum is over its own weight row in the
    same order whatever rows are computed beside it); -1 where the screen gives no answer (too
@@ -81,12 +91,13 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
         return arg;
     }
 #endif
-#if defined(VX_HAS_FAST_BF16)
-    /* without AMX, a head with a VNNI copy: the candidates' weight rows packed 16 a block (zero
-       rows past u) as `vx_pack_vnni_bf16` packs them, each output the VNNI GEMM's sum */
-    static uint32_t packed[8 * VX_GEMV_MAX_K] __attribute__((aligned(64)));
+#if defined(VX_PAIRED_GEMM)
+    /* without AMX, a head whose logits take the paired GEMM at every row count: the
+       candidates' weight rows in k-pair words 16 a block (zero rows past u), as
+       `vx_pack_vnni_bf16` and `pack_panels` pack them, each output that GEMM's sum */
+    static uint32_t packed[8 * VX_PAIRED_MAX_K] __attribute__((aligned(64)));
     vx_bf16 yv[16];
-    if (sh->vnni && H % 2 == 0 && H <= VX_GEMV_MAX_K) {
+    if (sh->vnni && H % 2 == 0 && H <= VX_PAIRED_MAX_K) {
         const uint32_t* w32 = (const uint32_t*)sh->w;
         const int64_t KP = H / 2;
         for (int64_t j0 = 0; j0 < u; j0 += 16) {
@@ -94,33 +105,9 @@ static int64_t vx_screen_argmax(const vx_bf16* x, int64_t H, int64_t vocab,
             for (int64_t j = 0; j < 16; j++)
                 for (int64_t p = 0; p < KP; p++)
                     packed[p * 16 + j] = j < nj ? w32[sh->idx[j0 + j] * KP + p] : 0;
-            if (vx_gemm_vnni_bf16(x, H, 1, packed, NULL, yv, 16, 16, H)) return -1;
+            if (VX_PAIRED_GEMM(x, H, 1, packed, NULL, yv, 16, 16, H)) return -1;
             for (int64_t j = 0; j < nj; j++) {
                 const float v = ld_bf16(yv[j]);
-                if (!isfinite(v)) return -1;
-                if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
-            }
-        }
-        return arg;
-    }
-#endif
-#if !defined(__AVX512F__)
-    /* AVX2, a head with panels (the logits path's GEMM at every row count): the candidates'
-       weight rows in one panel 16 a block (zero rows past u), `pack_panels`' words (k pairs,
-       the VNNI packing's layout), each output the panel GEMM's sum */
-    static uint32_t panel[8 * VX_AVX2_MAX_K] __attribute__((aligned(64)));
-    vx_bf16 yp[16];
-    if (sh->vnni && H % 2 == 0 && H <= VX_AVX2_MAX_K) {
-        const uint32_t* w32 = (const uint32_t*)sh->w;
-        const int64_t KP = H / 2;
-        for (int64_t j0 = 0; j0 < u; j0 += 16) {
-            const int64_t nj = u - j0 < 16 ? u - j0 : 16;
-            for (int64_t j = 0; j < 16; j++)
-                for (int64_t p = 0; p < KP; p++)
-                    panel[p * 16 + j] = j < nj ? w32[sh->idx[j0 + j] * KP + p] : 0;
-            if (vx_gemm_panels_avx2(x, H, 1, panel, NULL, yp, 16, 16, H)) return -1;
-            for (int64_t j = 0; j < nj; j++) {
-                const float v = ld_bf16(yp[j]);
                 if (!isfinite(v)) return -1;
                 if (arg < 0 || v > best) { best = v; arg = sh->idx[j0 + j]; }
             }
