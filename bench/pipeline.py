@@ -4,7 +4,7 @@ exactly each load phase.
 
 Usage:
     python bench/pipeline.py --model DIR [--make] [--mode pp|tp1] [--partition 10,6]
-        [--hand-off off|N]
+        [--hand-off off|N] [--shift N]
         [--concurrency 8,32] [--num-prompts 64,128] [--input-len 64] [--output-len 32]
         [--serve-args '--max-num-batched-tokens 80'] [--period 12]
 
@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--partition", default=None, help="VX_PP_LAYER_PARTITION (default: vx's)")
     ap.add_argument("--hand-off", default=None,
                     help="VX_PP_HAND_OFF_TOKENS (default: vx's; 'off': never)")
+    ap.add_argument("--shift", default=None,
+                    help="VX_PP_SHIFT_LAYERS (default: vx's; 0: the boundary stays)")
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--num-prompts", default="64",
                     help="per concurrency, or one count for all (e.g. 64,128)")
@@ -117,6 +119,8 @@ def main() -> int:
         env["VX_PP_LAYER_PARTITION"] = args.partition
     if args.hand_off is not None:
         env["VX_PP_HAND_OFF_TOKENS"] = "" if args.hand_off == "off" else args.hand_off
+    if args.shift is not None:
+        env["VX_PP_SHIFT_LAYERS"] = args.shift
     if args.period:
         env["VX_PP_PROFILE_STEPS"] = str(args.period)
     serve = [py, "-m", "vx", "serve", args.model, "--num-threads", "1", "--profile-steps",
@@ -179,7 +183,7 @@ def main() -> int:
             stage_lines.setdefault(int(m[1]), []).append(tuple(float(x) for x in m.groups()[1:]))
         log.close()
     print(f"mode {args.mode}, partition {args.partition or 'default'}, hand-off "
-          f"{args.hand_off or 'default'}, "
+          f"{args.hand_off or 'default'}, shift {args.shift or 'default'}, "
           f"({args.input_len} in, {args.output_len} out) {args.serve_args}")  # fmt: skip
     for i, (c, n, res) in enumerate(results):
         row = res[0] if isinstance(res, list) else res

@@ -130,6 +130,14 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
                "which holds a copy of that layer's o_proj, norm and MLP, finishes it (`0`: "
                "every step; empty: never, and no copy; the same on every node).",
            set_by="operator; tests (test_llm, test_pp_hand_off), bench/pipeline.py"),
+    EnvVar(name="VX_PP_SHIFT_LAYERS", type="integer", parse=int, default=1,
+           shown_default="`1`",
+           doc="Pipeline parallel: on a step that hands off (`VX_PP_HAND_OFF_TOKENS`), each "
+               "stage but the last stops this many layers earlier, and the next stage, which "
+               "holds those layers and their KV cache too, runs them; the two copies of their "
+               "K/V are kept alike (at most the stage's layers less one; `0`: the boundary "
+               "stays; the same on every node).",
+           set_by="operator; tests (test_llm, test_pp_hand_off), bench/pipeline.py"),
     EnvVar(name="VX_CACHE", type="path", parse=lambda s: s or _home_cache(),
            default_factory=_home_cache, shown_default="`~/.cache/vx`",
            doc="Where vx keeps converted models and the built C kernel library.",

@@ -248,6 +248,56 @@ def test_pp_hand_off_gives_the_same_tokens(
         assert vx_generate(llm, PROMPTS, temperature=0.0) == reference
 
 
+#: prompts that arrive while others decode (more than max_num_seqs), share a prefix, and end
+#: one token past a 32-token chunk (that token alone then rides a decode step)
+SHIFT_PROMPTS = [
+    [1, 5, 9, 13, 2, 7],
+    list(range(3, 36)),
+    [11] * 20 + [12, 13, 14],
+    [4, 8, 15, 16, 23, 42] * 6,
+    list(range(3, 36)) + [9, 9],
+    [7, 3] * 5,
+    [11] * 20 + [40, 41],
+    list(range(50, 61)),
+]
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # four layers: 2 + 2, so stage 1 may also run stage 0's last one
+    return make_tiny_model(tmp_path_factory.mktemp("deep"), arch="llama", num_hidden_layers=4,
+                           **SERVED)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("hand_off", "kwargs"),
+    [
+        pytest.param("1", {}, id="prompt-steps"),
+        pytest.param("0", {}, id="every-step"),
+        pytest.param("1", {"num_blocks": 6}, id="prompt-steps-preemption"),
+        pytest.param("1", {"tensor_parallel_size": 2}, id="prompt-steps-tp2"),
+    ],
+)
+def test_pp_shift_gives_the_same_tokens(
+    deep_model: str, monkeypatch: pytest.MonkeyPatch, hand_off: str, kwargs: dict[str, object]
+) -> None:
+    """PP = 2 where stage 1 also runs stage 0's last layer on the steps that hand off
+    (`VX_PP_SHIFT_LAYERS`), both stages keeping that layer's K/V: HF's fp32 tokens, with
+    steps that mix decodes and prompt chunks, prefix hits and (with a small pool)
+    preemption."""
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", hand_off)
+    monkeypatch.setenv("VX_PP_SHIFT_LAYERS", "1")
+    reference = hf_greedy(deep_model, SHIFT_PROMPTS, NEW_TOKENS)
+    with closed_clean(deep_model, dtype="float32", max_num_batched_tokens=32, num_threads=1,
+                      max_num_seqs=4, pipeline_parallel_size=2, **kwargs) as llm:  # fmt: skip
+        assert vx_generate(llm, SHIFT_PROMPTS, temperature=0.0) == reference
+        stats = llm.call_utility("get_stats")
+        if "num_blocks" in kwargs:
+            assert stats["num_preempted_total"] > 0, stats
+        else:  # (a pool this small evicts the shared blocks first)
+            assert stats["prefix_hits_total"] > 0, stats
+
+
 def test_no_leftovers_after_close(tiny_model: str) -> None:
     before = shm_of({os.getpid()})
     llm = LLM(tiny_model, num_threads=1)

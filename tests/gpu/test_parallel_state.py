@@ -1,4 +1,5 @@
-"""The pipeline split (`vx.gpu.parallel_state.get_pp_indices`): vLLM's, stage by stage."""
+"""The pipeline split (`vx.gpu.parallel_state.get_pp_indices`): vLLM's, stage by stage; and
+how far the boundary moves on a step that hands off (`shift_layers`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from vx.gpu.parallel_state import Grid, get_pp_indices
+from vx.gpu.parallel_state import Grid, get_pp_indices, shift_layers
 
 
 @pytest.mark.parametrize(
@@ -51,6 +52,27 @@ def test_partition_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("VX_PP_LAYER_PARTITION", "10,5")
     with pytest.raises(ValueError, match="summing to 16"):
         get_pp_indices(16, 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("env", "hand_off", "layers", "pp", "shifts"),
+    [
+        ("1", "1", 16, 2, [1, 0]),  # the default: one layer, none after the last stage
+        ("2", "1", 16, 4, [2, 2, 2, 0]),
+        ("5", "1", 3, 2, [1, 0]),  # a stage keeps one layer of its own
+        ("1", "1", 2, 2, [0, 0]),
+        ("0", "1", 16, 2, [0, 0]),
+        ("1", "", 16, 2, [0, 0]),  # nothing hands off: nothing shifts
+    ],
+)
+def test_shift_layers(
+    monkeypatch: pytest.MonkeyPatch, env: str, hand_off: str, layers: int, pp: int,
+    shifts: list[int],
+) -> None:
+    monkeypatch.setenv("VX_PP_SHIFT_LAYERS", env)
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", hand_off)
+    assert [shift_layers(layers, r, pp) for r in range(pp)] == shifts
+    assert shift_layers(layers, -1, pp) == 0  # the first stage has no stage before
 
 
 def test_more_stages_than_layers_is_refused() -> None:

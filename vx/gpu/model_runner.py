@@ -339,7 +339,7 @@ class ModelRunner:
         )  # fmt: skip
         assert self.kv_groups is not None
         inner = getattr(m, "model", m)
-        start = getattr(inner, "start_layer", 0)
+        start = getattr(inner, "cache_start", 0)
         self.kv_caches = layer_caches(slots, self.kv_groups, start, start + m.num_layers)
         self.num_blocks = num_blocks
         if isinstance(self.proposer, DraftModelProposer):

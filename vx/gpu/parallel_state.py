@@ -33,8 +33,11 @@ __all__ = [
     "grid",
     "hand_off_min_tokens",
     "init",
+    "recv_from_next",
     "recv_from_prev",
     "send_to_next",
+    "send_to_prev",
+    "shift_layers",
 ]
 
 
@@ -75,8 +78,11 @@ _grid = Grid()
 _tp_group = None
 #: The send of the previous step's hidden states, still in flight (`send_to_next`).
 _pending: list = []
-#: Seconds this stage has spent waiting on the previous stage's hidden states and on its own
-#: previous send (`--profile-steps` reports them: the pipeline's bubble).
+#: Sends to the previous stage still in flight (`send_to_prev`), oldest first.
+_pending_prev: list = []
+#: Seconds this stage has spent waiting on the previous stage's hidden states, on the next
+#: stage's K/V (`recv_from_next`) and on its own previous send (`--profile-steps` reports
+#: them: the pipeline's bubble).
 wait_s = 0.0
 
 
@@ -172,6 +178,24 @@ def hand_off_min_tokens() -> int | None:
     return None if n is None or n < 0 else n
 
 
+def shift_layers(num_layers: int, stage: int, pp_size: int, last_stage_extra: float = 0.0) -> int:
+    """How many of stage `stage`'s last layers the next stage runs instead on a step that hands
+    off (`VX_PP_SHIFT_LAYERS`, at most the stage's layers less one; 0 for the last stage, for
+    none, and where nothing hands off). Every stage computes it alike for every edge.
+
+    Why: the split (`get_pp_indices`) balances decode steps, which read weights, and the last
+    stage's LM head weighs as much as several layers there; on a step with prompt tokens the
+    head runs on the sampled rows only, so an earlier stage has more arithmetic than the last.
+    The hand-off moves one layer's o_proj and MLP; shifting the boundary moves whole layers,
+    whose K/V both stages then keep (`vx.gpu.pipeline_stage`)."""
+    from vx import envs
+
+    if not 0 <= stage < pp_size - 1 or hand_off_min_tokens() is None:
+        return 0
+    start, end = get_pp_indices(num_layers, stage, pp_size, last_stage_extra)
+    return max(0, min(envs.VX_PP_SHIFT_LAYERS, end - start - 1))
+
+
 def _even(num_layers: int, n: int) -> list[int]:
     """vLLM's split: even, the remainder one each to the parts just before the last."""
     parts = [num_layers // n] * n
@@ -196,10 +220,33 @@ def send_to_next(tensors: list[torch.Tensor]) -> None:
 def recv_from_prev(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
     """Tensors of `shapes`, in order, from the same TP rank of the previous stage (the shapes
     are known to both stages: every stage flattens the same SchedulerOutput)."""
+    return _recv(shapes, dtype, device, _grid.rank - _grid.tp_size)
+
+
+def send_to_prev(tensors: list[torch.Tensor]) -> None:
+    """Send tensors to the same TP rank of the previous stage without waiting: that stage
+    receives them when it next needs them (`recv_from_next`), possibly a step later, so
+    this never waits for an earlier send; the tensors are kept alive until theirs ends."""
+    import torch.distributed as dist
+
+    while _pending_prev and _pending_prev[0][0].is_completed():
+        _pending_prev.pop(0)
+    dst = _grid.rank - _grid.tp_size
+    for t in tensors:
+        t = t.contiguous()
+        _pending_prev.append((dist.isend(t, dst), t))
+
+
+def recv_from_next(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+    """Tensors of `shapes`, in order, from the same TP rank of the next stage (its
+    `send_to_prev`, in the order it sent them)."""
+    return _recv(shapes, dtype, device, _grid.rank + _grid.tp_size)
+
+
+def _recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, src: int):
     import torch.distributed as dist
 
     global wait_s
-    src = _grid.rank - _grid.tp_size
     out = []
     t0 = time.perf_counter()
     for shape in shapes:

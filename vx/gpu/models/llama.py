@@ -47,7 +47,7 @@ from vx.gpu.layers.linear import (
 )
 from vx.gpu.layers.rotary import rotary_dim
 from vx.gpu.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from vx.gpu.parallel_state import get_pp_indices, hand_off_min_tokens
+from vx.gpu.parallel_state import get_pp_indices, hand_off_min_tokens, shift_layers
 
 __all__ = [
     "LlamaForCausalLM", "MistralForCausalLM", "ModelArgs", "PPMissingLayer", "Qwen2ForCausalLM",
@@ -309,7 +309,10 @@ class LlamaModel(nn.Module):
     the final norm on the last; `run_layers` runs this stage's layers only. With `tail_copy`
     a stage also holds the previous stage's last layer's `finish` part (`tail_only`), so that
     the previous stage may hand that part of a step on to it (`run_layers`' `hand_off` and
-    `finish_prev`).
+    `finish_prev`). With `shadow_layers` = n it holds the previous stage's last n layers
+    whole as well (their KV caches too: the stage's caches start at `cache_start`), runs
+    them on a step that hands off, and the tail copy is then of the layer before them; the
+    previous stage, built with `shadowed_layers` = n, stops n layers earlier on such a step.
     """
 
     #: the decoder layer (norms and residuals around the attention and MLP `blocks` builds)
@@ -324,14 +327,21 @@ class LlamaModel(nn.Module):
         *,
         pp_layers: tuple[int, int] | None = None,
         tail_copy: bool = False,
+        shadow_layers: int = 0,
+        shadowed_layers: int = 0,
         **kw: Any,
     ) -> None:
         super().__init__()
         dd = {"dtype": kw["dtype"], "device": kw["device"]}
         start, end = pp_layers or (0, a.num_layers)
         self.start_layer, self.end_layer = start, end
-        #: the layer before `start_layer` whose `finish` part this stage holds, or None
-        self.tail_layer = start - 1 if tail_copy and start > 0 else None
+        #: the previous stage's last layers held here whole, and this stage's last layers the
+        #: next stage holds whole (run there on a step that hands off)
+        self.shadow_layers, self.shadowed_layers = shadow_layers, shadowed_layers
+        #: the first layer whose KV cache this stage holds (`kv_caches[0]` of `run_layers`)
+        self.cache_start = start - shadow_layers
+        #: the layer before `cache_start` whose `finish` part this stage holds, or None
+        self.tail_layer = self.cache_start - 1 if tail_copy and start > 0 else None
         last = end == a.num_layers
         # The lookup table is never quantized (only the linears and the LM head are).
         ekw = {k: v for k, v in kw.items() if k != "quantization"}
@@ -343,7 +353,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position, a.rope, **dd)
         self.layers = nn.ModuleList(
             self.layer_cls(a, *blocks(a, i, **kw), **kw)
-            if start <= i < end or i == self.tail_layer
+            if self.cache_start <= i < end or i == self.tail_layer
             else PPMissingLayer()
             for i in range(a.num_layers)
         )
@@ -389,27 +399,32 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This stage's decoder layers over `embed`'s output (or, on a later pipeline stage,
         the previous stage's output `x` and `residual`): (last MLP output, residual),
-        [T, hidden] each, or the rows `keep` only (see `forward`). `kv_caches` holds this
-        stage's layers' caches, in order.
+        [T, hidden] each, or the rows `keep` only (see `forward`). `kv_caches` holds the
+        caches of layers [`cache_start`, `end_layer`), in order.
 
-        `hand_off`: the last layer stops after its attention, and the result is its
-        (attention output [T, Hq * D], residual) for the next stage to finish. `finish_prev`:
-        `x` is such an attention output of the previous stage's last layer, finished here
-        first (`tail_layer`)."""
+        `hand_off`: the layers stop `shadowed_layers` early, the last one after its attention,
+        and the result is that layer's (attention output [T, Hq * D], residual) for the next
+        stage to finish. `finish_prev`: `x` is such an attention output of the previous
+        stage, finished here first (`tail_layer`), and the shadow layers run before this
+        stage's own."""
         start, end = self.start_layer, self.end_layer
-        if len(kv_caches) != end - start:
-            raise ValueError(f"{len(kv_caches)} KV caches for {end - start} layers")
+        first = self.cache_start
+        if len(kv_caches) != end - first:
+            raise ValueError(f"{len(kv_caches)} KV caches for {end - first} layers")
         layers = self.layers
         if finish_prev:
             assert self.tail_layer is not None and residual is not None
             x, residual = layers[self.tail_layer].finish(x, residual)
+            start = first
+        if hand_off:
+            end -= self.shadowed_layers
         for i in range(start, end):
             if hand_off and i == end - 1:
-                x, residual = layers[i].attend(rope, x, residual, kv_caches[i - start],
+                x, residual = layers[i].attend(rope, x, residual, kv_caches[i - first],
                                                attn_metadata)  # fmt: skip
                 break
             x, residual = layers[i](
-                rope, x, residual, kv_caches[i - start], attn_metadata,
+                rope, x, residual, kv_caches[i - first], attn_metadata,
                 keep if i == end - 1 else None,
             )  # fmt: skip
         assert residual is not None
@@ -488,15 +503,19 @@ class LlamaForCausalLM(nn.Module):
         #: None, "int8" or "int4": weight-only quantization of every linear and the LM head
         #: (vx.gpu.layers.quantization), applied by `process_weights_after_loading`.
         self.quantization = quantization
-        start, end = get_pp_indices(a.num_layers, pp_rank, pp_size, self.pp_head_layers(a))
+        head = self.pp_head_layers(a)
+        start, end = get_pp_indices(a.num_layers, pp_rank, pp_size, head)
         #: this pipeline stage holds the final norm and the LM head (and samples)
         self.is_last_stage = end == a.num_layers
-        if start > 0 and self.hands_off_tails():
-            kw["tail_copy"] = True
+        pp: dict[str, Any] = {}
+        if self.hands_off_tails():
+            pp["shadowed_layers"] = shift_layers(a.num_layers, pp_rank, pp_size, head)
+            if start > 0:
+                pp["tail_copy"] = True
+                pp["shadow_layers"] = shift_layers(a.num_layers, pp_rank - 1, pp_size, head)
         self.model = self.model_cls(
-            a, self.build_blocks, quantization=quantization, pp_layers=(start, end), **kw
+            a, self.build_blocks, quantization=quantization, pp_layers=(start, end), **pp, **kw
         )
-        kw.pop("tail_copy", None)
         self.lm_head: nn.Module = PPMissingLayer()
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, **kw)
@@ -504,8 +523,9 @@ class LlamaForCausalLM(nn.Module):
             if a.tie_word_embeddings:
                 self.lm_head.tie(self.model.embed_tokens)
         attn = self.model.layers[start].self_attn
-        #: this stage's layers (all of them without pipeline parallel): its KV caches
-        self.num_layers = end - start
+        #: the layers whose KV caches this stage holds: its own (all of them without pipeline
+        #: parallel) and its shadow layers
+        self.num_layers = end - self.model.cache_start
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = a.head_dim
@@ -591,7 +611,7 @@ class LlamaForCausalLM(nn.Module):
             layer = int(m.group(1))
             if layer == self.model.tail_layer:
                 return self.model.layers[layer].in_tail(name[m.end() :])
-            return self.model.start_layer <= layer < self.model.end_layer
+            return self.model.cache_start <= layer < self.model.end_layer
         if name.startswith("model.embed_tokens."):
             return not isinstance(self.model.embed_tokens, PPMissingLayer)
         if name.startswith(("model.norm.", "lm_head.")):
