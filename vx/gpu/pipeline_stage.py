@@ -28,8 +28,10 @@ K/V of the last step that wrote it:
   (`send_to_prev`). The earlier stage posts the receive right after its send of that step
   (so both stages post their p2p ops between them in one order, which NCCL needs:
   `parallel_state.irecv_from_next`), and writes them in step order before each step: those of
-  every step but the one before at once (the EngineCore scheduled this step only after their
-  results came back, and the next stage sends before it returns), and those of the step before
+  every step but the one before at once (with PP = 2 the EngineCore scheduled this step only
+  after their results came back, and the next stage sends before it returns; with more stages
+  those of the step two before may still be on their way, and this stage then waits for the
+  next one to finish that step, which it has usually done), and those of the step before
   only when this step runs the shadow layers over blocks it wrote (the step before is usually
   still running there: a request is never in two steps in flight, so it rarely must wait).
   So no step of this stage writes a slot of a step whose K/V it has not yet received, and
