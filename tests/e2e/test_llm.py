@@ -308,3 +308,61 @@ def test_no_leftovers_after_close(tiny_model: str) -> None:
             os.kill(pid, 0)
     # segment names carry their creator's pid: ours and the LLM's only (others share /dev/shm)
     assert shm_of({os.getpid(), *pids}) - before == set()
+
+
+@pytest.fixture(scope="module")
+def deeper_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # six layers: 2 + 2 + 2 under PP = 3, so the middle stage holds stage 0's last layer
+    # (its shadow) and has its own last layer held by stage 2 (shadowed)
+    return make_tiny_model(tmp_path_factory.mktemp("deeper"), arch="llama", num_hidden_layers=6,
+                           **SERVED)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pp", "partition", "shift", "hand_off"),
+    [
+        pytest.param(3, "2,2,2", "1", "1", id="pp3-prompt-steps"),
+        pytest.param(3, "2,2,2", "1", "0", id="pp3-every-step"),
+        pytest.param(3, "2,3,1", "2", "1", id="pp3-shift2"),
+        pytest.param(2, "3,3", "2", "1", id="pp2-shift2"),
+    ],
+)
+def test_pp_deep_shift_gives_the_same_tokens(
+    deeper_model: str,
+    monkeypatch: pytest.MonkeyPatch,
+    pp: int,
+    partition: str,
+    shift: str,
+    hand_off: str,
+) -> None:
+    """The shift on six layers: under PP = 3 a middle stage both runs its predecessor's last
+    layers and has its own last layers run by the next stage, each copy's K/V kept alike, with
+    the returns of two edges in flight at once; and a shift of two layers: HF's fp32 tokens."""
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", hand_off)
+    monkeypatch.setenv("VX_PP_SHIFT_LAYERS", shift)
+    monkeypatch.setenv("VX_PP_LAYER_PARTITION", partition)
+    reference = hf_greedy(deeper_model, SHIFT_PROMPTS, NEW_TOKENS)
+    with closed_clean(deeper_model, dtype="float32", max_num_batched_tokens=32, num_threads=1,
+                      max_num_seqs=4, pipeline_parallel_size=pp) as llm:  # fmt: skip
+        assert vx_generate(llm, SHIFT_PROMPTS, temperature=0.0) == reference
+        assert llm.call_utility("get_stats")["prefix_hits_total"] > 0
+
+
+def test_pp_shift_closes_with_returns_pending(
+    deep_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last steps hand off (one token each, from long prompts), so stage 1's K/V returns of
+    them are never received by stage 0: the engine still closes cleanly, and a later step
+    that reads their blocks (a prefix hit on stage 0's copy) gets HF's tokens."""
+    monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", "1")
+    monkeypatch.setenv("VX_PP_SHIFT_LAYERS", "1")
+    prompts = [list(range(3, 36)), [11] * 20 + [12, 13, 14]]
+    reference = hf_greedy(deep_model, prompts, NEW_TOKENS)
+    with closed_clean(deep_model, dtype="float32", max_num_batched_tokens=64, num_threads=1,
+                      pipeline_parallel_size=2) as llm:  # fmt: skip
+        first = vx_generate(llm, prompts, temperature=0.0, max_tokens=1)
+        assert first == [r[:1] for r in reference]
+        # the same prompts again: prefix hits on blocks whose stage 0 K/V are still returning
+        assert vx_generate(llm, prompts, temperature=0.0) == reference
+        # closed right after steps that hand off: their returns still pending
+        assert vx_generate(llm, prompts, temperature=0.0, max_tokens=1) == first

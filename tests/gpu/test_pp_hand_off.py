@@ -92,3 +92,155 @@ def test_gemma_hands_nothing_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     path = make_tiny_model(tmp_path, "gemma2")  # two layers: one a stage
     s0, s1 = _stages(path, monkeypatch)
     assert not s1.hands_off_tails() and s1.model.tail_layer is None
+
+
+class _Pair:
+    """A fake p2p link between stage 0 and stage 1 (one process): each stage's ops in the
+    order it posts them, and the tensors in flight each way."""
+
+    def __init__(self) -> None:
+        self.ops: dict[int, list[tuple[str, tuple[int, ...]]]] = {0: [], 1: []}
+        self.forward: list[torch.Tensor] = []  # stage 0 -> 1, in order
+        self.back: list[torch.Tensor] = []  # stage 1 -> 0, in order
+        self.received_back = 0
+        self.stage = 0  # the stage running now
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vx.gpu import parallel_state as ps
+
+        def send_to_next(tensors):
+            for t in tensors:
+                self.ops[self.stage].append(("send", tuple(t.shape)))
+                self.forward.append(t.clone())
+
+        def recv_from_prev(shapes, dtype, device):
+            out = []
+            for shape in shapes:
+                self.ops[self.stage].append(("recv", tuple(shape)))
+                t = self.forward.pop(0)
+                assert tuple(t.shape) == tuple(shape)
+                out.append(t)
+            return out
+
+        def send_to_prev(tensors):
+            for t in tensors:
+                self.ops[self.stage].append(("send", tuple(t.shape)))
+                self.back.append(t.clone())
+
+        def irecv_from_next(shapes, dtype, device):
+            handles = []
+            for shape in shapes:
+                self.ops[self.stage].append(("recv", tuple(shape)))
+                handles.append((self.received_back, tuple(shape)))
+                self.received_back += 1
+            return handles
+
+        def wait_recv(handles):
+            out = []
+            for i, shape in handles:
+                t = self.back[i]  # sent by now: stage 1 ran that step
+                assert tuple(t.shape) == shape
+                out.append(t)
+            return out
+
+        def recv_from_next(shapes, dtype, device):
+            return wait_recv(irecv_from_next(shapes, dtype, device))
+
+        for name, fn in [("send_to_next", send_to_next), ("recv_from_prev", recv_from_prev),
+                         ("send_to_prev", send_to_prev), ("irecv_from_next", irecv_from_next),
+                         ("wait_recv", wait_recv), ("recv_from_next", recv_from_next)]:  # fmt: skip
+            monkeypatch.setattr(ps, name, fn)
+
+
+def _shift_run(path: str, monkeypatch: pytest.MonkeyPatch, eager: bool):
+    """Both `PipelineStage`s of a PP = 2 shift over a fake link, through steps that hand off
+    (prompts) and steps that do not (decodes, some over blocks whose K/V a step before
+    computed on stage 1 only). `eager`: stage 0 takes every return before a step that runs
+    the shadowed layer. Returns (stage 1's output of each step, the link, the stages, their
+    caches, {request: (blocks, length)})."""
+    import numpy as np
+
+    from vx.config import BLOCK_SIZE
+    from vx.gpu import parallel_state as ps, pipeline_stage
+    from vx.gpu.attention.paged import build_attention_metadata
+    from vx.gpu.kv_cache import allocate_kv_caches
+    from vx.gpu.pipeline_stage import PipelineStage
+
+    with monkeypatch.context() as mp:
+        models = _stages(path, mp, shift=1)
+        pair = _Pair()
+        pair.install(mp)
+        if eager:
+            mp.setattr(pipeline_stage, "_reads", lambda md, blocks: True)
+        stages, caches = [], []
+        for r, m in enumerate(models):
+            mp.setattr(ps, "grid", lambda r=r: ps.Grid(pp_size=2, pp_rank=r))
+            stages.append(PipelineStage(m, torch.float32, torch.device("cpu")))
+            caches.append(allocate_kv_caches(m.num_layers, 16, m.num_kv_heads, m.head_dim,
+                                             dtype=torch.float32, device="cpu"))  # fmt: skip
+        assert (stages[0].shadowed, stages[1].shadows) == (1, 1)
+        blocks = {"a": [3, 4], "b": [7, 8], "c": [5]}
+        lens = {"a": 0, "b": 0, "c": 0}
+        g = torch.Generator().manual_seed(0)
+        outputs = []
+
+        def step(new: dict[str, int]) -> None:
+            """One step of `new` tokens per request (decodes first), run by stage 0 then 1."""
+            ids = list(new)
+            q = np.array([new[i] for i in ids])
+            done = np.array([lens[i] for i in ids])
+            table = np.zeros((len(ids), 2), np.int32)
+            slots = []
+            for j, i in enumerate(ids):
+                table[j, : len(blocks[i])] = blocks[i]
+                for p in range(lens[i], lens[i] + new[i]):
+                    slots.append(blocks[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            positions = torch.from_numpy(
+                np.concatenate([np.arange(n, n + k) for n, k in zip(done, q, strict=True)])
+            )
+            tokens = torch.randint(0, 64, (int(q.sum()),), generator=g)
+            for r in range(2):
+                md = build_attention_metadata(
+                    query_lens=q, num_computed=done, block_table=table,
+                    slot_mapping=np.array(slots, np.int64), num_decodes=int((q == 1).sum()),
+                )  # fmt: skip
+                pair.stage = r
+                out = stages[r].forward(tokens, positions, caches[r], md, None,
+                                        int(q[q > 1].sum()))  # fmt: skip
+            outputs.append(out)
+            for i in ids:
+                lens[i] += new[i]
+
+        step({"a": 5})  # hands off: stage 1 computes a's K/V of layer 1 and sends it back
+        step({"b": 20})  # hands off; a's return still pending on stage 0
+        step({"a": 1})  # a decode over a's block: takes a's return (older than the step before)
+        step({"b": 1, "c": 4})  # hands off; b's return of the step before not read: pending
+        step({"b": 1, "a": 1})  # decodes over b's blocks, which the step before also wrote
+        step({"c": 1})  # over c's block, written two steps back
+        return outputs, pair, stages, caches, {i: (blocks[i], lens[i]) for i in blocks}
+
+
+def test_shift_keeps_both_copies_alike_and_posts_p2p_in_one_order(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PP = 2 with the shift, both `PipelineStage`s in one process over a fake link: stage 0
+    takes the returns late yet computes what it would have taken them all at once, its copy
+    of the shadowed layer and stage 1's shadow copy end alike, and the two stages post their
+    ops on the link in the same order (a send where the other receives): NCCL runs both
+    directions' ops between two ranks in one stream, so any other order can deadlock there."""
+    from vx.config import BLOCK_SIZE
+
+    path = make_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    want, *_ = _shift_run(path, monkeypatch, eager=True)
+    got, pair, stages, caches, reqs = _shift_run(path, monkeypatch, eager=False)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    assert len(stages[0].returning) == 0
+    theirs = [(("recv" if op == "send" else "send"), shape) for op, shape in pair.ops[1]]
+    assert pair.ops[0] == theirs
+    (k0, v0), (k1, v1) = caches[0][-1], caches[1][0]  # layer 1 on each stage
+    for blocks, n in reqs.values():
+        for p in range(n):
+            b, o = blocks[p // BLOCK_SIZE], p % BLOCK_SIZE
+            assert torch.equal(k0[:, b, o], k1[:, b, o]) and torch.equal(v0[:, b, o], v1[:, b, o])
+            assert k0[:, b, o].abs().sum() > 0

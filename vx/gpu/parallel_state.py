@@ -33,11 +33,13 @@ __all__ = [
     "grid",
     "hand_off_min_tokens",
     "init",
+    "irecv_from_next",
     "recv_from_next",
     "recv_from_prev",
     "send_to_next",
     "send_to_prev",
     "shift_layers",
+    "wait_recv",
 ]
 
 
@@ -240,7 +242,39 @@ def send_to_prev(tensors: list[torch.Tensor]) -> None:
 def recv_from_next(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
     """Tensors of `shapes`, in order, from the same TP rank of the next stage (its
     `send_to_prev`, in the order it sent them)."""
-    return _recv(shapes, dtype, device, _grid.rank + _grid.tp_size)
+    return wait_recv(irecv_from_next(shapes, dtype, device))
+
+
+def irecv_from_next(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> list[tuple]:
+    """Post the receive of tensors of `shapes` from the same TP rank of the next stage (its
+    `send_to_prev`) without waiting: (work, tensor) pairs for `wait_recv`.
+
+    Post it where the next stage posts the send, relative to the two stages' other p2p ops:
+    on CUDA both directions between two ranks share one NCCL communicator and stream, whose
+    ops run in the order posted, so a receive posted only later, after a send of the next
+    step's hidden states, would wait behind that send while the next stage's receive of it
+    waits behind this stage's send back: a deadlock once the tensors outgrow NCCL's buffers.
+    """
+    import torch.distributed as dist
+
+    src = _grid.rank + _grid.tp_size
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        out.append((dist.irecv(t, src), t))
+    return out
+
+
+def wait_recv(handles: list[tuple]) -> list[torch.Tensor]:
+    """The tensors of `irecv_from_next`'s handles, once received."""
+    global wait_s
+    t0 = time.perf_counter()
+    for work, _ in handles:
+        work.wait()
+    wait_s += time.perf_counter() - t0
+    return [t for _, t in handles]
 
 
 def _recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, src: int):

@@ -25,9 +25,13 @@ K/V of the last step that wrote it:
 - on a step that does not hand off, the earlier stage runs them and sends their K/V of the
   step's tokens with its hidden states; the next stage writes them before its own layers;
 - on a step that hands off, the next stage runs them and sends their K/V back
-  (`send_to_prev`). The earlier stage takes them in step order before each step: those of
-  every step but the one before at once (the EngineCore scheduled this step only after their
-  results came back, and the next stage sends before it returns), and those of the step before
+  (`send_to_prev`). The earlier stage posts the receive right after its send of that step
+  (so both stages post their p2p ops between them in one order, which NCCL needs:
+  `parallel_state.irecv_from_next`), and writes them in step order before each step: those of
+  every step but the one before at once (with PP = 2 the EngineCore scheduled this step only
+  after their results came back, and the next stage sends before it returns; with more stages
+  those of the step two before may still be on their way, and this stage then waits for the
+  next one to finish that step, which it has usually done), and those of the step before
   only when this step runs the shadow layers over blocks it wrote (the step before is usually
   still running there: a request is never in two steps in flight, so it rarely must wait).
   So no step of this stage writes a slot of a step whose K/V it has not yet received, and
@@ -56,6 +60,8 @@ class _Returning:
     #: [T] int64 the step's slots, and the blocks they lie in
     slots: torch.Tensor
     blocks: torch.Tensor
+    #: the receive of the K/V, posted right after the step's send on (`irecv_from_next`)
+    handles: list
 
 
 class PipelineStage:
@@ -145,13 +151,19 @@ class PipelineStage:
             return inner.final_norm(x, residual)
         if talk:
             out = [x, residual]
-            if self.shadowed and hand_off:
-                blocks = torch.unique(slots // BLOCK_SIZE)
-                # a copy: the step's slot mapping may be a view of the runner's buffers
-                self.returning.append(_Returning(step, slots.clone(), blocks))
-            elif self.shadowed:
+            returns = self.shadowed and hand_off
+            if self.shadowed and not hand_off:
                 out.append(_read_rows(kv_caches[len(kv_caches) - self.shadowed :], slots))
             parallel_state.send_to_next(out)
+            if returns:
+                # Posted now, after this step's send and before the next step's: the next
+                # stage sends them back between its receive of this step and of the next
+                # (NCCL runs both directions' ops in one order; `irecv_from_next`).
+                shape = self._kv_shape(kv_caches, self.shadowed, slots.shape[0])
+                handles = parallel_state.irecv_from_next([shape], self.dtype, self.device)
+                blocks = torch.unique(slots // BLOCK_SIZE)
+                # a copy: the step's slot mapping may be a view of the runner's buffers
+                self.returning.append(_Returning(step, slots.clone(), blocks, handles))
         return None
 
     def _kv_shape(self, kv_caches: list[KVCache], n: int, t: int) -> tuple[int, ...]:
@@ -170,8 +182,7 @@ class PipelineStage:
             if r.step == self.num_steps - 1 and not (runs_shadowed and _reads(md, r.blocks)):
                 return
             self.returning.popleft()
-            shape = self._kv_shape(kv_caches, self.shadowed, r.slots.shape[0])
-            [kv] = parallel_state.recv_from_next([shape], self.dtype, self.device)
+            [kv] = parallel_state.wait_recv(r.handles)
             _write_rows(caches, r.slots, kv)
 
 
