@@ -298,6 +298,26 @@ def test_pp_shift_gives_the_same_tokens(
             assert stats["prefix_hits_total"] > 0, stats
 
 
+def test_pp_shift_changes_no_bits_on_the_default_path(
+    deep_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 (the checkpoint's dtype, the default): moving the boundary moves whole layers and
+    layer halves between processes, not arithmetic, so PP = 2 gives the same greedy tokens and
+    the same logprobs of their top 3, bit for bit, with the hand-off and shift (the default),
+    with the hand-off alone, and with neither."""
+    sp = SamplingParams.create(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0,
+                               logprobs=3)  # fmt: skip
+    outputs = {}
+    for name, hand_off, shift in [("shift", "1", "1"), ("hand-off", "1", "0"), ("none", "", "0")]:
+        monkeypatch.setenv("VX_PP_HAND_OFF_TOKENS", hand_off)
+        monkeypatch.setenv("VX_PP_SHIFT_LAYERS", shift)
+        with closed_clean(deep_model, max_num_batched_tokens=32, num_threads=1, max_num_seqs=4,
+                          pipeline_parallel_size=2) as llm:  # fmt: skip
+            done = llm.generate(SHIFT_PROMPTS, sp, use_tqdm=False)
+            outputs[name] = [(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in done]
+    assert outputs["shift"] == outputs["hand-off"] == outputs["none"]
+
+
 def test_no_leftovers_after_close(tiny_model: str) -> None:
     before = shm_of({os.getpid()})
     llm = LLM(tiny_model, num_threads=1)
