@@ -108,10 +108,15 @@ class _Pair:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from vx.gpu import parallel_state as ps
 
-        def send_to_next(tensors):
-            for t in tensors:
-                self.ops[self.stage].append(("send", tuple(t.shape)))
-                self.forward.append(t.clone())
+        def sender(queue: list[torch.Tensor]):
+            def send(tensors):
+                for t in tensors:
+                    self.ops[self.stage].append(("send", tuple(t.shape)))
+                    queue.append(t.clone())
+
+            return send
+
+        send_to_next, send_to_prev = sender(self.forward), sender(self.back)
 
         def recv_from_prev(shapes, dtype, device):
             out = []
@@ -121,11 +126,6 @@ class _Pair:
                 assert tuple(t.shape) == tuple(shape)
                 out.append(t)
             return out
-
-        def send_to_prev(tensors):
-            for t in tensors:
-                self.ops[self.stage].append(("send", tuple(t.shape)))
-                self.back.append(t.clone())
 
         def irecv_from_next(shapes, dtype, device):
             handles = []
