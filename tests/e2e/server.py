@@ -147,3 +147,4 @@ class VxServer:
         problems = [f"exit code {code}"] if code != 0 else []
         problems += [f"vx serve tree {left}"] if left else []
         assert not problems, "; ".join(problems) + f"\n{self.log()}"
+        os.unlink(self.log_path)  # a failed test keeps its server's log
