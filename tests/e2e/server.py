@@ -43,6 +43,8 @@ class VxServer:
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = f"/tmp/vx-e2e-{self.port}.log"
+        #: the log, once a passing server's exit has removed its file
+        self._kept: str | None = None
         self.exit_code: int | None = None
         self.pids: list[int] = []
         self.env = {**os.environ, **env} if env else None
@@ -84,6 +86,8 @@ class VxServer:
         return self.full_log()[-5000:]
 
     def full_log(self) -> str:
+        if self._kept is not None:
+            return self._kept
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
@@ -147,4 +151,7 @@ class VxServer:
         problems = [f"exit code {code}"] if code != 0 else []
         problems += [f"vx serve tree {left}"] if left else []
         assert not problems, "; ".join(problems) + f"\n{self.log()}"
-        os.unlink(self.log_path)  # a failed test keeps its server's log
+        # A passing server's log file goes (a failed test keeps it); a test may still read
+        # the log after the server's exit, from memory.
+        self._kept = self.full_log()
+        os.unlink(self.log_path)
