@@ -135,15 +135,15 @@ def test_fast_decode_matches_reference(
     for fast in (False, True):
         set_fast_decode_attention(fast)
         outs[fast] = paged_attention(q, k_new, v_new, (kc, vc), md, scale)
+    refs = []
     for i, n in enumerate(lens.tolist()):
         blocks = torch.from_numpy(table[i].astype(np.int64))
         k = kc[:, blocks].reshape(hkv, -1, d)[:, :n].float()
         v = vc[:, blocks].reshape(hkv, -1, d)[:, :n].float()
         qq = q[i].float().view(hkv, hq // hkv, d)
-        ref = (torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(hq, d)
+        refs.append((torch.softmax(qq @ k.transpose(1, 2) * scale, -1) @ v).reshape(hq, d))
         for fast, out in outs.items():
-            torch.testing.assert_close(out[i].float(), ref, atol=2e-2, rtol=2e-2, msg=str(fast))
-    # the two kernels differ by fp32 summation order only: bf16 outputs within one ulp
+            torch.testing.assert_close(out[i].float(), refs[i], atol=2e-2, rtol=2e-2, msg=str(fast))
     diff = (outs[True].float() - outs[False].float()).abs()
     if d % 32 == 0:  # the fast kernel handles this shape itself (no -2 fallback)
         out = torch.empty_like(q)
@@ -164,7 +164,16 @@ def test_fast_decode_matches_reference(
                 assert torch.equal(out, outs[True]), mode
         finally:
             set_work_stealing(1)
-    assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()
+    if amx and decode_kernel_fn(torch.bfloat16, fast=True) is not decode_kernel_fn(torch.bfloat16):
+        # AMX's p.V takes p rounded to bf16 (as HF's bf16 attention does), so its outputs
+        # are not within an ulp of the portable kernel's; their error against fp32 math stays
+        # near the portable kernel's (which rounds only the output)
+        ref = torch.stack(refs)
+        err = {fast: (out.float() - ref).abs() for fast, out in outs.items()}
+        assert err[True].mean() <= 2 * err[False].mean()
+        assert err[True].max() <= 2 * err[False].max() + 2.0**-8
+    else:  # the two kernels differ by fp32 summation order only: bf16 outputs within one ulp
+        assert (diff <= outs[False].float().abs() * 2.0**-7 + 1e-6).all()
 
 
 def _fast_call(q, kc, vc, table, lens, bs, scale, window=0, softcap=0.0):
@@ -193,6 +202,11 @@ def _fast_call(q, kc, vc, table, lens, bs, scale, window=0, softcap=0.0):
         (8, 1, 128, 3, 600, 0, 50.0),  # soft-capped, 2 rows an item
         (9, 3, 64, 5, 300, 128, 0.0),  # windows past their start: each row an item
         (9, 3, 64, 5, 100, 128, 0.0),  # windows not reached: one item
+        # AMX's p.V: up to 8 columns its A_odd shares A_even's tile, past 8 a tile of its own
+        # (a row alone and its shared item take different tiles); D = 96 and 32: a last pass
+        # of one 32-dim half, and a single one
+        (6, 2, 96, 7, 290, 0, 0.0),
+        (4, 2, 32, 9, 40, 0, 0.0),
     ],
 )
 def test_a_drafting_requests_rows_have_each_rows_own_bits(

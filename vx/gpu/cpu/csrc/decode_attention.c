@@ -108,12 +108,14 @@ DECODE_KERNEL(vx_decode_attention_bf16, vx_bf16, ld_bf16, st_bf16, expf)
    odd dims by a shift and a mask (no shuffle), several query heads' accumulators held in
    registers at once. With AMX (where the CPU, compiler and kernel allow it, `vx_fast_amx`)
    and blocks of a multiple of 16 keys, q.k is instead one tile product per 16 keys and 32
-   dims: S^T = K . Q^T for all G query heads at once, K loaded as a tile straight from its block.
+   dims: S^T = K . Q^T for all G query heads at once, K loaded as a tile straight from its block,
+   and so is p.V (`vx_pv_tiles`: V tiles straight from the blocks, p rounded to bf16), whose cost
+   then no longer grows with the item's columns (a drafting request's rows share an item).
    The K/V rows are prefetched ahead (blocks are scattered, the hardware prefetcher misses
    them), which is most of the gain at large batch, where the step is bound by memory.
    The pool is used from 2,048 key positions in all (the portable kernel: 8,192).
    The results differ from the portable kernel by fp32 summation order (the bf16 outputs
-   agree to about one ulp).
+   agree to about one ulp), and with AMX by p's bf16 rounding too (as HF's bf16 attention).
    Returns -2 for a shape it does not handle (D % 32, D > 256, G > 16): the caller falls back. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -231,13 +233,101 @@ VX_INLINE void vx_pf_step(vx_pf_cursor* c, int n) {
         if (++c->line == c->lines) { c->line = 0; c->blk++; }
     }
 }
+#ifdef VX_HAS_AMX
+/* p.V of one chunk on AMX, every column of an item at once, no V copy: a tile of 16 keys' V
+   rows is loaded straight from its block (B: a row's 32 dims as 16 bf16 pairs), and P enters
+   twice, each key's p in the even slot of its pair (A_even: out[n][j] += p V[k][2j], the even
+   dims) and in the odd slot (A_odd: the odd dims), the other slot 0. So `acc` keeps its even /
+   odd layout. P is rounded to bf16 (as HF's bf16 attention does). A column's sums depend only
+   on its own row of P, and keys past its count have p = 0 and add exact zeros: the same bits
+   as in an item of its row alone. The chunk's last group, when partial, is copied with zero
+   rows after its keys (a block's rows past them may hold anything). Then acc[n] = acc[n] *
+   cor[n] + chunk (acc[n] = chunk on the first), for columns with keys here. Tiles 0-3: out
+   (even, odd, of two 32-dim halves), 4, 5: A_even, A_odd, 6, 7: V; DV / 2 passes. Up to 8
+   columns, A_odd is rows NC .. 2 NC - 1 of A_even's tile (and the odd sums those rows of the
+   even tile), so a plain decode item (G columns) takes one A tile and half the products
+   (docs/performance.md has the kernel's times against the vector p.V). */
+#ifndef VX_PV_PF
+#define VX_PV_PF 2
+#endif
+VX_INLINE void vx_pv_tiles(const vx_bf16* vh, const int64_t* off, int cnt, int64_t c_ss,
+                           float sc[16][VX_CH], const int* ncnt, const float* cor, int fold,
+                           int NC, const int DV, __m512 acc[16][16], vx_pf_cursor* pf, int pq) {
+    uint32_t pa[VX_CH / 16][2][16][16] __attribute__((aligned(64)));
+    vx_bf16 vz[16][256] __attribute__((aligned(64)));
+    float pv[4][16][16] __attribute__((aligned(64)));
+    const int ng = (cnt + 15) / 16, part = cnt % 16, D = 32 * DV, np = (DV + 1) / 2;
+    const int merged = NC <= 8;  /* A_odd in rows NC .. 2 NC - 1 of A_even's tile */
+    for (int n = 0; n < NC; n++) {  /* rows past NC: whatever the stack holds (their sums
+                                       land in rows of out never read) */
+        const int valid = (ncnt[n] + 15) / 16;
+        for (int t = 0; t < ng; t++) {
+            __m512i w = _mm512_setzero_si512();
+            if (t < valid)
+                w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sc[n][16 * t])));
+            _mm512_store_si512((void*)pa[t][0][n], w);
+            _mm512_store_si512(merged ? (void*)pa[t][0][NC + n] : (void*)pa[t][1][n],
+                               _mm512_slli_epi32(w, 16));
+        }
+    }
+    if (part)
+        for (int i = 0; i < 16; i++) {
+            const vx_bf16* src = vh + off[16 * (ng - 1) + i];
+            for (int v = 0; v < DV; v++)
+                _mm512_store_si512((void*)(vz[i] + 32 * v), i < part
+                    ? _mm512_loadu_si512((const void*)(src + 32 * v)) : _mm512_setzero_si512());
+        }
+    for (int p = 0; p < np; p++) {  /* dims [64p, 64p + 64) */
+        const int two = DV - 2 * p >= 2;
+        _tile_zero(0); _tile_zero(1);
+        if (two) { _tile_zero(2); _tile_zero(3); }
+        for (int t = 0; t < ng; t++) {
+            const int last = part && t == ng - 1;
+            const vx_bf16* vr = (last ? vz[0] : vh + off[16 * t]) + 64 * p;
+            const int64_t st = last ? 2 * 256 : 2 * c_ss;
+            if (p == 0 && 16 * (t + VX_PV_PF) < cnt) {
+                const int m = cnt - 16 * (t + VX_PV_PF);
+                vx_prefetch_rows(vh, off + 16 * (t + VX_PV_PF), m < 16 ? m : 16, DV);
+            }
+            vx_pf_step(pf, 16 * NC * pq / np);
+            _tile_loadd(4, pa[t][0], 64);
+            _tile_loadd(6, vr, st);
+            if (two) _tile_loadd(7, vr + 32, st);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) _tile_dpbf16ps(2, 4, 7);
+            if (!merged) {
+                _tile_loadd(5, pa[t][1], 64);
+                _tile_dpbf16ps(1, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, pv[0], 64);
+        if (!merged) _tile_stored(1, pv[1], 64);
+        if (two) {
+            _tile_stored(2, pv[2], 64);
+            if (!merged) _tile_stored(3, pv[3], 64);
+        }
+        const int nt = two ? 4 : 2;
+        for (int n = 0; n < NC; n++) {
+            if (!ncnt[n]) continue;
+            const __m512 cv = _mm512_set1_ps(cor[n]);
+            for (int t = 0; t < nt; t++) {  /* t: even, odd (of half 0), even, odd (half 1) */
+                const float* row = merged ? pv[t & ~1][(t & 1) * NC + n] : pv[t][n];
+                const __m512 c = _mm512_load_ps(row);
+                acc[n][4 * p + t] = fold ? _mm512_fmadd_ps(acc[n][4 * p + t], cv, c) : c;
+            }
+        }
+    }
+}
+#endif
 /* One item: R consecutive decode rows of one request (the same blocks: the 1 + k rows of a
    drafting request, each one position further) and one kv head. Its R x G query heads are the
    item's columns, column n = row n / G's head n % G; each row has its own length lens[r] and
    all share the keys' window start `lo`. Every column sees exactly the operations, in the same
    order, that it sees in an item of its row alone: AMX computes each column of S^T on its own
-   (tdpbf16ps's sums do not depend on the other columns), and the softmax and p.V run per column
-   over that row's keys only. So a row's output has the same bits in any run, and a verify
+   (tdpbf16ps's sums do not depend on the other columns), the softmax runs per column over that
+   row's keys only, and p.V per column too (the vector loop over that row's keys; AMX's
+   products per row of P, with p = 0 past the row's keys). So a row's output has the same bits in any run, and a verify
    step's rows those of the plain decode step. DV = D / 32 is a compile-time constant at each
    call site. */
 VX_INLINE void vx_fast_item(
@@ -251,7 +341,7 @@ VX_INLINE void vx_fast_item(
     float sc[16][VX_CH] __attribute__((aligned(64)));
     __m512 acc[16][16];
     int64_t off[VX_CH];
-    float mx[16], sum[16];
+    float mx[16], sum[16], cor[16];
     int len = 0;
     for (int r = 0; r < R; r++) len = lens[r] > len ? lens[r] : len;
     /* The next item's lines spread over this item's work, per (key, head) of q.k and of p.V
@@ -283,10 +373,6 @@ VX_INLINE void vx_fast_item(
             for (int v = 0; v < DV; v++)
                 for (int r = 0; r < 16; r++) qt[v][r][n] = qw[16 * v + r];
         }
-        if (DV <= 2) {  /* Q^T stays in tiles 5 (and 6) for the whole item */
-            _tile_loadd(5, qt[0], 64);
-            if (DV == 2) _tile_loadd(6, qt[1], 64);
-        }
     }
 #endif
     for (int c0 = start; c0 < len; c0 += VX_CH) {
@@ -315,6 +401,10 @@ VX_INLINE void vx_fast_item(
                product runs while the last one is stored), then the scores out of the stored
                tiles: done group by group, each product waited on its store and gathers. */
             int t = 0;
+            if (DV <= 2) {  /* Q^T in tiles 5 (and 6) for the chunk's q.k (p.V takes them) */
+                _tile_loadd(5, qt[0], 64);
+                if (DV == 2) _tile_loadd(6, qt[1], 64);
+            }
 #define VX_QK_GROUP(T, ACC, KT) do { \
                 const vx_bf16* kr = kh + off[(T) * 16]; \
                 if ((T) + VX_PF < ng) vx_prefetch_rows(kh, off + ((T) + VX_PF) * 16, 16, DV); \
@@ -402,11 +492,21 @@ VX_INLINE void vx_fast_item(
             }
             sum[n] = sum[n] * corr + _mm512_reduce_add_ps(s);
             mx[n] = m_new;
+            cor[n] = corr;
+#ifdef VX_HAS_AMX
+            if (amx) continue;  /* the tile p.V folds its chunk in with corr */
+#endif
             if (c0 != start) {
                 const __m512 cv = _mm512_set1_ps(corr);
                 for (int j = 0; j < 2 * DV; j++) acc[n][j] = _mm512_mul_ps(acc[n][j], cv);
             }
         }
+#ifdef VX_HAS_AMX
+        if (amx) {
+            vx_pv_tiles(vh, off, cnt, c_ss, sc, ncnt, cor, c0 != start, NC, DV, acc, pf, pq);
+            continue;
+        }
+#endif
         const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
         /* p.V a row at a time (its columns see keys [c0, c0 + its count)), GB columns a pass */
         for (int r = 0; r < R; r++) {
@@ -488,7 +588,8 @@ int vx_decode_attention_bf16_fast(
     vx_ws_init(&ws, (int64_t)nr * Hkv, par);
     _Pragma("omp parallel if (par)") {
 #ifdef VX_HAS_AMX
-    if (amx) vx_amx_load_tiles(7);  /* per thread: 0, 3: S^T; 1, 4: K; 2, 5, 6: Q^T */
+    if (amx) vx_amx_load_tiles(8);  /* per thread: q.k 0, 3: S^T; 1, 4: K; 2, 5, 6: Q^T;
+                                       p.V 0-3: out, 4, 5: P, 6, 7: V */
 #endif
     const int tid = omp_get_thread_num();
     for (int64_t w; (w = vx_ws_next(&ws, tid)) >= 0;) {
