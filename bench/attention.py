@@ -3,11 +3,12 @@
 Usage (always under the shared benchmark lock):
 
     flock /tmp/vx-bench.lock .venv/bin/python bench/attention.py [--threads 2] [--repeats 3]
-        [--baseline REV] [--sizes 1x256,16x256,64x256,1x1024,16x1024,64x1024]
+        [--baseline REV] [--sizes 1x256,16x256,64x256,1x1024,16x1024,64x1024,8x450x9]
         [--distinct-layers 30] [--kernels "old fast,new fast"]
 
 Shapes: SmolLM2-135M's (30 layers, 9 query heads, 3 KV heads, head_dim 64, bf16, block size
-16). Each size BxKV gives every request KV tokens of context; every layer has its own K/V
+16). Each size BxKV gives every request KV tokens of context (BxKVxR: R rows a request, one
+block table, its last row at KV tokens, as a request verifying R - 1 drafts); every layer has its own K/V
 cache (so a step reads 30 layers' KV, as the model does) and the block tables are a random
 permutation of the blocks; the caches are block-major in memory, as the Worker's. One "step" is the kernel called once per layer through ctypes
 (argument tuples built beforehand, so the figure is the kernel plus the bare ctypes call).
@@ -44,6 +45,7 @@ ARGTYPES = [
     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+    ctypes.c_int, ctypes.c_float,  # window, softcap (revisions before them ignore both)
 ]  # fmt: skip
 
 
@@ -101,29 +103,32 @@ def kernels(rev: str, tmp: str) -> dict[str, object]:
 
 
 def layer_args(
-    b: int, kv: int, gen: torch.Generator, distinct: int = LAYERS
+    b: int, kv: int, gen: torch.Generator, distinct: int = LAYERS, rows: int = 1
 ) -> tuple[list[tuple], list[torch.Tensor]]:
     """Argument tuples for LAYERS layers at batch `b` and `kv` tokens (`distinct` caches, used
-    in turn), and what they point at."""
+    in turn), and what they point at. `rows` > 1: each request has that many rows with one
+    block table and lengths kv - rows + 1 .. kv, as a request verifying rows - 1 drafts."""
     width = -(-kv // BS)
     nb = b * width
     keep: list[torch.Tensor] = []
     args = []
-    q = torch.randn(b, HQ, D, generator=gen).to(torch.bfloat16)
-    lens = torch.full((b,), kv, dtype=torch.int32)
+    q = torch.randn(b * rows, HQ, D, generator=gen).to(torch.bfloat16)
+    lens = (kv - rows + 1 + torch.arange(rows, dtype=torch.int32)).repeat(b)
     keep += [q, lens]
     for _ in range(distinct):
         # block-major in memory, as `vx.gpu.kv_cache.allocate_kv_caches` lays CPU caches out
         kc = torch.randn(nb, HKV, BS, D, generator=gen).to(torch.bfloat16).transpose(0, 1)
         vc = torch.randn(nb, HKV, BS, D, generator=gen).to(torch.bfloat16).transpose(0, 1)
         bt = torch.randperm(nb, generator=gen).to(torch.int32).view(b, width)
-        out = torch.empty(b, HQ, D, dtype=torch.bfloat16)
+        bt = bt.repeat_interleave(rows, dim=0).contiguous()
+        out = torch.empty(b * rows, HQ, D, dtype=torch.bfloat16)
         keep += [kc, vc, bt, out]
         args.append(
             (
                 q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
                 out.stride(1), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], bt.data_ptr(),
-                bt.stride(0), lens.data_ptr(), b, HQ, HKV, D, BS, D**-0.5, width * BS, 0, 0.0,
+                bt.stride(0), lens.data_ptr(), b * rows, HQ, HKV, D, BS, D**-0.5, width * BS,
+                0, 0.0,
             )
         )  # fmt: skip
     return [args[i % distinct] for i in range(LAYERS)], keep
@@ -172,8 +177,8 @@ def main() -> None:
         )
         print(f"{'BxKV':>8} " + " ".join(f"{n:>13}" for n in names) + "   new fast / old fast")
         for size in a.sizes.split(","):
-            b, kv = (int(x) for x in size.split("x"))
-            args, keep = layer_args(b, kv, gen, a.distinct_layers)
+            b, kv, *r = (int(x) for x in size.split("x"))
+            args, keep = layer_args(b, kv, gen, a.distinct_layers, r[0] if r else 1)
             runs: dict[str, list[float]] = {n: [] for n in names}
             for _ in range(a.repeats):  # interleaved, so drift hits every kernel alike
                 for n in names:

@@ -23,7 +23,14 @@ import torch
 
 from tests.gpu.conftest import PagedDriver
 from tests.models import make_tiny_model
-from vx.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vx.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from vx.gpu.attention.paged import build_attention_metadata
 from vx.gpu.attention.triton import (
     paged_attention_ref,
@@ -393,3 +400,117 @@ def test_model_dispatches_norm_and_rotary_to_triton_on_gpu(tiny_llama, monkeypat
     for r in prompts:
         torch.testing.assert_close(got_logits[r], want_logits[r], atol=1e-5, rtol=1e-5)
     assert PagedDriver(model).greedy(prompts, 4) == want
+
+
+def _spec_runner(path, graph_sizes=None) -> ModelRunner:
+    """`_runner` with n-gram drafts (up to 3 a step), the drafts handed back each step."""
+    config = EngineConfig(
+        model=ModelConfig(path=path, dtype="float32", max_model_len=256),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=256, async_scheduling=False
+        ),
+        cache=CacheConfig(num_blocks_override=64),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
+    config.validate()
+    runner = ModelRunner(config, device="cpu")
+    runner.load_model()
+    runner.initialize_kv_cache(64)
+    for layer in runner.model.model.layers:
+        layer.self_attn.attn_fn = _ref_attention
+    if graph_sizes:
+        max_blocks = math.ceil(runner.max_model_len / BS)
+        runner.cuda_graphs = CudaGraphRunner(
+            runner.model, runner.kv_caches, graph_sizes, max_blocks, "cpu"
+        )
+        runner.cuda_graphs.capture()
+    return runner
+
+
+def _run_with_drafts(
+    runner: ModelRunner, oracle: dict[str, list[int]] | None = None, steps: int = 12
+) -> tuple[dict[str, list[int]], int, int]:
+    """Prefill two prompts, then `steps` steps; with `oracle` (a run's tokens without drafts) each
+    request scores 3 drafts a step (1 + 3 rows): the oracle's next tokens (all accepted) on even
+    steps, junk (rejected) on odd ones. Returns the tokens, the verify steps and their largest
+    row count."""
+    free = list(range(64))[::-1]
+    reqs: dict[str, dict] = {}
+    prompts = {"a": [5, 9, 3, 7] * 5, "b": [11, 12, 13] * 7}
+    drafts: dict[str, list[int]] = {}
+    verify_steps = max_rows = 0
+    for step_id in range(steps + 1):
+        news, cached, sched = [], [], {}
+        for rid, prompt in (prompts if step_id == 0 else {}).items():
+            blocks = [free.pop() for _ in range(math.ceil(len(prompt) / BS))]
+            reqs[rid] = dict(tokens=list(prompt), computed=0, blocks=blocks)
+            news.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=list(prompt),
+                    sampling_params=GREEDY,
+                    block_ids=list(blocks),
+                    num_computed_tokens=0,
+                    output_token_ids=[],
+                    eos_token_id=None,
+                )
+            )
+            sched[rid] = len(prompt)
+        for rid, r in reqs.items() if step_id else ():
+            n = 1 + len(drafts.get(rid, []))
+            # blocks past the computed tokens held rejected drafts only: freed (the runner
+            # drops them by the same rule)
+            keep = -(-r["computed"] // BS)
+            free += r["blocks"][keep:]
+            del r["blocks"][keep:]
+            fresh = []
+            while r["computed"] + n > len(r["blocks"]) * BS:
+                fresh.append(free.pop())
+                r["blocks"].append(fresh[-1])
+            cached.append((rid, fresh, r["computed"]))
+            sched[rid] = n
+        spec = {rid: d for rid, d in drafts.items() if d and step_id}
+        if spec:
+            verify_steps += 1
+            max_rows = max(max_rows, sum(sched.values()))
+        so = SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=news,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[c[0] for c in cached],
+                new_block_ids=[c[1] for c in cached],
+                num_computed_tokens=[c[2] for c in cached],
+            ),
+            num_scheduled_tokens=sched,
+            total_num_scheduled_tokens=sum(sched.values()),
+            finished_req_ids=[],
+            scheduled_spec_decode_tokens=spec,
+        )
+        out = runner.execute(so)
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            r = reqs[rid]
+            # a prompt step computes the prompt; a verify step the emitted tokens' inputs
+            r["computed"] += sched[rid] if step_id == 0 else len(toks)
+            r["tokens"] += toks
+        drafts = {}
+        for rid, r in reqs.items():
+            if oracle is not None:
+                n = len(r["tokens"])
+                drafts[rid] = oracle[rid][n : n + 3] if step_id % 2 else [1, 2, 3]
+    return {rid: r["tokens"] for rid, r in reqs.items()}, verify_steps, max_rows
+
+
+def test_verify_steps_replay_graphs_of_their_rows(tiny_llama):
+    """A step that scores drafts is a uniform decode batch of its 1 + k rows a request (each
+    row a decode row of the attention), so it replays the graph of its padded row count: the
+    capture sizes hold the verify rows, and the tokens are the eager runner's."""
+    graphs = _spec_runner(tiny_llama, graph_sizes=[1, 2, 4, 8, 16])
+    eager = _spec_runner(tiny_llama)
+    oracle, _, _ = _run_with_drafts(_spec_runner(tiny_llama), steps=40)
+    got, verify_steps, max_rows = _run_with_drafts(graphs, oracle)
+    want, _, _ = _run_with_drafts(eager, oracle)
+    assert got == want
+    assert all(oracle[rid][: len(t)] == t for rid, t in got.items())
+    assert verify_steps == 12 and max_rows == 8  # two requests of 1 + 3 rows
+    # every step after the prefill was decode rows only: all 12 replayed
+    assert graphs.cuda_graphs.num_replays == 12

@@ -16,6 +16,9 @@ addresses, so:
   `fill_padded_decode_inputs` copies the B real rows into the buffers and turns rows
   [B, P) into padding: slot -1 (the KV write skips it, so padding never touches the cache)
   and sequence length 0 (attention reads no block and yields zeros), token and position 0;
+- a step that scores drafts (speculative decoding) is such a batch too: each of a request's
+  1 + k rows is a decode row of the attention (`ModelRunner.prepare_inputs`), so it replays
+  the graph of its row count;
 - batches that mix prefills, and decode batches above the largest size, run eagerly (vLLM
   runs these as piecewise graphs around attention; vx does not capture pieces).
 
