@@ -143,12 +143,9 @@ class _Pair:
                 out.append(t)
             return out
 
-        def recv_from_next(shapes, dtype, device):
-            return wait_recv(irecv_from_next(shapes, dtype, device))
-
         for name, fn in [("send_to_next", send_to_next), ("recv_from_prev", recv_from_prev),
                          ("send_to_prev", send_to_prev), ("irecv_from_next", irecv_from_next),
-                         ("wait_recv", wait_recv), ("recv_from_next", recv_from_next)]:  # fmt: skip
+                         ("wait_recv", wait_recv)]:  # fmt: skip
             monkeypatch.setattr(ps, name, fn)
 
 

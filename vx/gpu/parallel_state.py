@@ -34,7 +34,6 @@ __all__ = [
     "hand_off_min_tokens",
     "init",
     "irecv_from_next",
-    "recv_from_next",
     "recv_from_prev",
     "send_to_next",
     "send_to_prev",
@@ -83,7 +82,7 @@ _pending: list = []
 #: Sends to the previous stage still in flight (`send_to_prev`), oldest first.
 _pending_prev: list = []
 #: Seconds this stage has spent waiting on the previous stage's hidden states, on the next
-#: stage's K/V (`recv_from_next`) and on its own previous send (`--profile-steps` reports
+#: stage's K/V (`wait_recv`) and on its own previous send (`--profile-steps` reports
 #: them: the pipeline's bubble).
 wait_s = 0.0
 
@@ -153,6 +152,7 @@ def get_pp_indices(
                 f"positive counts summing to {num_layers}"
             )
     elif last_stage_extra > 0 and pp_size > 1:
+
         def slowest(last: int) -> float:
             return max(last + last_stage_extra, -(-(num_layers - last) // (pp_size - 1)))
 
@@ -227,8 +227,9 @@ def recv_from_prev(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: to
 
 def send_to_prev(tensors: list[torch.Tensor]) -> None:
     """Send tensors to the same TP rank of the previous stage without waiting: that stage
-    receives them when it next needs them (`recv_from_next`), possibly a step later, so
-    this never waits for an earlier send; the tensors are kept alive until theirs ends."""
+    receives them when it next needs them (`irecv_from_next`, `wait_recv`), possibly a
+    step later, so this never waits for an earlier send; the tensors are kept alive until
+    theirs ends."""
     import torch.distributed as dist
 
     while _pending_prev and _pending_prev[0][0].is_completed():
@@ -237,12 +238,6 @@ def send_to_prev(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t = t.contiguous()
         _pending_prev.append((dist.isend(t, dst), t))
-
-
-def recv_from_next(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device):
-    """Tensors of `shapes`, in order, from the same TP rank of the next stage (its
-    `send_to_prev`, in the order it sent them)."""
-    return wait_recv(irecv_from_next(shapes, dtype, device))
 
 
 def irecv_from_next(

@@ -229,7 +229,9 @@ def test_a_drafting_requests_rows_have_each_rows_own_bits(
     a, other = perm[:width], perm[width : 2 * width]
     # request A's rows, one row of another request, then request B (A's lengths, B's blocks)
     table = np.stack([a] * rows + [other] + [other] * rows).astype(np.int32)
-    lens = np.array([first + i for i in range(rows)] + [first + 3] + [first + i for i in range(rows)])
+    lens = np.array(
+        [first + i for i in range(rows)] + [first + 3] + [first + i for i in range(rows)]
+    )
     q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16)
     scale = d**-0.5
     together = _fast_call(q, kc, vc, table, lens, bs, scale, window, softcap)
