@@ -243,7 +243,7 @@ def test_amx_vnni_is_bit_identical_to_the_amx_skinny_gemm(amx_vnni, n, k, bias) 
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     vw = cpu_vnni.VnniWeight(w, amx=True)
-    for rows in (*range(1, 18), 32, 45, 64, 192):  # 1-16: the M-row tiles' loop
+    for rows in (*range(1, 18), 32, 45, 64, 72, 192):  # 1-16: the M-row tiles' loop
         big = torch.randn(rows, k + 64, generator=g).bfloat16()
         x = big[:, 32 : 32 + k]  # row stride k + 64
         got = vw.apply(x, b)

@@ -53,8 +53,9 @@
    the GEMM's output and then as `vx_rotary_bf16` (the same bits), so no pass reads q and k
    back.
 
-   A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`), a last single
-   16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
+   A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`) (of at most 16
+   rows: its first half's products only; a verify step's 1 + k rows a request often end
+   so), a last single 16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
    N % 16, K too big; with the SiLU, I % 16). */
 #include "vx_kernels.h"
 #ifdef VX_HAS_AMX
@@ -273,6 +274,9 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
             for (int mb2 = mp * PS; mb2 < mb2e; mb2++) {
                 const int m0 = mb2 * 32;
                 const int padded = tail && mb2 == MB2 - 1;
+                /* a last block of at most 16 rows: its second half's products are of zero
+                   rows, skipped (the first half's rows get the same products either way) */
+                const int half = padded && tail <= 16;
                 const vx_bf16* a0 = padded ? vx_av_pad : x + (int64_t)m0 * x_st;
                 const int64_t ast = padded ? K : x_st;
                 const vx_bf16* a1 = a0 + 16 * ast;
@@ -292,9 +296,11 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                             if (stream) _tile_stream_loadd(7, b1 + kc * 256, 64);
                             else _tile_loadd(7, b1 + kc * 256, 64);
                             _tile_dpbf16ps(1, 4, 7);
-                            _tile_loadd(5, a1 + kc * 32, ast * 2);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
+                            if (!half) {
+                                _tile_loadd(5, a1 + kc * 32, ast * 2);
+                                _tile_dpbf16ps(2, 5, 6);
+                                _tile_dpbf16ps(3, 5, 7);
+                            }
                             /* the last block's rows, 4 a step, between the tile products */
                             if (pm0 >= 0 && kc < 8)
                                 vx_av_emit(pc, y, y_st, pm0, M, pn0, pnt, &epi, 4 * (int)kc,
@@ -308,8 +314,10 @@ static int vx_av_run(const vx_bf16* x, int64_t x_st, int M, const uint32_t* wp,
                             _tile_loadd(4, a0 + kc * 32, ast * 2);
                             _tile_stream_loadd(6, b0 + kc * 256, 64);
                             _tile_dpbf16ps(0, 4, 6);
-                            _tile_loadd(5, a1 + kc * 32, ast * 2);
-                            _tile_dpbf16ps(2, 5, 6);
+                            if (!half) {
+                                _tile_loadd(5, a1 + kc * 32, ast * 2);
+                                _tile_dpbf16ps(2, 5, 6);
+                            }
                         }
                     }
                     pm0 = -1;  /* the waiting unit is out */
