@@ -84,6 +84,7 @@ def run_load(url: str, model: str, conc: int, args: argparse.Namespace, seed: in
         "--concurrency", str(conc), "--num-prompts", str(num_prompts),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--prompt-kind", args.prompt_kind, "--seed", str(seed), "--json", out,
+        "--temperature", str(args.temperature),
     ]
     before = _spec_counts(url)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-kind", choices=["ids", "words", "copy"], default="ids",
                    help="`vx bench serve --prompt-kind` (copy: speculative decoding's workload)")
+    p.add_argument("--temperature", type=float, default=0.0, help="`vx bench serve --temperature`")
     p.add_argument("--prompts-per-client", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)

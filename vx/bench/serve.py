@@ -2,7 +2,7 @@
 
 Runs in: its own process (the CLI), against vx, vLLM or llama.cpp's server alike. In the style
 of `vllm bench serve`: `--num-prompts` fixed random prompts of `--input-len` tokens, each asking
-for exactly `--output-len` tokens (`ignore_eos`, greedy), sent to /v1/completions with
+for exactly `--output-len` tokens (`ignore_eos`, greedy unless `--temperature`), sent to /v1/completions with
 `stream: true` by `--concurrency` clients over HTTP/1.1 (`vx.bench.client`, or httpx with
 `--client httpx`). Prompts go as token-id lists by default, so every server sees the same
 lengths whatever its tokenizer's whims.
@@ -214,7 +214,7 @@ async def one_request(
         "max_tokens": args.output_len,
         "min_tokens": args.output_len,
         "ignore_eos": True,
-        "temperature": 0.0,
+        "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -427,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-token-id", type=int, default=1000)
     p.add_argument("--max-token-id", type=int, default=20000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy; above it the output is text no "
+                        "n-gram predicts, speculative decoding's worst case)")  # fmt: skip
     p.add_argument("--structured", choices=sorted(STRUCTURED), default=None,
                    help="every request's output follows a JSON schema or a regex (compare "
                         "with a run without it; outputs may end before --output-len)")
