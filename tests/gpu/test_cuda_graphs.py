@@ -232,11 +232,15 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("graphs"), "llama")
 
 
-def _runner(path, ref_attention: bool, graph_sizes=None) -> ModelRunner:
+def _runner(path, ref_attention: bool, graph_sizes=None, speculative=None) -> ModelRunner:
+    """`speculative`: drafts handed to each step by the test (async scheduling off)."""
     config = EngineConfig(
         model=ModelConfig(path=path, dtype="float32", max_model_len=256),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=256, async_scheduling=speculative is None
+        ),
         cache=CacheConfig(num_blocks_override=64),
+        speculative=speculative or SpeculativeConfig(),
     )
     config.validate()
     runner = ModelRunner(config, device="cpu")
@@ -403,28 +407,9 @@ def test_model_dispatches_norm_and_rotary_to_triton_on_gpu(tiny_llama, monkeypat
 
 
 def _spec_runner(path, graph_sizes=None) -> ModelRunner:
-    """`_runner` with n-gram drafts (up to 3 a step), the drafts handed back each step."""
-    config = EngineConfig(
-        model=ModelConfig(path=path, dtype="float32", max_model_len=256),
-        scheduler=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=256, async_scheduling=False
-        ),
-        cache=CacheConfig(num_blocks_override=64),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-    )
-    config.validate()
-    runner = ModelRunner(config, device="cpu")
-    runner.load_model()
-    runner.initialize_kv_cache(64)
-    for layer in runner.model.model.layers:
-        layer.self_attn.attn_fn = _ref_attention
-    if graph_sizes:
-        max_blocks = math.ceil(runner.max_model_len / BS)
-        runner.cuda_graphs = CudaGraphRunner(
-            runner.model, runner.kv_caches, graph_sizes, max_blocks, "cpu"
-        )
-        runner.cuda_graphs.capture()
-    return runner
+    """`_runner` with n-gram speculation (up to 3 drafts a step), the reference attention."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    return _runner(path, ref_attention=True, graph_sizes=graph_sizes, speculative=spec)
 
 
 def _run_with_drafts(
