@@ -248,7 +248,7 @@ VX_INLINE void vx_pf_step(vx_pf_cursor* c, int n) {
    even tile), so a plain decode item (G columns) takes one A tile and half the products
    (docs/performance.md has the kernel's times against the vector p.V). */
 #ifndef VX_PV_PF
-#define VX_PV_PF 2
+#define VX_PV_PF 2  /* V rows into L1 this many 16-key groups ahead (p.V's first pass) */
 #endif
 VX_INLINE void vx_pv_tiles(const vx_bf16* vh, const int64_t* off, int cnt, int64_t c_ss,
                            float sc[16][VX_CH], const int* ncnt, const float* cor, int fold,
@@ -256,7 +256,7 @@ VX_INLINE void vx_pv_tiles(const vx_bf16* vh, const int64_t* off, int cnt, int64
     uint32_t pa[VX_CH / 16][2][16][16] __attribute__((aligned(64)));
     vx_bf16 vz[16][256] __attribute__((aligned(64)));
     float pv[4][16][16] __attribute__((aligned(64)));
-    const int ng = (cnt + 15) / 16, part = cnt % 16, D = 32 * DV, np = (DV + 1) / 2;
+    const int ng = (cnt + 15) / 16, part = cnt % 16, np = (DV + 1) / 2;
     const int merged = NC <= 8;  /* A_odd in rows NC .. 2 NC - 1 of A_even's tile */
     for (int n = 0; n < NC; n++) {  /* rows past NC: whatever the stack holds (their sums
                                        land in rows of out never read) */
@@ -264,7 +264,8 @@ VX_INLINE void vx_pv_tiles(const vx_bf16* vh, const int64_t* off, int cnt, int64
         for (int t = 0; t < ng; t++) {
             __m512i w = _mm512_setzero_si512();
             if (t < valid)
-                w = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sc[n][16 * t])));
+                w = _mm512_cvtepu16_epi32(
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sc[n][16 * t])));
             _mm512_store_si512((void*)pa[t][0][n], w);
             _mm512_store_si512(merged ? (void*)pa[t][0][NC + n] : (void*)pa[t][1][n],
                                _mm512_slli_epi32(w, 16));
@@ -327,9 +328,9 @@ VX_INLINE void vx_pv_tiles(const vx_bf16* vh, const int64_t* off, int cnt, int64
    order, that it sees in an item of its row alone: AMX computes each column of S^T on its own
    (tdpbf16ps's sums do not depend on the other columns), the softmax runs per column over that
    row's keys only, and p.V per column too (the vector loop over that row's keys; AMX's
-   products per row of P, with p = 0 past the row's keys). So a row's output has the same bits in any run, and a verify
-   step's rows those of the plain decode step. DV = D / 32 is a compile-time constant at each
-   call site. */
+   products per row of P, with p = 0 past the row's keys). So a row's output has the same
+   bits in any run, and a verify step's rows those of the plain decode step. DV = D / 32 is a
+   compile-time constant at each call site. */
 VX_INLINE void vx_fast_item(
         const vx_bf16* qr, int64_t q_st, int64_t q_sh, vx_bf16* orow, int64_t o_st, int64_t o_sh,
         const vx_bf16* kh, const vx_bf16* vh, int64_t c_sb, int64_t c_ss, const int32_t* btr,
@@ -341,7 +342,10 @@ VX_INLINE void vx_fast_item(
     float sc[16][VX_CH] __attribute__((aligned(64)));
     __m512 acc[16][16];
     int64_t off[VX_CH];
-    float mx[16], sum[16], cor[16];
+    float mx[16], sum[16];
+#ifdef VX_HAS_AMX
+    float cor[16];  /* each column's rescale of this chunk, for the tile p.V's fold */
+#endif
     int len = 0;
     for (int r = 0; r < R; r++) len = lens[r] > len ? lens[r] : len;
     /* The next item's lines spread over this item's work, per (key, head) of q.k and of p.V
@@ -492,8 +496,8 @@ VX_INLINE void vx_fast_item(
             }
             sum[n] = sum[n] * corr + _mm512_reduce_add_ps(s);
             mx[n] = m_new;
-            cor[n] = corr;
 #ifdef VX_HAS_AMX
+            cor[n] = corr;
             if (amx) continue;  /* the tile p.V folds its chunk in with corr */
 #endif
             if (c0 != start) {

@@ -53,10 +53,10 @@
    the GEMM's output and then as `vx_rotary_bf16` (the same bits), so no pass reads q and k
    back.
 
-   A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`) (of at most 16
-   rows: its first half's products only; a verify step's 1 + k rows a request often end
-   so), a last single 16-column block takes two C tiles. Returns -2 where it does not apply (no AMX, K % 32,
-   N % 16, K too big; with the SiLU, I % 16). */
+   A last partial 32-row block is read from a zero-padded copy (`vx_av_pad`; of at most 16
+   rows, only its first half's products run), a last single 16-column block takes two C
+   tiles. Returns -2 where it does not apply (no AMX, K % 32, N % 16, K too big; with the
+   SiLU, I % 16). */
 #include "vx_kernels.h"
 #ifdef VX_HAS_AMX
 #define VX_AV_PM 16  /* 32-row blocks a panel holds at most */
