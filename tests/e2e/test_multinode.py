@@ -60,7 +60,8 @@ class TwoNodes:
 @contextlib.contextmanager
 def two_nodes(model: str, group: list[str], node0: list[str], node1: list[str]):
     """Start node 1 (`group` + `node1` + `--headless`), then node 0 (`group` + `node0`), ready;
-    on exit SIGKILL whatever of either tree is left and remove node 1's log."""
+    on exit SIGKILL whatever of either tree is left and remove node 1's log, and node 0's
+    unless the test failed (as `VxServer` keeps a failed server's)."""
     log1 = open(f"/tmp/vx-e2e-node1-{os.getpid()}-{free_port()}.log", "wb")
     proc1 = subprocess.Popen(
         [sys.executable, "-m", "vx", "serve", model, "--num-threads", "1", *group, *node1,
@@ -71,10 +72,12 @@ def two_nodes(model: str, group: list[str], node0: list[str], node1: list[str]):
         VxServer(model, "--served-model-name", "tiny", "--dtype", "float32", *group, *node0),
         proc1, log1.name,
     )  # fmt: skip
+    failed = True
     try:
         nodes.node0.__enter__()
         nodes.tree1 += descendants(proc1.pid)
         yield nodes
+        failed = False
     finally:
         for p in nodes.everyone():
             if alive(p):
@@ -83,6 +86,8 @@ def two_nodes(model: str, group: list[str], node0: list[str], node1: list[str]):
         nodes.node0._clean_up()
         log1.close()
         os.unlink(log1.name)
+        if not failed:
+            os.unlink(nodes.node0.log_path)
 
 
 def assert_group_fails(nodes: TwoNodes, t0: float, exit_code: int | None) -> tuple[float, float]:
