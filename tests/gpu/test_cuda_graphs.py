@@ -259,6 +259,22 @@ def _runner(path, ref_attention: bool, graph_sizes=None, speculative=None) -> Mo
     return runner
 
 
+def _admit(reqs: dict[str, dict], free: list[int], rid: str, prompt: list[int]) -> NewRequestData:
+    """A new request's blocks for its whole prompt (from `free`), its record in `reqs`, and
+    its NewRequestData."""
+    blocks = [free.pop() for _ in range(math.ceil(len(prompt) / BS))]
+    reqs[rid] = dict(tokens=list(prompt), computed=0, blocks=blocks)
+    return NewRequestData(
+        req_id=rid,
+        prompt_token_ids=list(prompt),
+        sampling_params=GREEDY,
+        block_ids=list(blocks),
+        num_computed_tokens=0,
+        output_token_ids=[],
+        eos_token_id=None,
+    )
+
+
 class _Sim:
     """Hands the runner SchedulerOutputs: whole-prompt prefills, then one token a step."""
 
@@ -272,19 +288,7 @@ class _Sim:
     def step(self, new: dict[str, list[int]], decode: list[str]) -> dict[str, int]:
         news, cached, sched = [], [], {}
         for rid, prompt in new.items():
-            blocks = [self.free.pop() for _ in range(math.ceil(len(prompt) / BS))]
-            self.reqs[rid] = dict(tokens=list(prompt), computed=0, blocks=blocks)
-            news.append(
-                NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=list(prompt),
-                    sampling_params=GREEDY,
-                    block_ids=list(blocks),
-                    num_computed_tokens=0,
-                    output_token_ids=[],
-                    eos_token_id=None,
-                )  # fmt: skip
-            )
+            news.append(_admit(self.reqs, self.free, rid, prompt))
             sched[rid] = len(prompt)
         for rid in decode:
             r = self.reqs[rid]
@@ -427,19 +431,7 @@ def _run_with_drafts(
     for step_id in range(steps + 1):
         news, cached, sched = [], [], {}
         for rid, prompt in (prompts if step_id == 0 else {}).items():
-            blocks = [free.pop() for _ in range(math.ceil(len(prompt) / BS))]
-            reqs[rid] = dict(tokens=list(prompt), computed=0, blocks=blocks)
-            news.append(
-                NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=list(prompt),
-                    sampling_params=GREEDY,
-                    block_ids=list(blocks),
-                    num_computed_tokens=0,
-                    output_token_ids=[],
-                    eos_token_id=None,
-                )
-            )
+            news.append(_admit(reqs, free, rid, prompt))
             sched[rid] = len(prompt)
         for rid, r in reqs.items() if step_id else ():
             n = 1 + len(drafts.get(rid, []))
