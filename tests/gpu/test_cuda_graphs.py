@@ -275,6 +275,30 @@ def _admit(reqs: dict[str, dict], free: list[int], rid: str, prompt: list[int]) 
     )
 
 
+def _step(
+    step_id: int,
+    news: list[NewRequestData],
+    cached: list[tuple[str, list[int], int]],
+    sched: dict[str, int],
+    finished: list[str],
+    spec: dict[str, list[int]] | None = None,
+) -> SchedulerOutput:
+    """A step of new requests and cached ones ((id, new blocks, computed count) each)."""
+    return SchedulerOutput(
+        step_id=step_id,
+        scheduled_new_reqs=news,
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[c[1] for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens=sched,
+        total_num_scheduled_tokens=sum(sched.values()),
+        finished_req_ids=finished,
+        scheduled_spec_decode_tokens=spec or {},
+    )
+
+
 class _Sim:
     """Hands the runner SchedulerOutputs: whole-prompt prefills, then one token a step."""
 
@@ -298,18 +322,7 @@ class _Sim:
                 r["blocks"] += fresh
             cached.append((rid, fresh, r["computed"]))
             sched[rid] = 1
-        so = SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_new_reqs=news,
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[c[0] for c in cached],
-                new_block_ids=[c[1] for c in cached],
-                num_computed_tokens=[c[2] for c in cached],
-            ),
-            num_scheduled_tokens=sched,
-            total_num_scheduled_tokens=sum(sched.values()),
-            finished_req_ids=self.finished,
-        )
+        so = _step(self.step_id, news, cached, sched, self.finished)
         self.finished = []
         self.step_id += 1
         out = self.runner.execute(so)
@@ -450,19 +463,7 @@ def _run_with_drafts(
         if spec:
             verify_steps += 1
             max_rows = max(max_rows, sum(sched.values()))
-        so = SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=news,
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[c[0] for c in cached],
-                new_block_ids=[c[1] for c in cached],
-                num_computed_tokens=[c[2] for c in cached],
-            ),
-            num_scheduled_tokens=sched,
-            total_num_scheduled_tokens=sum(sched.values()),
-            finished_req_ids=[],
-            scheduled_spec_decode_tokens=spec,
-        )
+        so = _step(step_id, news, cached, sched, [], spec)
         out = runner.execute(so)
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             r = reqs[rid]
