@@ -63,7 +63,9 @@ def test_invariant_outputs_are_the_same_with_drafts(invariant_reference: list[An
     for kwargs in (
         {},
         {"max_num_batched_tokens": 16, "async_scheduling": False},
-        {"num_blocks": 16, "max_num_seqs": 3},
+        # ~280 tokens in 192 slots: preempts whichever drafts are taken (16 blocks did not
+        # on Zen 5, where the drafts let a request end before the pool ran short)
+        {"num_blocks": 12, "max_num_seqs": 3},
     ):
         with LLM(num_threads=2, batch_invariant=True, speculative_config=SPEC, **kwargs) as llm:
             assert _run(llm) == want, kwargs
