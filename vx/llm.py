@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,20 @@ from vx.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0
+
+#: One prompt of `LLM.generate`: text, token ids, or vLLM's `TextPrompt` / `TokensPrompt` dict.
+Prompt = str | list[int] | dict[str, Any]
+
+
+def _is_token_id(x: object) -> bool:
+    """An int-like token id (numpy's too), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass
@@ -189,21 +204,45 @@ class LLM:
     # ── public API ─────────────────────────────────────────────────────────────
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt; results come back in prompt order. A prompt is text, a
+        list of token ids, or vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids":
+        ids}`). Raises ValueError, before any request is sent, for a prompt of another shape or
+        a token id outside the tokenizer's vocabulary (as the server answers 400)."""
+        if isinstance(prompts, (str, dict)) or (prompts and _is_token_id(prompts[0])):
             prompts = [prompts]  # type: ignore[list-item]
-        items: list[tuple[str | None, list[int]]] = []
-        for p in prompts:
-            if isinstance(p, str):
-                items.append((p, self.tokenizer.encode(p)))
-            else:
-                items.append((None, list(p)))
+        items = [self._prompt_item(p, i) for i, p in enumerate(prompts)]  # type: ignore[union-attr]
         return self._run(items, sampling_params, use_tqdm=use_tqdm)
+
+    def _prompt_item(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt of `generate`'s."""
+        p: Any = prompt
+        if isinstance(p, dict):
+            keys = {"prompt", "prompt_token_ids"} & p.keys()
+            if len(keys) != 1:
+                raise ValueError(
+                    f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids' (one)"
+                )
+            p = p[keys.pop()]
+        if isinstance(p, str):
+            return p, self.tokenizer.encode(p)
+        if isinstance(p, (list, tuple)) and all(_is_token_id(t) for t in p):
+            ids = [operator.index(t) for t in p]
+            vocab = len(self.tokenizer)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"prompt {index}: token id {bad} is out of vocabulary (size {vocab})"
+                )
+            return None, ids
+        raise ValueError(
+            f"prompt {index}: expected text, a list of token ids or a prompt dict, "
+            f"got {type(p).__name__}"
+        )
 
     def chat(
         self,

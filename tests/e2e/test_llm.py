@@ -171,6 +171,37 @@ def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
     assert a == b
 
 
+def test_prompt_forms_and_bad_prompts(llm: LLM) -> None:
+    """vLLM's prompt dicts and numpy ids give the plain prompts' tokens; a malformed prompt or
+    an out-of-vocabulary id is a ValueError before anything is sent, and the engine lives on
+    (a dict once reached it as its keys, which killed the engine)."""
+    import numpy as np
+
+    want = vx_generate(llm, PROMPTS[:2], temperature=0.0)
+    forms = [{"prompt_token_ids": PROMPTS[0]}, np.array(PROMPTS[1], dtype=np.int64).tolist()]
+    assert vx_generate(llm, forms, temperature=0.0) == want
+    assert vx_generate(llm, [list(np.array(PROMPTS[0]))], temperature=0.0) == want[:1]
+    text = llm.tokenizer.decode(PROMPTS[2])
+    assert vx_generate(llm, [{"prompt": text}], temperature=0.0) == vx_generate(
+        llm, [text], temperature=0.0
+    )
+    vocab = len(llm.tokenizer)
+    bad = {
+        "dict without a prompt": [{"token_ids": [1, 2]}],
+        "dict with both": [{"prompt": "a", "prompt_token_ids": [1]}],
+        "a string id": [[1, "2", 3]],
+        "a bool id": [[1, True]],
+        "a float id": [[1.0, 2.0]],
+        "out of vocabulary": [[1, vocab]],
+        "negative": [[-1, 2]],
+        "a set": [{1, 2}],
+    }
+    for name, prompts in bad.items():
+        with pytest.raises(ValueError, match="prompt 0"):
+            vx_generate(llm, prompts, temperature=0.0)  # type: ignore[arg-type]
+        assert vx_generate(llm, PROMPTS[:1], temperature=0.0) == want[:1], name
+
+
 def test_stop_string_and_n(llm: LLM) -> None:
     sp = SamplingParams.create(max_tokens=8, n=3, temperature=1.0, seed=7)
     (out,) = llm.generate([PROMPTS[0]], sp, use_tqdm=False)
