@@ -15,9 +15,11 @@ and 4 KV heads, hidden 256) of three layouts:
 Each runs as `vx serve` (real processes, HTTP); per context length, one request of that many
 random prompt tokens streams `--decode` tokens (greedy, ignore_eos), `--repeats` times (a
 token more each time, so no prefix hit: the median is shown). Decode tok/s is the
-tokens after the first over the time from the first to the last (the whole model: its global
-layers' attention grows with the context); the blocks held are read from
-/metrics (`vx:kv_cache_usage_perc` x the pool) while the request decodes, alone on the server.
+tokens after the first (the usage count: an event carries every token the server has when it
+writes it) over the time from the first event to the last (the whole model: its global layers'
+attention grows with the context); the blocks held are read from /metrics
+(`vx:kv_cache_usage_perc` x the pool) every 10 ms while a request of its own decodes, alone on
+the server (polling beside the timed requests took a share of the cores from them).
 "What the windows need", per layer kind, in blocks of 16 tokens: a global layer the whole
 context, a windowed one ceil((W - 1) / 16) + 1; the table gives both as blocks of all layers.
 Gemma's layers fall in KV-cache groups (`vx.gpu.kv_cache.kv_cache_groups`: a pool block is
@@ -75,18 +77,20 @@ def _usage(url: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def _one(url: str, model: str, ctx: int, decode: int, vocab: int) -> tuple[float, float]:
-    """(decode tok/s, highest KV usage seen while it decoded) for one request of ctx tokens."""
+def _one(url: str, model: str, ctx: int, decode: int, vocab: int, poll: bool) -> tuple[float, float]:
+    """(decode tok/s, highest KV usage seen while it decoded, with `poll`) for one request of
+    ctx tokens."""
     rng = random.Random(ctx)
     prompt = [rng.randrange(3, vocab) for _ in range(ctx)]
     body = {"model": model, "prompt": prompt, "max_tokens": decode, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     times: list[float] = []
     peak = [0.0]
     done = threading.Event()
 
     def poll() -> None:
-        while not done.wait(0.01):  # sampling the gauge of another process, not a sync
+        while poll and not done.wait(0.01):  # sampling another process's gauge, not a sync
             if times:
                 peak[0] = max(peak[0], _usage(url))
 
@@ -97,12 +101,16 @@ def _one(url: str, model: str, ctx: int, decode: int, vocab: int) -> tuple[float
             r.raise_for_status()
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    if json.loads(line[6:])["choices"][0].get("text") is not None:
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    elif event["choices"][0].get("text") is not None:
                         times.append(time.perf_counter())
     finally:
         done.set()
         poller.join()
-    return (len(times) - 1) / (times[-1] - times[0]), peak[0]
+    # tokens, not events: an event carries every token the server has when it writes
+    return (tokens - 1) / (times[-1] - times[0]), peak[0]
 
 
 def _layer_us(ctx: int, window: int | None, threads: int) -> float:
@@ -169,11 +177,13 @@ def main() -> None:
                           str(max(ctxs) + a.decode + 16), "--max-num-seqs", "4",
                           "--num-threads", str(a.threads)) as srv:  # fmt: skip
                 for ctx in ctxs:
-                    _one(srv.url, path, 256, 4, cfg["vocab_size"])  # warm-up
-                    runs = [_one(srv.url, path, ctx + i, a.decode, cfg["vocab_size"])
-                            for i in range(a.repeats)]  # fmt: skip
+                    _one(srv.url, path, 256, 4, cfg["vocab_size"], poll=False)  # warm-up
+                    # the blocks from a request of their own: polling the gauge every 10 ms
+                    # takes a share of the two cores from the decode whose speed is measured
+                    _, usage = _one(srv.url, path, ctx, a.decode, cfg["vocab_size"], poll=True)
+                    runs = [_one(srv.url, path, ctx + 1 + i, a.decode, cfg["vocab_size"],
+                                 poll=False) for i in range(a.repeats)]  # fmt: skip
                     tps = statistics.median(r[0] for r in runs)
-                    usage = max(r[1] for r in runs)
                     held = usage * nb * groups.group_size / n_all
                     end = ctx + a.decode
                     win_need = -(-(window - 1) // BS) + 1
