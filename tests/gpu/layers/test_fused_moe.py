@@ -13,6 +13,7 @@ from vx.gpu.cpu.vnni import amx_vnni_wanted
 from vx.gpu.layers import moe_routing
 from vx.gpu.layers.cpu_experts import SLACK_ROWS
 from vx.gpu.layers.fused_moe import FusedMoE, moe_reference, select_experts
+from vx.gpu.layers.linear import silu_and_mul
 from vx.gpu.layers.quantization import dequantize_int4, quantize_int4, quantize_int8
 
 E, K, H, INTER = 8, 2, 32, 48
@@ -223,6 +224,45 @@ def test_amx_experts_are_each_experts_own_gemms(
     assert not got.isnan().any()
     with pytest.raises(ValueError, match="slack"):
         experts._run_experts(xs[: n + 1], counts)
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter"), [
+    (1, CH, CI), (2, 96, 64), (3, CH, CI), (9, 96, 64), (40, CH, CI), (300, 96, 64),
+    (1100, CH, CI),
+])  # fmt: skip
+def test_vnni_experts_are_each_experts_own_gemms(
+    tokens: int, hidden: int, inter: int, monkeypatch
+) -> None:
+    """The VNNI experts' one call (`vx_moe_experts_vnni`, AVX512-BF16 without AMX): for each
+    expert, the bits of its own VNNI copies' GEMMs (the gate-up, the SiLU-mul, the down) on its
+    rows alone, at every row count (the small-row tile's 1-4 rows an expert, the 8-row tile's
+    blocks, panels of 3, 2 and 1 vectors); the slack rows are never read (NaN there changes
+    nothing); and the chains, which take the same copies, give the same bits."""
+    _bf16_paths(monkeypatch, "vnni")
+    moe = _cpu_moe(torch.bfloat16, hidden=hidden, inter=inter)
+    experts = moe.experts_fn
+    assert experts.grouped is None and experts.grouped_vnni is not None
+    x, weights, ids = _routed(tokens, torch.bfloat16, hidden=hidden)
+    order, counts = moe_routing.group_by_expert(ids, E)
+    n = tokens * K
+    xs = torch.full((n + SLACK_ROWS, hidden), float("nan"), dtype=torch.bfloat16)
+    xs[:n] = x[order // K]
+    got = experts._run_experts(xs, counts)
+    start = 0
+    for e, c in enumerate(counts):
+        rows = xs[start : start + c]
+        if c:
+            gu = experts.gate_up[e].vnni.apply(rows, None)
+            act = silu_and_mul(gu)
+            want = experts.down[e].vnni.apply(act, None)
+            assert torch.equal(got[start : start + c], want), (e, c)
+        start += c
+    assert not got.isnan().any()
+    grouped, experts.grouped_vnni = experts.grouped_vnni, None
+    try:
+        assert torch.equal(experts._run_experts(xs, counts), got)
+    finally:
+        experts.grouped_vnni = grouped
 
 
 @pytest.mark.parametrize("weights_in_fp32", [False, True])

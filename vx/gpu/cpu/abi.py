@@ -80,6 +80,8 @@ KERNEL_ABI: dict[str, tuple[type | None, list[type]]] = {
     "vx_gemm_amx_vnni_rope": (_I32, [*_GEMM[1], _P, _P, _I64, _I32]),
     # experts_amx.c
     "vx_moe_experts_amx": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _P, _P]),
+    # experts_vnni.c
+    "vx_moe_experts_vnni": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P]),
     # gemv_avx2.c
     "vx_gemv_avx2_max_rows": _QUERY,
     "vx_gemv_bf16_avx2": _GEMM,

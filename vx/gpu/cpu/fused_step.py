@@ -12,11 +12,12 @@ the first `rotary_dim` dims of each head), and Gemma's (`(1 + w)` norms before a
 attention and the MLP, GeGLU, Gemma 3's q/k norms, and its sliding layers' own rope: the
 step's second cos/sin). Each layer's sliding window and logit soft-cap (`WindowedAttention`)
 go to the same C attention kernels the module path calls. A Mixtral or Qwen3-MoE layer's
-`SparseMoeBlock` is taken where its experts take the AMX experts' GEMM (`CpuExperts.grouped`,
-AMX only; `moe_desc`): its router, top-k, grouping, experts and weighted sum are the module
-path's C calls (`vx_moe_block`), and such a model's steps stay within the skinny GEMM's rows
-(past them the router goes to oneDNN on the module path). Other MoE blocks (no AMX, OLMoE's
-layer, quantized experts) are declined.
+`SparseMoeBlock` is taken where its experts take the AMX experts' GEMM (`CpuExperts.grouped`)
+or, on AVX512-BF16 without AMX, the VNNI experts' GEMM (`grouped_vnni`; `moe_desc`): its
+router, top-k, grouping, experts and weighted sum are the module path's C calls
+(`vx_moe_block`), and such a model's steps stay within the skinny GEMM's rows (past them the
+router goes to oneDNN on the module path). Other MoE blocks (AVX2, OLMoE's layer, quantized
+experts) are declined.
 
 Runs in: each Worker process. The C side is `vx/gpu/cpu/csrc/decode_step.c` (built into the kernel
 library of `vx.gpu.cpu.library`). The model file knows nothing of it: the ModelRunner builds it
@@ -117,12 +118,18 @@ class FusedDecode:
         # no row cap): mixed steps of 500-1,000 rows skip the module path's per-layer Python
         # and torch ops too (measured shorter in alternated steps on a 2-core Zen 5)
         self._amx = hasattr(lib, "vx_fast_amx") and bool(lib.vx_fast_amx(-1))  # not on AVX2
-        # (a MoE layer's router has no VNNI copy where it is padded, and its experts' GEMM
-        # takes the skinny GEMM's rows: such a model's steps stay at `bf16_max_rows`)
-        every = all(
+        # (a MoE layer's router has no VNNI copy where it is padded: such a model's steps stay
+        # at `bf16_max_rows`)
+        #: every dense linear (a MoE layer's qkv and o) has a VNNI copy: without AMX they then
+        #: route every row count to it (`VNNI_MIN_ROWS`), as the module path's linears do
+        self._linears_vnni = all(
             lin.vn or lin.vs
-            for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ) and not any(layer.moe for layer in layers)  # fmt: skip
+            for layer in layers
+            for lin in (
+                (layer.qkv, layer.o) if layer.moe else (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+        )  # fmt: skip
+        every = self._linears_vnni and not any(layer.moe for layer in layers)
         # With AMX the copies are the AMX GEMM's (`vx.gpu.cpu.vnni`; a gate-up's packed for the
         # SiLU epilogue): the step takes their rows, to `amx_vnni_rows()[1]`, and past the
         # skinny GEMM's only where the module path routes them to the same copies (for each
@@ -191,10 +198,10 @@ class FusedDecode:
             if attn.head_dim % 2 or not same:  # the step's scale and rotary are one for all
                 return None
             moe = None
-            if hasattr(mlp, "experts"):  # a MoE MLP: AMX only (`vx_moe_experts_amx`)
+            if hasattr(mlp, "experts"):  # a MoE MLP: AVX-512 (`vx_moe_experts_amx`, `_vnni`)
                 moe = None if avx2 else moe_desc(mlp, keep)
                 if moe is None:
-                    logger.info("fused CPU step declined: experts without the AMX experts' GEMM")
+                    logger.info("fused CPU step declined: experts without a grouped experts' GEMM")
                     return None
                 moes.append(moe)
                 linears = (attn.qkv_proj, attn.o_proj)
@@ -312,7 +319,7 @@ class FusedDecode:
             # as `linear` (AVX2: `WideWeight.apply`) routes
             0 if self.batch_invariant  # the copies take every row (C: `vx_linear_apply`)
             else PANEL_FROM_ROWS - 1 if self._avx2_rows
-            else VNNI_MIN_ROWS - 1 if self._vnni_rows and not self._amx
+            else VNNI_MIN_ROWS - 1 if self._linears_vnni and not self._amx
             else bf16_max_rows(),
             cos.data_ptr(), sin.data_ptr(), md.slot_mapping.data_ptr(), ptr(bt),
             bt.stride(0) if nd else 0, ptr(lens), nd, len(md.prefills),

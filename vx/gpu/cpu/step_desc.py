@@ -82,7 +82,7 @@ class MoeDesc(ctypes.Structure):
 
     _fields_ = [
         ("router", LinearDesc), ("w13", _P), ("w2", _P), ("E", _I64), ("k", _I64), ("I", _I64),
-        ("renorm", _I32), ("w_f32", _I32),
+        ("renorm", _I32), ("w_f32", _I32), ("vnni", _I32),
     ]  # fmt: skip
 
 
@@ -98,15 +98,15 @@ def moe_scratch_bytes(t: int, moes: list[MoeDesc], hidden: int) -> int:
         n = t * m.k
         need = max(need, sum(al(b) for b in (
             t * m.router.n * 2, n * 4, n * 8, n * 8, m.E * 8, (n + 32) * hidden * 2,
-            (n + 32) * m.I * 2, n * hidden * 2,
+            (n + 32) * m.I * 2, n * hidden * 2, n * 2 * m.I * 2,
         )))  # fmt: skip
     return need
 
 
 def moe_desc(mlp: Any, keep: list) -> MoeDesc | None:
-    """The C view of a `SparseMoeBlock` whose experts take the AMX experts' GEMM
-    (`CpuExperts.grouped`), else None (the model then runs its module path). `keep` collects
-    what the description points at that nothing else holds."""
+    """The C view of a `SparseMoeBlock` whose experts take the AMX or the VNNI experts' GEMM
+    (`CpuExperts.grouped`, `grouped_vnni`), else None (the model then runs its module path).
+    `keep` collects what the description points at that nothing else holds."""
     from vx.gpu.layers.cpu_experts import CpuExperts
     from vx.gpu.layers.linear_method import PaddedSkinnyLinear
     from vx.gpu.models.mixtral import SparseMoeBlock
@@ -115,7 +115,10 @@ def moe_desc(mlp: Any, keep: list) -> MoeDesc | None:
         return None
     moe, gate = mlp.experts, mlp.gate
     experts = moe.experts_fn
-    if not isinstance(experts, CpuExperts) or experts.grouped is None or moe.tp_size != 1:
+    if not isinstance(experts, CpuExperts) or moe.tp_size != 1:
+        return None
+    grouped = experts.grouped if experts.grouped is not None else experts.grouped_vnni
+    if grouped is None:
         return None
     if gate.quant is not None or gate.bias is not None or gate.weight.shape[0] != moe.num_experts:
         return None
@@ -129,10 +132,11 @@ def moe_desc(mlp: Any, keep: list) -> MoeDesc | None:
         router = linear_desc(gate, False)
         if router is None:
             return None
-    keep.append(experts.grouped)
+    keep.append(grouped)
     return MoeDesc(
-        router, experts.grouped[0].ctypes.data, experts.grouped[1].ctypes.data, moe.num_experts,
-        moe.top_k, experts.inter, int(moe.renormalize), int(moe.weights_in_fp32),
+        router, grouped[0].ctypes.data, grouped[1].ctypes.data, moe.num_experts, moe.top_k,
+        experts.inter, int(moe.renormalize), int(moe.weights_in_fp32),
+        int(experts.grouped is None),
     )  # fmt: skip
 
 

@@ -122,6 +122,25 @@ class CpuExperts:
                 np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),  # type: ignore[union-attr]
                 np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),  # type: ignore[union-attr]
             )
+        #: (each expert's gate-up VNNI copy, its down's) as C pointer arrays, where the VNNI
+        #: experts' GEMM takes this layer (AVX512-BF16 without AMX), else None
+        self.grouped_vnni: tuple[np.ndarray, np.ndarray] | None = None
+        ups = [e.vnni for e in self.gate_up]
+        downs = [e.vnni for e in self.down]
+        if (
+            self.grouped is None
+            and lib is not None
+            and lib.vx_has_gemm_vnni()
+            and all(v is not None and not v.amx and not v.silu for v in (*ups, *downs))
+            and all(e.wide is None for e in (*self.gate_up, *self.down))
+            and self.hidden % 16 == 0
+            and self.inter % 16 == 0
+            and len(ups) <= 256
+        ):
+            self.grouped_vnni = (
+                np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),  # type: ignore[union-attr]
+                np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),  # type: ignore[union-attr]
+            )
 
     def __repr__(self) -> str:
         return (
@@ -186,6 +205,17 @@ class CpuExperts:
             if rc == 0:
                 return ys
             # -2: AMX switched off since loading (A/B timing, tests): the chains below
+        if self.grouped_vnni is not None and xs.dtype == torch.bfloat16 and xs.is_contiguous():
+            gu = torch.empty(n, 2 * self.inter, dtype=torch.bfloat16)
+            act = torch.empty(n, self.inter, dtype=torch.bfloat16)
+            c = np.ascontiguousarray(counts, dtype=np.int64)
+            rc = eltwise_kernels().vx_moe_experts_vnni(  # type: ignore[union-attr]
+                xs.data_ptr(), c.ctypes.data, len(counts), self.grouped_vnni[0].ctypes.data,
+                self.grouped_vnni[1].ctypes.data, self.hidden, self.inter, gu.data_ptr(),
+                act.data_ptr(), ys.data_ptr(),
+            )  # fmt: skip
+            if rc == 0:
+                return ys
         start = 0
         for e, n in enumerate(counts):
             if n:

@@ -112,17 +112,19 @@ typedef struct vx_layer {
     int32_t group;          /* its KV-cache group: the index into vx_step.groups (where set) */
     const struct vx_moe* moe;  /* a mixture-of-experts MLP in place of gate_up / down, or NULL */
 } vx_layer;
-/* A MoE layer's MLP (`vx.gpu.models.mixtral.SparseMoeBlock` with `CpuExperts.grouped`): the
-   router, its softmax top-k, the rows grouped by expert, every touched expert's GEMMs in one
-   call (experts_amx.c, AMX only), the weighted sum of each token's slots: the module path's
-   calls, so its bits. */
+/* A MoE layer's MLP (`vx.gpu.models.mixtral.SparseMoeBlock` with `CpuExperts.grouped` or
+   `grouped_vnni`): the router, its softmax top-k, the rows grouped by expert, every touched
+   expert's GEMMs in one call (experts_amx.c on AMX, experts_vnni.c on AVX512-BF16 without it),
+   the weighted sum of each token's slots: the module path's calls, so its bits. */
 typedef struct vx_moe {
     vx_linear router;       /* the gate; its n outputs zero-padded to a multiple of 16 where
                                the module path pads them (`PaddedSkinnyLinear`) */
-    const uint32_t* const* w13;  /* [E]: each expert's gate-up, packed for the SiLU GEMM */
-    const uint32_t* const* w2;   /* [E]: each expert's down, packed for the AMX GEMM */
+    const uint32_t* const* w13;  /* [E]: each expert's gate-up, packed for the SiLU GEMM (AMX)
+                                    or the VNNI GEMM */
+    const uint32_t* const* w2;   /* [E]: each expert's down, packed for the AMX or VNNI GEMM */
     int64_t E, k, I;        /* experts, slots a token, an expert's intermediate size */
     int32_t renorm, w_f32;  /* top-k weights renormalised; kept in fp32 (else bf16) */
+    int32_t vnni;           /* 1: the VNNI experts' GEMM (vx_moe_experts_vnni), else AMX's */
 } vx_moe;
 /* One KV-cache group's addressing (vx.gpu.kv_cache.kv_cache_groups): its slots and block
    tables, which a layer of the group reads in place of the step's own. */
@@ -215,10 +217,11 @@ static int vx_linear_apply(const vx_linear* L, const vx_bf16* x, int64_t T, int 
 #define VX_MOE_AL(n) (((n) + 63) & ~(int64_t)63)
 /* out [T, H] = the MoE MLP of h [T, H] (s->H wide): the router's GEMM as `vx_linear_apply`
    routes it, `vx_moe_topk_bf16`, `vx_moe_group_bf16`, `vx_moe_experts_amx` (-2 where AMX is
-   off: the caller checked it is on), `vx_moe_combine_bf16`. Scratch from s->moe_scratch, in
-   this order, each 64-byte aligned: logits [T, router n] bf16, weights [T k] (4 bytes each),
-   ids, pos [T k] int64, counts [E] int64, xs [T k + 32, H] and act [T k + 32, I] bf16 (the
-   experts' GEMM reads whole 32-row blocks), ys [T k, H] bf16. */
+   off: the caller checked it is on) or `vx_moe_experts_vnni`, `vx_moe_combine_bf16`. Scratch
+   from s->moe_scratch, in this order, each 64-byte aligned: logits [T, router n] bf16, weights
+   [T k] (4 bytes each), ids, pos [T k] int64, counts [E] int64, xs [T k + 32, H] and act
+   [T k + 32, I] bf16 (the AMX experts' GEMM reads whole 32-row blocks), ys [T k, H] bf16, gu
+   [T k, 2 I] bf16 (the VNNI experts' gate-ups). */
 static int vx_moe_block(const vx_moe* M, const vx_bf16* h, int64_t T, const vx_step* s,
                         vx_bf16* out) {
     const int64_t H = s->H, n = T * M->k, R = M->router.n;
@@ -230,12 +233,14 @@ static int vx_moe_block(const vx_moe* M, const vx_bf16* h, int64_t T, const vx_s
     int64_t* counts = (int64_t*)p; p += VX_MOE_AL(M->E * 8);
     vx_bf16* xs = (vx_bf16*)p; p += VX_MOE_AL((n + 32) * H * 2);
     vx_bf16* act = (vx_bf16*)p; p += VX_MOE_AL((n + 32) * M->I * 2);
-    vx_bf16* ys = (vx_bf16*)p;
+    vx_bf16* ys = (vx_bf16*)p; p += VX_MOE_AL(n * H * 2);
+    vx_bf16* gu = (vx_bf16*)p;
     int rc = vx_linear_apply(&M->router, h, T, 0, s->skinny_rows, logits);
     if (rc) return rc;
     vx_moe_topk_bf16(logits, R, T, M->E, M->k, M->renorm, M->w_f32, w, ids);
     if (vx_moe_group_bf16(h, H, ids, T, M->k, M->E, H, counts, pos, xs)) return -1;
-    rc = vx_moe_experts_amx(xs, counts, M->E, M->w13, M->w2, H, M->I, act, ys);
+    rc = M->vnni ? vx_moe_experts_vnni(xs, counts, M->E, M->w13, M->w2, H, M->I, gu, act, ys)
+                 : vx_moe_experts_amx(xs, counts, M->E, M->w13, M->w2, H, M->I, act, ys);
     if (rc) return rc;
     vx_moe_combine_bf16(ys, pos, w, M->w_f32, T, M->k, H, out);
     return 0;
@@ -389,10 +394,10 @@ int vx_llama_decode_bf16(const vx_layer* layers, int n_layers, const vx_step* s)
 #else
     if (s->np) return -2;
 #endif
-    /* MoE layers run their experts on AMX only (experts_amx.c): else -2, before anything is
-       written (AMX switched off since the step was built) */
+    /* MoE layers built for AMX's experts' GEMM (experts_amx.c) need it on: else -2, before
+       anything is written (AMX switched off since the step was built) */
     for (int l = 0; l < n_layers; l++)
-        if (layers[l].moe && !VX_STEP_AMX) return -2;
+        if (layers[l].moe && !layers[l].moe->vnni && !VX_STEP_AMX) return -2;
 #if defined(__AVX512F__)
     /* rows past what the skinny GEMM takes without AMX (AMX switched off since the caller
        counted the rows) need every linear's VNNI copy: else -2, before anything is written */

@@ -202,8 +202,8 @@ static void vx_vnni_small(const vx_bf16* x, int64_t x_st, const int M, const uin
         vx_bf16* yv = y + 16 * v0;
 #define VX_VN_ST(C) vx_vnni_small_tile(x, x_st, M, w, bs, KP, bp, yv, y_st, C)
         switch (nv) {  /* constant trip counts, so the accumulators stay in registers */
-        case 6: if (M <= 2) { VX_VN_ST(6); break; } /* fall through (not reached) */
-        case 5: if (M <= 2) { VX_VN_ST(5); break; } /* fall through (not reached) */
+        case 6: if (M <= 2) { VX_VN_ST(6); break; } /* fall through - not reached */
+        case 5: if (M <= 2) { VX_VN_ST(5); break; } /* fall through - not reached */
         case 4: VX_VN_ST(4); break;
         case 3: VX_VN_ST(3); break;
         case 2: VX_VN_ST(2); break;

@@ -13,6 +13,7 @@
 #include "moe.c"
 #include "gemv.c"
 #include "gemm_vnni.c"
+#include "experts_vnni.c"
 #include "gemm_amx_vnni.c"
 #include "experts_amx.c"
 #include "gemv_avx2.c"

@@ -118,6 +118,8 @@ int vx_gemm_amx_vnni_rope(const vx_bf16* x, int64_t x_st, int M, const uint32_t*
 
 /* experts_amx.c: a MoE layer's expert GEMMs on AMX, one call */
 int vx_moe_experts_amx(const vx_bf16* xs, const int64_t* counts, int64_t E, const uint32_t* const* w13, const uint32_t* const* w2, int64_t H, int64_t I, vx_bf16* act, vx_bf16* ys);
+/* experts_vnni.c: the same on AVX512-BF16 without AMX (the SiLU-mul between, in gu's rows) */
+int vx_moe_experts_vnni(const vx_bf16* xs, const int64_t* counts, int64_t E, const uint32_t* const* w13, const uint32_t* const* w2, int64_t H, int64_t I, vx_bf16* gu, vx_bf16* act, vx_bf16* ys);
 
 /* gemv_avx2.c */
 int vx_gemv_avx2_max_rows(void);
