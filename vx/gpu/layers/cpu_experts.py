@@ -36,6 +36,12 @@ against 0.97; the 1 B model's (1,536, 1,024): 16 tokens 1.35 against 1.90, 1,024
 against 14.2 (2-core Sapphire Rapids, exclusive lock). The fused CPU step calls the same
 kernel (`vx.gpu.cpu.fused_step`).
 
+On AVX512-BF16 without AMX (Zen 4 and 5), where every expert has VNNI copies, the same holds
+with `vx_moe_experts_vnni` (`vx/gpu/cpu/csrc/experts_vnni.c`): each expert's gate-up, the
+SiLU-mul and its down in one parallel region, the bits of its own VNNI GEMMs and
+`vx_silu_and_mul_bf16` at every row count (the chains take those copies from one row there,
+so the two agree); the fused CPU step calls it too (docs/performance.md has the figures).
+
 Invariants: expert e's linears read `w13[e]` / `w2[e]`, views of the stacked parameters (no
 copy of the plain weight); the copies a chain keeps are made once, in `CpuExperts.__init__`.
 """
@@ -95,7 +101,9 @@ class CpuExperts:
 
     On AMX, where every expert has the AMX copies (a gate-up's with the SiLU epilogue, a
     down's), all the touched experts' GEMMs are one C call (`vx/gpu/cpu/csrc/experts_amx.c`,
-    `grouped`): the bits of those copies' GEMMs on each expert's rows, for every row count."""
+    `grouped`): the bits of those copies' GEMMs on each expert's rows, for every row count.
+    Without AMX, where every expert has VNNI copies, likewise (`experts_vnni.c`,
+    `grouped_vnni`)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, quantization: str | None) -> None:
         self.gate_up = [ExpertLinear(w, quantization, silu_pairs=True) for w in w13.data]
