@@ -11,8 +11,10 @@ request behind in the engine (stop strings abort the engine request the moment t
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,14 @@ READY_TIMEOUT_S = 900.0
 
 #: One prompt of `LLM.generate`: text, token ids, or vLLM's `TextPrompt` / `TokensPrompt` dict.
 Prompt = str | list[int] | dict[str, Any]
+
+
+def _model_vocab(path: str) -> int:
+    """The vocabulary size in the model directory's config.json (a text config's where the
+    model nests one), or 0."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 0)
 
 
 def _is_token_id(x: object) -> bool:
@@ -154,6 +164,9 @@ class LLM:
         from transformers import AutoTokenizer
 
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.config.model.path)
+        #: Token ids a prompt may hold: below the model's embedding rows, which may outnumber
+        #: the tokenizer's tokens (a padded vocabulary), or the tokenizer's, the larger
+        self._vocab_size = max(len(self.tokenizer), _model_vocab(self.config.model.path))
         self._in_codec = codec.engine_input_codec()
         self._out_codec = codec.engine_event_codec()
         self._ids = itertools.count()
@@ -212,7 +225,7 @@ class LLM:
         """Generate for every prompt; results come back in prompt order. A prompt is text, a
         list of token ids, or vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids":
         ids}`). Raises ValueError, before any request is sent, for a prompt of another shape or
-        a token id outside the tokenizer's vocabulary (as the server answers 400)."""
+        a token id outside the vocabulary (the model's or the tokenizer's, the larger)."""
         if isinstance(prompts, (str, dict)) or (prompts and _is_token_id(prompts[0])):
             prompts = [prompts]  # type: ignore[list-item]
         items = [self._prompt_item(p, i) for i, p in enumerate(prompts)]  # type: ignore[union-attr]
@@ -232,7 +245,7 @@ class LLM:
             return p, self.tokenizer.encode(p)
         if isinstance(p, (list, tuple)) and all(_is_token_id(t) for t in p):
             ids = [operator.index(t) for t in p]
-            vocab = len(self.tokenizer)
+            vocab = self._vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(

@@ -185,7 +185,8 @@ def test_prompt_forms_and_bad_prompts(llm: LLM) -> None:
     assert vx_generate(llm, [{"prompt": text}], temperature=0.0) == vx_generate(
         llm, [text], temperature=0.0
     )
-    vocab = len(llm.tokenizer)
+    vocab = llm._vocab_size  # the model config's, here the tokenizer's too
+    assert vocab == len(llm.tokenizer)
     bad = {
         "dict without a prompt": [{"token_ids": [1, 2]}],
         "dict with both": [{"prompt": "a", "prompt_token_ids": [1]}],
