@@ -124,12 +124,14 @@ def test_bf16_agrees_with_hf(variant: str) -> None:
     if "olmoe" in variant:
         assert fused is None  # its attention: the module path
     elif "moe" in variant or "mixtral" in variant:
-        # the fused step where the experts take the AMX experts' GEMM (AMX), else the modules
-        grouped = [
-            layer.mlp.experts.experts_fn.grouped
+        # the fused step where the experts take a grouped experts' GEMM (AMX's, or without AMX
+        # the VNNI one), else the modules
+        experts = [
+            layer.mlp.experts.experts_fn
             for layer in model.model.layers
             if hasattr(layer.mlp, "experts")
         ]
+        grouped = [e.grouped if e.grouped is not None else e.grouped_vnni for e in experts]
         assert (fused is not None) == all(g is not None for g in grouped)
     ours = PagedDriver(model).greedy(PROMPTS, BF16_TOKENS)  # the fused step where it builds
     hfs = hf_model(variant, torch.bfloat16), hf_model(variant, torch.float32)
