@@ -194,6 +194,28 @@ def test_cpu_experts_bf16_take_the_dense_kernels(tokens: int, path: str, monkeyp
     _check_bf16(got, moe_reference(x, moe.w13, moe.w2, weights, ids))
 
 
+def _grouped_run(experts, tokens: int, hidden: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Routed rows grouped by expert with NaN slack past them, and `_run_experts` on them:
+    (xs, counts, the experts' outputs)."""
+    x, _, ids = _routed(tokens, torch.bfloat16, hidden=hidden)
+    order, counts = moe_routing.group_by_expert(ids, E)
+    n = tokens * K
+    xs = torch.full((n + SLACK_ROWS, hidden), float("nan"), dtype=torch.bfloat16)
+    xs[:n] = x[order // K]
+    return xs, counts, experts._run_experts(xs, counts)
+
+
+def _check_each_expert(xs: torch.Tensor, counts: list[int], got: torch.Tensor, own) -> None:
+    """Each expert's run of `got` is `own(e, its rows)` bit for bit, and no slack NaN leaked."""
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            want = own(e, xs[start : start + c])
+            assert torch.equal(got[start : start + c], want), (e, c)
+        start += c
+    assert not got.isnan().any()
+
+
 @pytest.mark.parametrize(("tokens", "hidden", "inter"), [
     (1, CH, CI), (3, CH, CI), (9, 96, 64), (40, CH, CI), (300, 96, 64), (1100, CH, CI),
 ])  # fmt: skip
@@ -207,21 +229,13 @@ def test_amx_experts_are_each_experts_own_gemms(
     moe = _cpu_moe(torch.bfloat16, hidden=hidden, inter=inter)
     experts = moe.experts_fn
     assert experts.grouped is not None
-    x, weights, ids = _routed(tokens, torch.bfloat16, hidden=hidden)
-    order, counts = moe_routing.group_by_expert(ids, E)
+    xs, counts, got = _grouped_run(experts, tokens, hidden)
     n = tokens * K
-    xs = torch.full((n + SLACK_ROWS, hidden), float("nan"), dtype=torch.bfloat16)
-    xs[:n] = x[order // K]
-    got = experts._run_experts(xs, counts)
-    start = 0
-    for e, c in enumerate(counts):
-        rows = xs[start : start + c]
-        if c:
-            act = experts.gate_up[e].silu_vnni.apply_silu(rows)
-            want = experts.down[e].vnni.apply(act, None)
-            assert torch.equal(got[start : start + c], want), (e, c)
-        start += c
-    assert not got.isnan().any()
+
+    def own(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return experts.down[e].vnni.apply(experts.gate_up[e].silu_vnni.apply_silu(rows), None)
+
+    _check_each_expert(xs, counts, got, own)
     with pytest.raises(ValueError, match="slack"):
         experts._run_experts(xs[: n + 1], counts)
 
@@ -242,22 +256,13 @@ def test_vnni_experts_are_each_experts_own_gemms(
     moe = _cpu_moe(torch.bfloat16, hidden=hidden, inter=inter)
     experts = moe.experts_fn
     assert experts.grouped is None and experts.grouped_vnni is not None
-    x, weights, ids = _routed(tokens, torch.bfloat16, hidden=hidden)
-    order, counts = moe_routing.group_by_expert(ids, E)
-    n = tokens * K
-    xs = torch.full((n + SLACK_ROWS, hidden), float("nan"), dtype=torch.bfloat16)
-    xs[:n] = x[order // K]
-    got = experts._run_experts(xs, counts)
-    start = 0
-    for e, c in enumerate(counts):
-        rows = xs[start : start + c]
-        if c:
-            gu = experts.gate_up[e].vnni.apply(rows, None)
-            act = silu_and_mul(gu)
-            want = experts.down[e].vnni.apply(act, None)
-            assert torch.equal(got[start : start + c], want), (e, c)
-        start += c
-    assert not got.isnan().any()
+    xs, counts, got = _grouped_run(experts, tokens, hidden)
+
+    def own(e: int, rows: torch.Tensor) -> torch.Tensor:
+        act = silu_and_mul(experts.gate_up[e].vnni.apply(rows, None))
+        return experts.down[e].vnni.apply(act, None)
+
+    _check_each_expert(xs, counts, got, own)
     grouped, experts.grouped_vnni = experts.grouped_vnni, None
     try:
         assert torch.equal(experts._run_experts(xs, counts), got)

@@ -95,6 +95,14 @@ class ExpertLinear(WeightForms):
 SLACK_ROWS = 32
 
 
+def _pointers(ups: list, downs: list) -> tuple[np.ndarray, np.ndarray]:
+    """The experts' packed gate-up and down copies as C pointer arrays (uint64)."""
+    return (
+        np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),
+        np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),
+    )
+
+
 class CpuExperts:
     """The experts' compute for `FusedMoE.experts_fn` on CPU: `moe_reference`'s contract
     (x [T, H]; weights, ids [T, k]) -> [T, H] in x's dtype, over each expert's own chains.
@@ -126,10 +134,7 @@ class CpuExperts:
             and self.inter % 32 == 0
             and len(ups) <= 256
         ):
-            self.grouped = (
-                np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),  # type: ignore[union-attr]
-                np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),  # type: ignore[union-attr]
-            )
+            self.grouped = _pointers(ups, downs)
         #: (each expert's gate-up VNNI copy, its down's) as C pointer arrays, where the VNNI
         #: experts' GEMM takes this layer (AVX512-BF16 without AMX), else None
         self.grouped_vnni: tuple[np.ndarray, np.ndarray] | None = None
@@ -145,10 +150,7 @@ class CpuExperts:
             and self.inter % 16 == 0
             and len(ups) <= 256
         ):
-            self.grouped_vnni = (
-                np.array([v.packed.data_ptr() for v in ups], dtype=np.uint64),  # type: ignore[union-attr]
-                np.array([v.packed.data_ptr() for v in downs], dtype=np.uint64),  # type: ignore[union-attr]
-            )
+            self.grouped_vnni = _pointers(ups, downs)
 
     def __repr__(self) -> str:
         return (
